@@ -1,0 +1,144 @@
+"""The one-call API: `enable`, `disable`, `stats`, `request`, `step`."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .adapters import BlockForm, find_pipeline_adapter, generic_spec
+from .config import CacheConfig
+from .errors import UnsupportedModelError
+from .hooks import InstalledHooks, install
+from .session import CacheSession
+from .state import RequestState
+from .stats import RequestStats
+
+
+@dataclass
+class _Handle:
+    session: CacheSession
+    hooks: InstalledHooks | None = None  # set on the transformer's handle
+    detach: list = field(default_factory=list)  # pipeline detach functions
+    pipelines: int = 0  # pipelines sharing this transformer's hooks
+
+
+_HANDLES: weakref.WeakKeyDictionary[Any, _Handle] = weakref.WeakKeyDictionary()
+
+
+def _resolve_config(config: CacheConfig | Mapping[str, Any] | None) -> CacheConfig:
+    if config is None:
+        return CacheConfig.from_env()
+    if isinstance(config, CacheConfig):
+        return config
+    if isinstance(config, Mapping):
+        return CacheConfig.from_env(**dict(config))
+    raise TypeError(
+        f"dicache.enable: config must be a dicache.CacheConfig, a dict of override keys or None, "
+        f"not {type(config).__name__}"
+    )
+
+
+def enable(obj: Any, config: CacheConfig | Mapping[str, Any] | None = None, *, form: BlockForm | None = None) -> Any:
+    """Turn step caching on for a pipeline or a transformer, in place; returns `obj`.
+
+    Args:
+        obj: our `Krea2Pipeline`, a diffusers pipeline with a `transformer` (e.g. `Krea2Pipeline`), or a bare
+            transformer module whose blocks sit in an `nn.ModuleList`.
+        config: a `CacheConfig`, a dict of override keys merged over the environment, or None for the
+            environment (`SGLANG_CACHE_DIT_*`). Caching is on whatever `SGLANG_CACHE_DIT_ENABLED` says.
+        form: how blocks are called, for models other than single-stream `block(hidden, *args) -> hidden`.
+
+    Enabling an already enabled object replaces its settings.
+    """
+    resolved = _resolve_config(config)
+    if obj in _HANDLES:
+        disable(obj)
+    adapter = find_pipeline_adapter(obj)
+    transformer = adapter.transformer(obj) if adapter is not None else obj
+    if not isinstance(transformer, nn.Module):
+        raise UnsupportedModelError(
+            f"dicache.enable expects a pipeline with a `transformer` or an nn.Module, got {type(obj).__name__}"
+        )
+    handle = _HANDLES.get(transformer)
+    if handle is None:
+        spec = generic_spec(transformer, form)
+        session = CacheSession(resolved, num_blocks=len(spec.blocks), num_streams=spec.form.num_streams)
+        handle = _Handle(session=session, hooks=install(spec, session))
+        _HANDLES[transformer] = handle
+    elif config is not None:
+        resolved.check_block_split(handle.session.num_blocks)
+        handle.session.config = resolved
+    if adapter is not None:
+        pipe_handle = _Handle(session=handle.session, detach=[adapter.attach(obj, handle.session)])
+        handle.pipelines += 1
+        _HANDLES[obj] = pipe_handle
+    return obj
+
+
+def disable(obj: Any) -> Any:
+    """Remove everything `enable` installed on `obj` (and on its transformer); forwards are restored exactly."""
+    handle = _HANDLES.pop(obj, None)
+    if handle is None:
+        return obj
+    for detach in handle.detach:
+        detach()
+    adapter = find_pipeline_adapter(obj)
+    if adapter is not None:
+        transformer = adapter.transformer(obj)
+        inner = _HANDLES.get(transformer)
+        if inner is not None:
+            inner.pipelines -= 1
+            if inner.pipelines <= 0:
+                _HANDLES.pop(transformer, None)
+                inner.hooks.remove()
+    elif handle.hooks is not None:
+        handle.hooks.remove()
+    return obj
+
+
+def is_enabled(obj: Any) -> bool:
+    return obj in _HANDLES
+
+
+def session_of(obj: Any) -> CacheSession:
+    handle = _HANDLES.get(obj)
+    if handle is None:
+        raise RuntimeError(f"dicache: caching is not enabled on this {type(obj).__name__}; call dicache.enable first")
+    return handle.session
+
+
+def stats(obj: Any) -> RequestStats | None:
+    """Cache statistics of the last request run through `obj` in this context (else in any context)."""
+    return session_of(obj).stats()
+
+
+@contextmanager
+def request(
+    obj: Any,
+    num_inference_steps: int | None = None,
+    config: CacheConfig | Mapping[str, Any] | None = None,
+    sigmas: list[float] | None = None,
+) -> Iterator[RequestState]:
+    """Delimit one request explicitly, optionally with per-request overrides (a dict of override keys or a config).
+
+    Calls inside share one request state; pipeline calls inside refine it rather than open a new one.
+    """
+    session = session_of(obj)
+    if isinstance(config, CacheConfig):
+        with session.request(num_steps=num_inference_steps, sigmas=sigmas, config=config) as state:
+            yield state
+    else:
+        with session.request(num_steps=num_inference_steps, sigmas=sigmas, overrides=config) as state:
+            yield state
+
+
+@contextmanager
+def step(obj: Any, index: int, branch: str = "cond", sigma: float | None = None) -> Iterator[None]:
+    """Declare the step and branch (cond / uncond / batched) of the transformer calls inside (explicit API)."""
+    with session_of(obj).call(index, branch, sigma):
+        yield

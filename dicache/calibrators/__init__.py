@@ -1,0 +1,16 @@
+"""Calibrators: what a cached step adds in place of the skipped middle blocks."""
+
+from __future__ import annotations
+
+from .base import Calibrator
+from .reuse import ReuseCalibrator
+from .taylorseer import TaylorSeerCalibrator
+
+__all__ = ["Calibrator", "ReuseCalibrator", "TaylorSeerCalibrator", "make_calibrator"]
+
+
+def make_calibrator(config) -> Calibrator:
+    """A fresh calibrator for one residual stream of one branch, as `config` asks."""
+    if config.enable_taylorseer:
+        return TaylorSeerCalibrator(order=config.taylorseer_order)
+    return ReuseCalibrator()

@@ -1,0 +1,56 @@
+"""TaylorSeer: extrapolate the middle residual from the last computed steps with divided differences.
+
+Keeps the Newton ladder `D0 = M(x0)`, `D(k+1) = (Dk(x0) − Dk(x1)) / (x0 − x(k+1))` over the most recent computed
+positions `x0 > x1 > …` (or decreasing sigmas), and estimates `M̂(c) = Σ_k Dk · Π_{j<k} (c − xj)`: the polynomial
+through the last `order + 1` computed residuals, so it is exact on polynomial sequences of its order at any spacing.
+For order 1 this is the reference TaylorSeer step (`D0 + D1·(c − x0)`, `D1 = (M(x0) − M(x1)) / (x0 − x1)`); for order
+2 the reference divides every level by the last gap and uses `(c − x0)^k / k!`, which is exact only for linear
+sequences. The ladder is usable as soon as two computed steps exist (order 1 from the 2nd computed step; order 2
+falls back to order 1 until the 3rd), not from the 4th as in the reference implementation.
+Memory: `order + 1` residual-sized tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TaylorSeerCalibrator:
+    """Newton-form TaylorSeer of order 1 or 2 over step indices or sigmas."""
+
+    def __init__(self, order: int = 1) -> None:
+        if order not in (1, 2):
+            raise ValueError(f"taylorseer_order={order!r} is invalid: must be 1 or 2")
+        self.order = order
+        self._ladder: list[torch.Tensor] = []  # D0, D1, … for the current anchor x0
+        self._nodes: list[float] = []  # x0, x1, … (most recent first), at most `order` kept
+
+    def update(self, x: float, residual: torch.Tensor) -> None:
+        if self._nodes and x == self._nodes[0]:  # the same position computed again: start over from it
+            self.reset()
+        ladder = [residual]
+        for k in range(min(self.order, len(self._ladder))):
+            ladder.append((ladder[k] - self._ladder[k]) / (x - self._nodes[k]))
+        self._ladder = ladder
+        self._nodes = ([x] + self._nodes)[: self.order]
+
+    def estimate(self, x: float) -> torch.Tensor:
+        if not self._ladder:
+            raise RuntimeError("TaylorSeerCalibrator.estimate called before any computed step")
+        out = self._ladder[0]
+        weight = 1.0
+        for k in range(1, len(self._ladder)):
+            weight *= x - self._nodes[k - 1]
+            out = out + self._ladder[k] * weight
+        return out
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._ladder)
+
+    @property
+    def stored_tensors(self) -> int:
+        return len(self._ladder)
+
+    def reset(self) -> None:
+        self._ladder, self._nodes = [], []

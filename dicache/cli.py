@@ -1,0 +1,45 @@
+"""The `dicache` command line. Subcommands live in `dicache.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from .errors import DicacheError
+
+SUBCOMMANDS = ("config",)
+"""Module names under `dicache.commands`, in the order `--help` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dicache",
+        description="Step caching (DBCache + TaylorSeer) for Diffusion Transformer sampling, first-class Krea-2. "
+        "Cache settings come from SGLANG_CACHE_DIT_* environment variables (see `dicache config`).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"dicache.commands.{name}")
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "run", None) is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.run(args) or 0)
+    except DicacheError as exc:
+        print(f"dicache {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

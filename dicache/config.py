@@ -1,0 +1,409 @@
+"""`CacheConfig`: the cache settings, read from `SGLANG_CACHE_DIT_*` environment variables and validated.
+
+Three layers, later ones win: built-in defaults (SGLang's), an optional settings profile
+(`SGLANG_CACHE_DIT_PROFILE=path`, written by `dicache calibrate`), the environment variables, and per-request
+overrides (a dict keyed by the cache-dit/SGLang request keys, e.g. ``{"residual_diff_threshold": 0.12}``).
+Every invalid value raises `ConfigError` naming the variable or key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .errors import ConfigError
+
+ENV_PREFIX = "SGLANG_CACHE_DIT_"
+PROFILE_ENV = ENV_PREFIX + "PROFILE"
+# SGLang defines these for a second transformer (Wan2.2's low-noise expert); Krea-2 has one transformer.
+_IGNORED_ENV_PREFIXES = (ENV_PREFIX + "SECONDARY_",)
+
+SCM_PRESETS = ("none", "slow", "medium", "fast", "ultra")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One setting: its request key (= field name), its environment variable, and its documentation."""
+
+    key: str
+    env: str
+    allowed: str
+    meaning: str
+
+    @property
+    def env_name(self) -> str:
+        return ENV_PREFIX + self.env
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob(
+        "enable_cache",
+        "ENABLED",
+        "a boolean (true/false, 1/0, yes/no, on/off)",
+        "turn caching on in the CLI and the server (an explicit dicache.enable() always turns it on)",
+    ),
+    Knob(
+        "Fn_compute_blocks", "FN", "an integer >= 1", "first blocks always computed; their residual drives the decision"
+    ),
+    Knob("Bn_compute_blocks", "BN", "an integer >= 0", "last blocks always computed, also on cached steps"),
+    Knob("max_warmup_steps", "WARMUP", "an integer >= 0", "steps 0..W-1 of every branch are always computed"),
+    Knob(
+        "residual_diff_threshold",
+        "RDT",
+        "a number >= 0",
+        "cache a step iff mean|r - r_prev| / mean|r_prev| < RDT (0 disables dynamic caching)",
+    ),
+    Knob(
+        "max_continuous_cached_steps",
+        "MC",
+        "an integer >= -1",
+        "longest run of consecutive cached steps per branch (-1: unlimited)",
+    ),
+    Knob(
+        "max_cached_steps",
+        "MAX_CACHED_STEPS",
+        "an integer >= -1",
+        "most cached steps per branch and request (-1: unlimited)",
+    ),
+    Knob("enable_taylorseer", "TAYLORSEER", "a boolean", "extrapolate the skipped residual with TaylorSeer"),
+    Knob("taylorseer_order", "TS_ORDER", "1 or 2", "TaylorSeer order"),
+    Knob(
+        "taylorseer_distance",
+        "TS_DISTANCE",
+        "'step' or 'sigma'",
+        "TaylorSeer measures distance in step indices or in the scheduler's sigmas",
+    ),
+    Knob(
+        "scm_preset",
+        "SCM_PRESET",
+        "one of none, slow, medium, fast, ultra",
+        "step computation mask preset (defined for 28 steps, rescaled to any count >= 4)",
+    ),
+    Knob(
+        "scm_compute_bins",
+        "SCM_COMPUTE_BINS",
+        "comma-separated positive integers, e.g. 8,3,3,2,1,1",
+        "explicit mask: runs of computed steps, alternating with SCM_CACHE_BINS",
+    ),
+    Knob(
+        "scm_cache_bins",
+        "SCM_CACHE_BINS",
+        "comma-separated positive integers, e.g. 1,2,2,2,3",
+        "explicit mask: runs of cacheable steps, alternating with SCM_COMPUTE_BINS",
+    ),
+    Knob(
+        "scm_policy",
+        "SCM_POLICY",
+        "'dynamic' or 'static'",
+        "dynamic: the mask only forbids caching; static: cache wherever the mask says 0",
+    ),
+    Knob(
+        "policy",
+        "POLICY",
+        "'dbcache', 'never' or 'always'",
+        "decision policy; never/always exist for testing and measurement",
+    ),
+)
+KNOBS_BY_KEY: dict[str, Knob] = {k.key: k for k in KNOBS}
+KNOBS_BY_ENV: dict[str, Knob] = {k.env_name: k for k in KNOBS}
+
+# Environment read by the settings source; tests and the server can substitute a mapping.
+_environ_override: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "dicache_environ", default=None
+)
+
+
+def _environ() -> Mapping[str, str]:
+    env = _environ_override.get()
+    return os.environ if env is None else env
+
+
+def _parse_bins(value: Any) -> Any:
+    if value is None or isinstance(value, list | tuple):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "" or text.lower() in ("none", "unset"):
+            return None
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(",")]
+    return value
+
+
+def _lower(value: Any) -> Any:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
+class _EnvironmentSource(PydanticBaseSettingsSource):
+    """Reads exactly the `SGLANG_CACHE_DIT_*` variables of `KNOBS`; any other name under the prefix is an error."""
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - __call__ does the work
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        env = _environ()
+        values: dict[str, Any] = {}
+        unknown = []
+        for name, raw in env.items():
+            upper = name.upper()
+            if not upper.startswith(ENV_PREFIX) or upper == PROFILE_ENV or upper.startswith(_IGNORED_ENV_PREFIXES):
+                continue
+            knob = KNOBS_BY_ENV.get(upper)
+            if knob is None:
+                unknown.append(name)
+            else:
+                values[knob.key] = raw
+        if unknown:
+            valid = ", ".join(k.env_name for k in KNOBS)
+            raise ConfigError(
+                f"unknown environment variable(s) {', '.join(sorted(unknown))}; the {ENV_PREFIX}* variables are: "
+                f"{valid}, {PROFILE_ENV}"
+            )
+        return values
+
+
+class _ProfileSource(PydanticBaseSettingsSource):
+    """Reads a settings profile (JSON written by `dicache calibrate`) named by `SGLANG_CACHE_DIT_PROFILE`."""
+
+    def get_field_value(self, field, field_name):  # pragma: no cover
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = _environ().get(PROFILE_ENV)
+        return load_profile(path) if path else {}
+
+
+def load_profile(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a settings profile: a JSON object whose `settings` (or top level) maps request keys to values."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{PROFILE_ENV}={str(path)!r}: no such file (expected a JSON profile from dicache calibrate)")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{PROFILE_ENV}={str(path)!r}: not valid JSON ({exc})") from None
+    settings = data.get("settings", data) if isinstance(data, dict) else None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{PROFILE_ENV}={str(path)!r}: expected a JSON object with a 'settings' object")
+    unknown = sorted(set(settings) - set(KNOBS_BY_KEY))
+    if unknown:
+        raise ConfigError(
+            f"{PROFILE_ENV}={str(path)!r}: unknown key(s) {unknown}; allowed keys: {', '.join(KNOBS_BY_KEY)}"
+        )
+    return settings
+
+
+class CacheConfig(BaseSettings):
+    """Validated cache settings. Field names are the per-request override keys (cache-dit/SGLang spelling)."""
+
+    model_config = SettingsConfigDict(extra="forbid", validate_default=True, frozen=True)
+
+    enable_cache: bool = False
+    Fn_compute_blocks: int = Field(1, ge=1)
+    Bn_compute_blocks: int = Field(0, ge=0)
+    max_warmup_steps: int = Field(4, ge=0)
+    residual_diff_threshold: float = Field(0.24, ge=0.0, allow_inf_nan=False)
+    max_continuous_cached_steps: int = Field(3, ge=-1)
+    max_cached_steps: int = Field(-1, ge=-1)
+    enable_taylorseer: bool = False
+    taylorseer_order: Literal[1, 2] = 1
+    taylorseer_distance: Literal["step", "sigma"] = "step"
+    scm_preset: Literal["none", "slow", "medium", "fast", "ultra"] = "none"
+    scm_compute_bins: Annotated[list[Annotated[int, Field(ge=1)]] | None, NoDecode] = None
+    scm_cache_bins: Annotated[list[Annotated[int, Field(ge=1)]] | None, NoDecode] = None
+    scm_policy: Literal["dynamic", "static"] = "dynamic"
+    policy: Literal["dbcache", "never", "always"] = "dbcache"
+
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ):
+        return init_settings, _EnvironmentSource(settings_cls), _ProfileSource(settings_cls)
+
+    @field_validator("scm_compute_bins", "scm_cache_bins", mode="before")
+    @classmethod
+    def _split_bins(cls, value: Any) -> Any:
+        return _parse_bins(value)
+
+    @field_validator("scm_preset", "scm_policy", "policy", "taylorseer_distance", mode="before")
+    @classmethod
+    def _lowercase_choice(cls, value: Any) -> Any:
+        return _lower(value)
+
+    @field_validator("taylorseer_order", mode="before")
+    @classmethod
+    def _order_as_int(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            return int(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_mask_settings(self) -> CacheConfig:
+        compute, cache = self.scm_compute_bins, self.scm_cache_bins
+        if (compute is None) != (cache is None):
+            raise ValueError(
+                f"scm_compute_bins and scm_cache_bins must be set together (got compute={compute}, cache={cache})"
+            )
+        if compute is not None and self.scm_preset != "none":
+            raise ValueError(
+                f"set either scm_preset ({self.scm_preset!r}) or scm_compute_bins/scm_cache_bins, not both"
+            )
+        if compute is not None and not len(cache) <= len(compute) <= len(cache) + 1:
+            raise ValueError(
+                "scm_compute_bins and scm_cache_bins alternate starting with compute, so compute has as many bins as "
+                f"cache or one more (got {len(compute)} compute and {len(cache)} cache bins)"
+            )
+        return self
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CacheConfig:
+        """Read the environment (or `environ`), then apply `overrides`; raise `ConfigError` on any bad value."""
+        token = _environ_override.set(environ)
+        try:
+            _check_keys(overrides, "override")
+            env = _environ()
+            profile_path = env.get(PROFILE_ENV)
+            profile = load_profile(profile_path) if profile_path else {}
+            env_values = _EnvironmentSource(cls)()
+            try:
+                config = cls(**overrides)
+            except ValidationError as exc:
+                raise _config_error(exc, overrides, env_values, profile, profile_path) from None
+        finally:
+            _environ_override.reset(token)
+        sources = {}
+        for knob in KNOBS:
+            if knob.key in overrides:
+                sources[knob.key] = "override"
+            elif knob.key in env_values:
+                sources[knob.key] = f"env {knob.env_name}"
+            elif knob.key in profile:
+                sources[knob.key] = f"profile {profile_path}"
+            else:
+                sources[knob.key] = "default"
+        config._sources = sources
+        return config
+
+    @classmethod
+    def defaults(cls) -> CacheConfig:
+        """The built-in defaults, ignoring the environment."""
+        return cls.from_env({})
+
+    def merged(self, overrides: Mapping[str, Any] | None) -> CacheConfig:
+        """A new config with per-request `overrides` (request keys) applied on top of this one."""
+        if not overrides:
+            return self
+        _check_keys(overrides, "override")
+        data = {**self.model_dump(), **dict(overrides)}
+        try:
+            config = type(self).model_validate(data)
+        except ValidationError as exc:
+            raise _config_error(exc, overrides, {}, {}, None) from None
+        config._sources = {**self._sources, **{k: "override" for k in overrides}}
+        return config
+
+    def sources(self) -> dict[str, str]:
+        """Where each value came from: 'default', 'env NAME', 'profile PATH' or 'override'."""
+        return {k.key: self._sources.get(k.key, "default") for k in KNOBS}
+
+    def describe(self) -> str:
+        """A readable table of the effective settings and their origins (used by `dicache config`)."""
+        rows = [("key", "env variable", "value", "from")]
+        sources = self.sources()
+        for knob in KNOBS:
+            rows.append((knob.key, knob.env_name, _show(getattr(self, knob.key)), sources[knob.key]))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def has_step_mask(self) -> bool:
+        return self.scm_preset != "none" or self.scm_compute_bins is not None
+
+    def check_block_split(self, num_blocks: int) -> None:
+        """Raise `BlockSplitError` unless at least one middle block remains between Fn and Bn."""
+        from .errors import BlockSplitError
+
+        fn, bn = self.Fn_compute_blocks, self.Bn_compute_blocks
+        if fn + bn >= num_blocks:
+            raise BlockSplitError(
+                f"Fn_compute_blocks={fn} + Bn_compute_blocks={bn} must be < the model's {num_blocks} blocks "
+                f"(at least one middle block to cache); allowed: Fn >= 1, Bn >= 0, Fn + Bn <= {num_blocks - 1}"
+            )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _check_keys(overrides: Mapping[str, Any], what: str) -> None:
+    unknown = [k for k in overrides if k not in KNOBS_BY_KEY]
+    if unknown:
+        raise ConfigError(
+            f"unknown cache {what} key(s) {', '.join(repr(k) for k in unknown)}; allowed keys: "
+            f"{', '.join(KNOBS_BY_KEY)}"
+        )
+
+
+def _config_error(
+    exc: ValidationError,
+    overrides: Mapping[str, Any],
+    env_values: Mapping[str, Any],
+    profile: Mapping[str, Any],
+    profile_path: str | None,
+) -> ConfigError:
+    messages = []
+    for err in exc.errors():
+        key = str(err["loc"][0]) if err["loc"] else None
+        knob = KNOBS_BY_KEY.get(key) if key else None
+        if knob is None:  # a cross-field rule
+            origins = [f"{k}={v!r}" for k, v in overrides.items() if k.startswith("scm_")]
+            origins += [f"{KNOBS_BY_KEY[k].env_name}={v!r}" for k, v in env_values.items() if k.startswith("scm_")]
+            detail = str(err["msg"]).removeprefix("Value error, ")
+            messages.append(detail + (f" (from {', '.join(origins)})" if origins else ""))
+            continue
+        if key in overrides:
+            origin, value = f"cache override key {key!r}", overrides[key]
+        elif key in env_values:
+            origin, value = knob.env_name, env_values[key]
+        elif key in profile:
+            origin, value = f"{key!r} in profile {profile_path}", profile[key]
+        else:
+            origin, value = key, err.get("input")
+        messages.append(f"{origin}={value!r} is invalid: must be {knob.allowed}")
+    return ConfigError("; ".join(messages))
+
+
+def env_example() -> str:
+    """The text of `env.example`: every variable with its default and meaning."""
+    defaults = CacheConfig.defaults()
+    lines = [
+        "# dicache reads the same variables as SGLang's cache-dit integration.",
+        "# Uncomment and edit; an invalid value is an error naming the variable, the value and what is allowed.",
+        "",
+    ]
+    for knob in KNOBS:
+        value = getattr(defaults, knob.key)
+        shown = "" if value is None else _show(value).lower() if isinstance(value, bool) else _show(value)
+        lines.append(f"# {knob.meaning}; {knob.allowed}. Request key: {knob.key}")
+        lines.append(f"# {knob.env_name}={shown}")
+        lines.append("")
+    lines.append("# A settings profile written by `dicache calibrate` (JSON); environment variables override it.")
+    lines.append(f"# {PROFILE_ENV}=")
+    return "\n".join(lines) + "\n"

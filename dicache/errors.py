@@ -1,0 +1,19 @@
+"""User-facing error types. Every message names the field, the value given and what is allowed."""
+
+from __future__ import annotations
+
+
+class DicacheError(Exception):
+    """Base class of the errors dicache raises on bad input."""
+
+
+class ConfigError(DicacheError, ValueError):
+    """An invalid cache setting: an environment variable, a per-request override key or a value."""
+
+
+class BlockSplitError(ConfigError):
+    """`Fn + Bn` leaves no middle block for the model the config is applied to."""
+
+
+class UnsupportedModelError(DicacheError, TypeError):
+    """`dicache.enable` was given an object it cannot find a block stack in."""

@@ -1,0 +1,36 @@
+"""Cache decision policies: pure logic on a branch's counters, the step index and (lazily) a residual diff."""
+
+from __future__ import annotations
+
+from .base import CachePolicy, Decision, StepContext
+from .dbcache import DBCachePolicy
+from .simple import AlwaysCache, NeverCache
+from .step_mask import preset_mask, step_mask
+
+__all__ = [
+    "AlwaysCache",
+    "CachePolicy",
+    "DBCachePolicy",
+    "Decision",
+    "NeverCache",
+    "StepContext",
+    "make_policy",
+    "preset_mask",
+    "step_mask",
+]
+
+
+def make_policy(config, num_steps: int | None) -> CachePolicy:
+    """The policy a `CacheConfig` asks for, for a request of `num_steps` steps."""
+    if config.policy == "never":
+        return NeverCache()
+    if config.policy == "always":
+        return AlwaysCache()
+    return DBCachePolicy(
+        warmup=config.max_warmup_steps,
+        threshold=config.residual_diff_threshold,
+        max_continuous=config.max_continuous_cached_steps,
+        max_cached=config.max_cached_steps,
+        mask=step_mask(config, num_steps),
+        static_mask=config.scm_policy == "static",
+    )

@@ -1,0 +1,168 @@
+"""Request and call bookkeeping for one cache-enabled model, kept in `contextvars` (never module globals).
+
+A *request* is one generation (a pipeline call); a *call* is one transformer forward of one branch at one step.
+Pipelines we control declare both explicitly (`request()`, `call()`); otherwise `derive_call()` maps the timestep
+of each forward to (step, branch) with `StepTracker`. Concurrent requests (threads, asyncio tasks) each see their
+own state because it lives in context variables.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .config import CacheConfig
+from .state import BranchState, RequestState, branch_name
+from .stats import RequestStats
+
+_ids = itertools.count()
+
+
+@dataclass
+class CallContext:
+    """The (request, branch, step) one transformer forward belongs to."""
+
+    request: RequestState
+    branch: BranchState
+    step: int
+    sigma: float | None
+    explicit: bool
+
+
+class CacheSession:
+    """Everything `dicache.enable` attaches to one model, except the hooks themselves.
+
+    Args:
+        config: the base settings; each request merges its overrides over them.
+        num_blocks: blocks in the hooked stack.
+        num_streams: residual streams per block (1 for single-stream models).
+    """
+
+    def __init__(self, config: CacheConfig, num_blocks: int, num_streams: int = 1) -> None:
+        config.check_block_split(num_blocks)
+        self.config = config
+        self.num_blocks = num_blocks
+        self.num_streams = num_streams
+        self.process_group: Any = None  # set for model-parallel runs: diffs are reduced over it
+        uid = next(_ids)
+        self._request: contextvars.ContextVar[RequestState | None] = contextvars.ContextVar(
+            f"dicache_request_{uid}", default=None
+        )
+        self._call: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar(
+            f"dicache_call_{uid}", default=None
+        )
+        self._last_local: contextvars.ContextVar[RequestStats | None] = contextvars.ContextVar(
+            f"dicache_last_{uid}", default=None
+        )
+        self.last_stats: RequestStats | None = None
+
+    # ------------------------------------------------------------------ requests
+    def active_request(self) -> RequestState | None:
+        return self._request.get()
+
+    def new_request(
+        self,
+        num_steps: int | None = None,
+        sigmas: list[float] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        config: CacheConfig | None = None,
+    ) -> RequestState:
+        """A fresh `RequestState` (validates the overrides and the block split)."""
+        effective = (config or self.config).merged(overrides)
+        enabled = True
+        if overrides and "enable_cache" in overrides:
+            enabled = bool(effective.enable_cache)
+        return RequestState(
+            config=effective,
+            num_blocks=self.num_blocks,
+            num_streams=self.num_streams,
+            num_steps=num_steps,
+            sigmas=sigmas,
+            enabled=enabled,
+        )
+
+    @contextmanager
+    def request(
+        self,
+        num_steps: int | None = None,
+        sigmas: list[float] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        config: CacheConfig | None = None,
+        key_source: Callable[[], float] | None = None,
+    ) -> Iterator[RequestState]:
+        """Scope one request. Inside an already open request (e.g. the server's), refine that one instead."""
+        outer = self._request.get()
+        if outer is not None and outer.explicit:
+            if num_steps is not None or sigmas is not None:
+                outer.set_schedule(num_steps, sigmas)
+            previous_source = outer.key_source
+            if key_source is not None:
+                outer.key_source = key_source
+            try:
+                yield outer
+            finally:
+                outer.key_source = previous_source
+            return
+        state = self.new_request(num_steps, sigmas, overrides, config)
+        state.explicit, state.key_source = True, key_source
+        token = self._request.set(state)
+        try:
+            yield state
+        finally:
+            self._request.reset(token)
+            self._finish(state)
+
+    def _finish(self, state: RequestState) -> None:
+        self._record(state.stats)
+
+    def _record(self, stats: RequestStats) -> None:
+        self.last_stats = stats
+        self._last_local.set(stats)
+
+    def stats(self) -> RequestStats | None:
+        """The running implicit request's stats, else the last finished request of this context, else any."""
+        active = self._request.get()
+        if active is not None and not active.explicit:
+            return active.stats
+        return self._last_local.get() or self.last_stats
+
+    # ------------------------------------------------------------------ calls
+    def current_call(self) -> CallContext | None:
+        return self._call.get()
+
+    @contextmanager
+    def call(self, step: int, branch: str, sigma: float | None = None) -> Iterator[CallContext]:
+        """Declare that the forwards inside belong to `branch` at `step` (for pipelines we control)."""
+        request = self._request.get()
+        if request is None:
+            raise RuntimeError("dicache: a call scope needs an open request (use dicache.request(...))")
+        ctx = CallContext(request, request.branch(branch), step, sigma, explicit=True)
+        token = self._call.set(ctx)
+        try:
+            yield ctx
+        finally:
+            self._call.reset(token)
+
+    def derive_call(self, key: float) -> contextvars.Token:
+        """Open the call context of a forward whose step and branch come from its timestep `key`.
+
+        Without an open request, an implicit one is created (bare transformer) and kept in this context until a
+        higher timestep starts the next one. Returns the token for `end_call`.
+        """
+        request = self._request.get()
+        if request is None:
+            request = self.new_request()
+            self._request.set(request)
+        step, index, restarted = request.tracker.observe(key)
+        if restarted:  # a higher timestep: the previous generation ended; keep its stats, start afresh
+            self._record(request.restart())
+            step, index, _ = request.tracker.observe(key)
+        ctx = CallContext(request, request.branch(branch_name(index)), step, key, explicit=False)
+        return self._call.set(ctx)
+
+    def end_call(self, token: contextvars.Token) -> None:
+        self._call.reset(token)

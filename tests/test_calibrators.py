@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from dicache.calibrators import ReuseCalibrator, TaylorSeerCalibrator
+
+
+def poly(coeffs):
+    return lambda x: sum(c * x**k for k, c in enumerate(coeffs))
+
+
+@pytest.mark.parametrize("order", [1, 2])
+@pytest.mark.parametrize("positions", [[0, 1, 2, 3], [0, 2, 3, 7], [1.0, 0.8, 0.55, 0.3]])
+def test_taylorseer_is_exact_on_polynomials_of_its_order(order, positions):
+    torch.manual_seed(order)
+    coeffs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(order + 1)]
+    f = poly(coeffs)
+    cal = TaylorSeerCalibrator(order)
+    for x in positions:
+        cal.update(x, f(x))
+    step = positions[-1] - positions[-2]
+    for target in (positions[-1] + step * 0.5, positions[-1] + step, positions[-1] + 3 * step):
+        torch.testing.assert_close(cal.estimate(target), f(target), rtol=1e-9, atol=1e-9)
+    assert cal.stored_tensors == order + 1
+
+
+def test_order_two_is_not_exact_on_cubics_but_order_one_degrades_gracefully():
+    f = poly([torch.tensor(0.0), torch.tensor(0.0), torch.tensor(0.0), torch.tensor(1.0)])
+    cal = TaylorSeerCalibrator(2)
+    for x in (0, 1, 2, 3):
+        cal.update(x, f(x))
+    assert not torch.allclose(cal.estimate(4), f(4))
+
+
+def test_available_from_second_computed_step_and_falls_back_to_reuse():
+    cal = TaylorSeerCalibrator(2)
+    assert not cal.ready
+    cal.update(0, torch.tensor([1.0]))
+    assert cal.ready and cal.estimate(5).item() == 1.0  # one point: plain reuse
+    cal.update(1, torch.tensor([3.0]))
+    assert cal.estimate(2).item() == 5.0  # two points: linear, already at the 2nd computed step
+    assert cal.stored_tensors == 2
+
+
+def test_memory_bound_is_order_plus_one():
+    cal = TaylorSeerCalibrator(1)
+    for x in range(10):
+        cal.update(x, torch.full((2,), float(x)))
+    assert cal.stored_tensors == 2
+
+
+def test_reuse_returns_last_residual_unchanged():
+    cal = ReuseCalibrator()
+    a, b = torch.randn(3), torch.randn(3)
+    cal.update(0, a)
+    cal.update(4, b)
+    assert cal.estimate(9) is b and cal.stored_tensors == 1
+    with pytest.raises(RuntimeError):
+        ReuseCalibrator().estimate(0)
+
+
+def test_order_is_validated():
+    with pytest.raises(ValueError, match="1 or 2"):
+        TaylorSeerCalibrator(3)
