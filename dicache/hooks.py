@@ -14,6 +14,7 @@ wrapped to give each call its (step, branch): declared by the pipeline, or deriv
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,6 +210,7 @@ def install(spec: ModelSpec, session: CacheSession) -> InstalledHooks:
 
     original_forward = owner.forward
 
+    @functools.wraps(original_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
         current = session.current_call()
         if current is not None and current.explicit:

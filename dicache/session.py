@@ -60,6 +60,12 @@ class CacheSession:
         )
         self.last_stats: RequestStats | None = None
 
+    def __reduce__(self):
+        raise TypeError(
+            "dicache: a cache-enabled model cannot be copied or pickled; call dicache.disable(model) first "
+            "and enable the copy separately"
+        )
+
     # ------------------------------------------------------------------ requests
     def active_request(self) -> RequestState | None:
         return self._request.get()

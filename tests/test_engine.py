@@ -356,3 +356,9 @@ def test_memory_per_branch_is_fn_residual_plus_calibrator_terms(model, x):
         run(model, x, 6)
         state = dicache.session_of(model).active_request().branches["cond"]
         assert state.stored_tensors() == expected
+
+
+def test_copying_an_enabled_model_is_a_clear_error(model):
+    dicache.enable(model)
+    with pytest.raises(TypeError, match="dicache.disable"):
+        copy.deepcopy(model)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +67,7 @@ class DiffusersPipelineAdapter:
     def attach(self, obj: Any, session: CacheSession) -> Callable[[], None]:
         base = type(obj)
 
+        @functools.wraps(base.__call__)
         def __call__(pipe, *args: Any, **kwargs: Any) -> Any:
             with session.request():
                 return base.__call__(pipe, *args, **kwargs)
@@ -75,6 +77,7 @@ class DiffusersPipelineAdapter:
         had_own = "set_timesteps" in scheduler.__dict__
         original = scheduler.set_timesteps
 
+        @functools.wraps(original)
         def set_timesteps(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
             request = session.active_request()

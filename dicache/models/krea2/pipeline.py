@@ -1,0 +1,374 @@
+"""Krea-2 text-to-image: prompts -> text conditioning -> flow-match Euler denoising -> VAE decode.
+
+Guidance follows the standard convention used by the serving docs: `v = uncond + s·(cond − uncond)`, `s = 1` means
+no CFG (no uncond pass). Krea's reference form (and diffusers' `Krea2Pipeline`) writes `cond + g·(cond − uncond)`;
+the two are the same with `g = s − 1` (Raw's s = 4.5 is g = 3.5), and this pipeline computes the reference form so
+its numbers match diffusers'. Presets: `turbo` = 8 steps, no CFG, shift pinned at mu = 1.15; `raw` = 50 steps, s = 4.5.
+
+Model code has no cache logic. Two neutral seams let a cache engine observe the loop: `request_scope(num_steps,
+sigmas)` around one generation, `call_scope(step, branch, sigma)` around each transformer call, where `branch` is
+"cond", "uncond" or "batched" (cond and uncond in one batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from dicache.models.krea2.scheduler import TURBO_MU, FlowMatchEulerScheduler
+from dicache.models.krea2.text import Krea2TextEncoder
+from dicache.models.krea2.transformer import Krea2Transformer, TextConditioning
+from dicache.models.krea2.vae import QwenImageVAEDecoder
+from dicache.models.loading import CheckpointError, default_dtype, read_json, resolve_component_dir
+
+EMBEDDED_CHECKPOINT = pathlib.Path(__file__).resolve().parents[2] / "assets" / "krea2-tiny"
+"""The small trained Krea-2-architecture checkpoint shipped with dicache (the default model)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    num_inference_steps: int
+    guidance_scale: float
+    mu: float | None  # None: resolution-aware shift
+
+
+PRESETS: dict[str, Preset] = {
+    "turbo": Preset(num_inference_steps=8, guidance_scale=1.0, mu=TURBO_MU),
+    "raw": Preset(num_inference_steps=50, guidance_scale=4.5, mu=None),
+}
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+
+
+@dataclass
+class Krea2PipelineOutput:
+    """`images`: list of PIL images, a `(B, H, W, 3)` float array in [0, 1] (np), a `(B, 3, H, W)` tensor (pt), or
+    packed latents `(B, N, C·p²)` (latent). `latents`: the final packed latents (always)."""
+
+    images: Any
+    latents: torch.Tensor
+
+
+def _null_scope(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+class Krea2Pipeline:
+    """Krea-2 text-to-image pipeline.
+
+    Args:
+        transformer: the denoiser.
+        scheduler: the sampling schedule (stateless; safe across concurrent requests).
+        vae: the latent decoder (None: only `output_type="latent"`).
+        text_encoder: prompt encoder (None: pass `prompt_embeds`).
+        patch_size: latent patch side packed into one token.
+        is_distilled: a Turbo checkpoint (default variant "turbo"); else "raw".
+        default_size: `(height, width)` when a call gives none.
+    """
+
+    request_scope: Callable[..., contextlib.AbstractContextManager] = staticmethod(_null_scope)
+    call_scope: Callable[..., contextlib.AbstractContextManager] = staticmethod(_null_scope)
+
+    def __init__(
+        self,
+        transformer: Krea2Transformer,
+        scheduler: FlowMatchEulerScheduler | None = None,
+        vae: QwenImageVAEDecoder | None = None,
+        text_encoder: Krea2TextEncoder | None = None,
+        patch_size: int = 2,
+        is_distilled: bool = False,
+        default_size: tuple[int, int] = (1024, 1024),
+        sample_prompts: list[dict] | None = None,
+    ) -> None:
+        self.transformer = transformer
+        self.scheduler = scheduler or FlowMatchEulerScheduler()
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.patch_size = patch_size
+        self.is_distilled = is_distilled
+        self.default_size = tuple(default_size)
+        self.sample_prompts = sample_prompts or []
+        self.progress = True
+        self.source: str | None = None
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo_id: str | os.PathLike | None = None,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        **hub_kwargs: Any,
+    ) -> Krea2Pipeline:
+        """Load a diffusers-layout Krea-2 folder or hub repo (None: the embedded checkpoint).
+
+        Reads `model_index.json` (is_distilled, patch_size, text-encoder taps) and each component's folder; an
+        optional `dicache.json` beside it gives the default image size and sample prompts. dtype: bf16 on CUDA,
+        fp32 on CPU by default. Components missing from the folder (no text encoder, no VAE) are left out.
+        """
+        if path_or_repo_id is None:
+            path_or_repo_id = EMBEDDED_CHECKPOINT
+            if not EMBEDDED_CHECKPOINT.is_dir():
+                raise CheckpointError(f"the embedded checkpoint is missing: {EMBEDDED_CHECKPOINT} is not a directory")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        dtype = dtype or default_dtype(device)
+        root = resolve_component_dir(path_or_repo_id, None, **hub_kwargs)
+        index = read_json(root, "model_index.json")
+        transformer = Krea2Transformer.from_pretrained(
+            path_or_repo_id, subfolder="transformer", dtype=dtype, device=device, **hub_kwargs
+        )
+        scheduler = FlowMatchEulerScheduler.from_pretrained(path_or_repo_id, subfolder="scheduler", **hub_kwargs)
+        vae = None
+        if _component_listed(index, "vae"):
+            vae = QwenImageVAEDecoder.from_pretrained(
+                path_or_repo_id, subfolder="vae", dtype=dtype, device=device, **hub_kwargs
+            )
+        text_encoder = None
+        if _component_listed(index, "text_encoder") and _component_listed(index, "tokenizer"):
+            text_encoder = Krea2TextEncoder.from_pretrained(path_or_repo_id, dtype=dtype, device=device, **hub_kwargs)
+        extras = _read_optional_json(root / "dicache.json")
+        size = extras.get("default_size", [1024, 1024])
+        pipe = cls(
+            transformer=transformer,
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=text_encoder,
+            patch_size=int(index.get("patch_size", 2)),
+            is_distilled=bool(index.get("is_distilled", False)),
+            default_size=(int(size[0]), int(size[1])),
+            sample_prompts=extras.get("sample_prompts"),
+        )
+        pipe.source = str(path_or_repo_id)
+        return pipe
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.vae.scale_factor if self.vae is not None else 8
+
+    @property
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this (VAE factor × patch size; 16 for Krea-2)."""
+        return self.vae_scale_factor * self.patch_size
+
+    def set_progress_bar_config(self, disable: bool = False) -> None:
+        self.progress = not disable
+
+    # ------------------------------------------------------------------ text
+    def encode_prompt(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.text_encoder is None:
+            raise ValueError("this pipeline has no text encoder: pass prompt_embeds and prompt_embeds_mask")
+        return self.text_encoder.encode(prompts)
+
+    def text_conditioning(self, embeds: torch.Tensor, mask: torch.Tensor | None, repeat: int) -> TextConditioning:
+        """Text fusion + projection once per request and branch; rows repeated for several images per prompt."""
+        if repeat > 1:
+            embeds = embeds.repeat_interleave(repeat, dim=0)
+            mask = mask.repeat_interleave(repeat, dim=0) if mask is not None else None
+        with torch.no_grad():
+            return self.transformer.encode_text(embeds.to(self.device), None if mask is None else mask.to(self.device))
+
+    # ------------------------------------------------------------------ latents
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        """Token grid `(rows, cols)` of an image; raises a clear error for sizes off the multiple."""
+        m = self.size_multiple
+        for name, value in (("height", height), ("width", width)):
+            if not isinstance(value, int) or value < m or value % m:
+                raise ValueError(f"{name}={value!r} is invalid: must be a positive multiple of {m}")
+        return height // m, width // m
+
+    def initial_latents(self, batch: int, height: int, width: int, generator: torch.Generator | None) -> torch.Tensor:
+        """Gaussian noise `(B, N, C·p²)` in fp32, drawn as diffusers' Krea-2 pipeline draws it (then packed)."""
+        channels = self.transformer.config.in_channels // self.patch_size**2
+        lh, lw = height // self.vae_scale_factor, width // self.vae_scale_factor
+        gen_device = generator.device if generator is not None else torch.device("cpu")
+        noise = torch.randn((batch, channels, lh, lw), generator=generator, device=gen_device, dtype=torch.float32)
+        return self.pack(noise.to(self.device))
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        """`(B, C, h, w)` -> `(B, (h/p)(w/p), C·p²)`."""
+        b, c, h, w = latents.shape
+        p = self.patch_size
+        x = latents.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(b, (h // p) * (w // p), c * p * p)
+
+    def unpack(self, tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """`(B, N, C·p²)` -> `(B, C, h, w)`."""
+        b, _, cp = tokens.shape
+        p = self.patch_size
+        rows, cols = height // self.size_multiple, width // self.size_multiple
+        x = tokens.view(b, rows, cols, cp // (p * p), p, p).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, cp // (p * p), rows * p, cols * p)
+
+    @staticmethod
+    def position_ids(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        """`(rows·cols, 3)` RoPE coordinates `(0, h, w)` of the image tokens (text tokens sit at the origin)."""
+        ids = torch.zeros(rows, cols, 3, device=device)
+        ids[..., 1] = torch.arange(rows, device=device)[:, None]
+        ids[..., 2] = torch.arange(cols, device=device)[None, :]
+        return ids.reshape(rows * cols, 3)
+
+    # ------------------------------------------------------------------ sampling
+    def sigmas(self, num_steps: int, image_tokens: int, variant: str) -> torch.Tensor:
+        mu = PRESETS[variant].mu if variant == "turbo" or self.is_distilled else None
+        if self.is_distilled:
+            mu = TURBO_MU
+        return self.scheduler.sigmas_for(num_steps, image_tokens, mu=mu)
+
+    @torch.no_grad()
+    def denoise(
+        self,
+        cond: TextConditioning,
+        uncond: TextConditioning | None,
+        latents: torch.Tensor,
+        rows: int,
+        cols: int,
+        sigmas: torch.Tensor,
+        guidance_scale: float,
+        cfg_batched: bool = False,
+    ) -> torch.Tensor:
+        """Euler sampling of packed `latents` `(B, N, C·p²)` (fp32) over `sigmas` (N+1 values). Returns fp32 latents.
+
+        With `uncond`, each step runs the cond and the uncond branch (two calls, or one batched call with
+        `cfg_batched`) and combines them in the reference form `cond + (s − 1)·(cond − uncond)`.
+        """
+        positions = self.position_ids(rows, cols, latents.device)
+        model_t = self.scheduler.model_timesteps(sigmas).to(latents.device)
+        num_steps = len(sigmas) - 1
+        step_sigmas = [float(s) for s in sigmas]
+        both = TextConditioning.concat([cond, uncond]) if (uncond is not None and cfg_batched) else None
+        batch = latents.shape[0]
+        with self.request_scope(num_steps=num_steps, sigmas=step_sigmas[:-1]):
+            for i in tqdm(range(num_steps), disable=not self.progress, desc="denoise", leave=False):
+                sigma = step_sigmas[i]
+                t = model_t[i].expand(batch)
+                if both is not None:
+                    with self.call_scope(i, "batched", sigma):
+                        out = self.transformer(torch.cat([latents, latents]), both, t.repeat(2), positions)
+                    velocity, uncond_velocity = out.chunk(2)
+                else:
+                    with self.call_scope(i, "cond", sigma):
+                        velocity = self.transformer(latents, cond, t, positions)
+                    uncond_velocity = None
+                    if uncond is not None:
+                        with self.call_scope(i, "uncond", sigma):
+                            uncond_velocity = self.transformer(latents, uncond, t, positions)
+                if uncond_velocity is not None:
+                    velocity = velocity + (guidance_scale - 1.0) * (velocity - uncond_velocity)
+                latents = self.scheduler.step(velocity, latents, sigma, step_sigmas[i + 1])
+        return latents
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int, output_type: str) -> Any:
+        if output_type == "latent":
+            return latents
+        if self.vae is None:
+            raise ValueError(f"output_type={output_type!r} needs a VAE; this pipeline has none (use 'latent')")
+        images = self.vae.decode(self.unpack(latents, height, width).to(self.vae.dtype)).float()
+        images = (images / 2 + 0.5).clamp(0, 1)
+        if output_type == "pt":
+            return images
+        array = images.permute(0, 2, 3, 1).cpu().numpy()
+        if output_type == "np":
+            return array
+        from PIL import Image
+
+        return [Image.fromarray((a * 255).round().astype(np.uint8)) for a in array]
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        num_images_per_prompt: int = 1,
+        output_type: str = "pil",
+        variant: str | None = None,
+        generator: torch.Generator | None = None,
+        latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
+        cfg_batched: bool = False,
+    ) -> Krea2PipelineOutput:
+        """Generate images. Unset steps/guidance come from `variant` (default: turbo for a distilled checkpoint,
+        else raw); `guidance_scale` is the standard s (1 = no CFG, must be >= 1); `seed` seeds a CPU generator."""
+        variant = variant or ("turbo" if self.is_distilled else "raw")
+        if variant not in PRESETS:
+            raise ValueError(f"variant={variant!r} is invalid: must be one of {', '.join(PRESETS)}")
+        preset = PRESETS[variant]
+        steps = preset.num_inference_steps if num_inference_steps is None else num_inference_steps
+        scale = preset.guidance_scale if guidance_scale is None else float(guidance_scale)
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"num_inference_steps={steps!r} is invalid: must be an integer >= 1")
+        if not scale >= 1.0:
+            raise ValueError(f"guidance_scale={scale!r} is invalid: must be >= 1 (1 = no CFG; standard convention)")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type={output_type!r} is invalid: must be one of {', '.join(OUTPUT_TYPES)}")
+        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r} is invalid: must be an integer >= 1")
+        height = height or self.default_size[0]
+        width = width or self.default_size[1]
+        rows, cols = self.latent_grid(height, width)
+
+        if prompt_embeds is None:
+            if prompt is None:
+                raise ValueError("pass a prompt (or prompt_embeds)")
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            prompt_embeds, prompt_embeds_mask = self.encode_prompt(prompts)
+        num_prompts = prompt_embeds.shape[0]
+        cond = self.text_conditioning(prompt_embeds, prompt_embeds_mask, num_images_per_prompt)
+        uncond = None
+        if scale > 1.0:
+            if negative_prompt_embeds is None:
+                negatives = negative_prompt if negative_prompt is not None else ""
+                negatives = [negatives] * num_prompts if isinstance(negatives, str) else list(negatives)
+                if len(negatives) != num_prompts:
+                    raise ValueError(
+                        f"negative_prompt has {len(negatives)} entries; expected 1 or one per prompt ({num_prompts})"
+                    )
+                negative_prompt_embeds, negative_prompt_embeds_mask = self.encode_prompt(negatives)
+            uncond = self.text_conditioning(negative_prompt_embeds, negative_prompt_embeds_mask, num_images_per_prompt)
+
+        batch = num_prompts * num_images_per_prompt
+        if latents is None:
+            if generator is None and seed is not None:
+                generator = torch.Generator("cpu").manual_seed(int(seed))
+            latents = self.initial_latents(batch, height, width, generator)
+        else:
+            latents = latents.to(self.device, torch.float32)
+        sigmas = self.sigmas(steps, rows * cols, variant)
+        latents = self.denoise(cond, uncond, latents, rows, cols, sigmas, scale, cfg_batched)
+        images = self.decode(latents, height, width, output_type)
+        return Krea2PipelineOutput(images=images, latents=latents)
+
+
+def _component_listed(index: dict, name: str) -> bool:
+    entry = index.get(name)
+    return isinstance(entry, list | tuple) and len(entry) == 2 and entry[0] is not None and entry[1] is not None
+
+
+def _read_optional_json(path: pathlib.Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err

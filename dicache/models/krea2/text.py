@@ -1,0 +1,185 @@
+"""Krea-2 text conditioning: Qwen chat-template tokenization + 12 tapped Qwen3-VL hidden states per token.
+
+Layout of one prompt (`max_sequence_length` = L, 512 by default), the same as diffusers' `Krea2Pipeline`:
+
+    [ system prefix | user prompt | PAD ... | assistant suffix ]     (prefix dropped from the outputs)
+                    |<------------------ L tokens ------------------>|
+
+The prompt is truncated/padded so that prompt + padding + suffix is exactly L tokens. Padding sits *before* the suffix,
+and position ids count real tokens only (padding does not advance the rotary position), as at training time. The
+encoder's hidden states at `select_layers` (indices into `hidden_states`, 0 = embedding output) are stacked per token.
+
+The prefix and suffix token counts are measured with the tokenizer (34 and 5 for Qwen's tokenizer), not hard-coded.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import torch
+
+from dicache.models.loading import CheckpointError, default_dtype, read_json, resolve_component_dir
+
+KREA2_PROMPT_PREFIX = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
+KREA2_PROMPT_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
+# Hidden-state taps of Qwen3-VL-4B (36 layers) used by Krea-2; diffusers' default when model_index.json has none.
+KREA2_SELECT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
+
+
+class Krea2TextEncoder:
+    """Turns prompts into Krea-2's text conditioning.
+
+    `tokenizer`: a Hugging Face tokenizer knowing `<|im_start|>`/`<|im_end|>` and with a pad token. `text_encoder`:
+    a `transformers.Qwen3VLModel` (any module with its call signature and `output_hidden_states` support).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        text_encoder: torch.nn.Module,
+        select_layers: tuple[int, ...] | list[int] = KREA2_SELECT_LAYERS,
+        max_sequence_length: int = 512,
+    ):
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder
+        self.select_layers = tuple(int(i) for i in select_layers)
+        self.max_sequence_length = int(max_sequence_length)
+        self.prefix_len, self.suffix_len = template_token_counts(tokenizer)
+        if self.max_sequence_length <= self.suffix_len:
+            raise ValueError(
+                f"max_sequence_length={max_sequence_length} leaves no room for a prompt: the assistant suffix alone "
+                f"takes {self.suffix_len} tokens"
+            )
+        num_hidden_layers = _text_config(text_encoder).num_hidden_layers
+        bad = [i for i in self.select_layers if not 0 <= i <= num_hidden_layers]
+        if not self.select_layers or bad:
+            raise ValueError(
+                f"select_layers={list(self.select_layers)}: need at least one index, each in [0, {num_hidden_layers}] "
+                f"(0 = embeddings, i = output of decoder layer i, the last after the final norm); out of range: {bad}"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        """Number of tapped hidden states per token (12 for Krea-2)."""
+        return len(self.select_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return _text_config(self.text_encoder).hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.text_encoder.parameters()).device
+
+    def tokenize(self, prompts: str | list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and bool mask of the full template, prefix included: both `(B, prefix_len + L)`, on CPU."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        body = self.tokenizer(
+            [KREA2_PROMPT_PREFIX + p for p in prompts],
+            truncation=True,
+            padding="max_length",
+            padding_side="right",
+            max_length=self.prefix_len + self.max_sequence_length - self.suffix_len,
+            return_tensors="pt",
+        )
+        suffix = self.tokenizer([KREA2_PROMPT_SUFFIX] * len(prompts), return_tensors="pt")
+        input_ids = torch.cat([body.input_ids, suffix.input_ids], dim=1)
+        mask = torch.cat([body.attention_mask, suffix.attention_mask], dim=1).bool()
+        return input_ids, mask
+
+    def num_valid_tokens(self, prompts: str | list[str]) -> list[int]:
+        """Real (non-padding) text tokens per prompt in the encoder output, suffix included; no model call."""
+        _, mask = self.tokenize(prompts)
+        return mask[:, self.prefix_len :].sum(dim=1).tolist()
+
+    @torch.no_grad()
+    def encode(self, prompts: str | list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts -> `(hidden_states (B, L, num_layers, D), mask (B, L) bool)` on the encoder's device and dtype.
+
+        Identical to diffusers' `Krea2Pipeline.get_text_hidden_states(prompts, L)`. Padded positions hold encoder
+        outputs too; `mask` marks the real tokens (prompt, then the suffix after the padding).
+        """
+        input_ids, mask = self.tokenize(prompts)
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        # Positions count real tokens only, shared by the three mRoPE axes (text has t = h = w).
+        positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+        outputs = self.text_encoder(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions.unsqueeze(0).expand(3, -1, -1),
+            output_hidden_states=True,
+        )
+        hidden_states = torch.stack([outputs.hidden_states[i] for i in self.select_layers], dim=2)
+        return hidden_states[:, self.prefix_len :], mask[:, self.prefix_len :]
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo_id: str | os.PathLike,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        max_sequence_length: int = 512,
+        **hub_kwargs,
+    ) -> Krea2TextEncoder:
+        """Load `tokenizer/` and `text_encoder/` of a diffusers-layout Krea-2 folder (local or Hub; `hub_kwargs`:
+        `cache_dir`, `revision`, `local_files_only`). Select layers come from `model_index.json`
+        (`text_encoder_select_layers`), defaulting to `KREA2_SELECT_LAYERS`. dtype: bf16 on CUDA, else fp32.
+        """
+        from transformers import AutoTokenizer, Qwen3VLModel
+
+        tokenizer_dir = resolve_component_dir(path_or_repo_id, "tokenizer", **hub_kwargs)
+        encoder_dir = resolve_component_dir(path_or_repo_id, "text_encoder", **hub_kwargs)
+        index = _read_model_index(path_or_repo_id, tokenizer_dir.parent, hub_kwargs)
+        select_layers = index.get("text_encoder_select_layers") or KREA2_SELECT_LAYERS
+
+        device = torch.device(device if device is not None else "cpu")
+        dtype = dtype if dtype is not None else default_dtype(device)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+            text_encoder = Qwen3VLModel.from_pretrained(encoder_dir, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(
+                f"cannot load the Krea-2 tokenizer/text encoder from {path_or_repo_id}: {err}"
+            ) from err
+        return cls(tokenizer, text_encoder.to(device).eval(), select_layers, max_sequence_length)
+
+
+def template_token_counts(tokenizer) -> tuple[int, int]:
+    """`(prefix, suffix)` token counts of the Krea-2 template under `tokenizer`, each tokenized alone exactly as in
+    `Krea2TextEncoder.tokenize` (Qwen's tokenizer: 34 and 5)."""
+    return len(tokenizer(KREA2_PROMPT_PREFIX).input_ids), len(tokenizer(KREA2_PROMPT_SUFFIX).input_ids)
+
+
+def _text_config(text_encoder: torch.nn.Module):
+    config = text_encoder.config
+    return getattr(config, "text_config", config)
+
+
+def _read_model_index(path_or_repo_id: str | os.PathLike, root: pathlib.Path, hub_kwargs: dict) -> dict:
+    """`model_index.json` of the pipeline folder, or `{}` if it has none."""
+    if (root / "model_index.json").is_file():
+        return read_json(root, "model_index.json")
+    if pathlib.Path(os.path.expanduser(os.fspath(path_or_repo_id))).is_dir():
+        return {}
+    # A Hub snapshot resolved per subfolder does not include the top-level file: fetch it alone.
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        file = hf_hub_download(
+            os.fspath(path_or_repo_id),
+            "model_index.json",
+            cache_dir=hub_kwargs.get("cache_dir"),
+            revision=hub_kwargs.get("revision"),
+            local_files_only=bool(hub_kwargs.get("local_files_only")),
+        )
+    except EntryNotFoundError:
+        return {}
+    except Exception as err:  # huggingface_hub raises many unrelated types; the cause stays chained
+        raise CheckpointError(f"cannot fetch model_index.json of {path_or_repo_id}: {err}") from err
+    file = pathlib.Path(file)
+    return read_json(file.parent, file.name)

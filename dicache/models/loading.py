@@ -1,0 +1,263 @@
+"""Checkpoint loading shared by the native models: find a component's folder, read its JSON, load its safetensors.
+
+A component is one folder of a diffusers-layout checkpoint (`transformer/`, `vae/`, ...) holding a `config.json` and
+either one `*.safetensors` file or shards listed by a `*.safetensors.index.json`. The folder may be local or a Hugging
+Face Hub repo (resolved through the local hub cache, downloading only that subfolder when allowed).
+
+Every failure a user can cause (wrong path, offline with nothing cached, missing shard, mismatched weights) raises
+`CheckpointError` with a message naming the repo or folder, the file and, for weights, the key and shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Callable, Iterable
+
+import torch
+
+from dicache.errors import DicacheError
+
+WEIGHT_FILE_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
+_MAX_LISTED = 8  # how many offending keys an error message lists before summarising
+
+
+class CheckpointError(DicacheError, RuntimeError):
+    """A checkpoint cannot be found, read or loaded. The message names the repo/folder, the file and the key."""
+
+
+def resolve_component_dir(
+    path_or_repo_id: str | os.PathLike,
+    subfolder: str | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
+    local_files_only: bool | None = None,
+) -> pathlib.Path:
+    """Return the local folder of one checkpoint component.
+
+    A local directory resolves to itself (joined with `subfolder`). Anything else is taken as a Hub repo id and
+    resolved with `huggingface_hub.snapshot_download`, fetching only `subfolder/*` into `cache_dir` (default: the
+    hub cache). `local_files_only=None` follows the `HF_HUB_OFFLINE` environment variable at call time.
+    """
+    path = pathlib.Path(os.path.expanduser(os.fspath(path_or_repo_id)))
+    if path.is_dir():
+        return _require_subfolder(path, subfolder, origin=str(path))
+    if path.exists():
+        raise CheckpointError(f"{path} is a file; expected a checkpoint folder or a Hugging Face Hub repo id")
+
+    repo_id = os.fspath(path_or_repo_id)
+    if local_files_only is None:
+        local_files_only = _env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE")
+    pattern = f"{subfolder.strip('/')}/*" if subfolder else "*"
+    where = f"repo '{repo_id}'" + (f", subfolder '{subfolder}'" if subfolder else "")
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except ValueError as err:
+        raise CheckpointError(f"{repo_id!r} is neither an existing local folder nor a valid Hub repo id") from err
+    try:
+        snapshot = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
+            local_files_only=local_files_only,
+            allow_patterns=[pattern],
+        )
+    except Exception as err:  # huggingface_hub raises many unrelated types; the cause stays chained
+        reason = "offline (local_files_only / HF_HUB_OFFLINE) and not in the local cache" if local_files_only else ""
+        raise CheckpointError(
+            f"cannot resolve {where}: files '{pattern}' (revision {revision or 'main'}) are not available"
+            + (f" - {reason}" if reason else "")
+            + f" [cache_dir={cache_dir or 'default hub cache'}]. Download them first, e.g. "
+            f"`hf download {repo_id} --include '{pattern}'`, or pass a local folder. Cause: {type(err).__name__}: {err}"
+        ) from err
+    return _require_subfolder(pathlib.Path(snapshot), subfolder, origin=f"repo '{repo_id}'")
+
+
+def read_json(directory: pathlib.Path, name: str) -> dict:
+    """Parse `directory/name` as a JSON object; a missing, unreadable or non-object file raises `CheckpointError`."""
+    file = pathlib.Path(directory) / name
+    if not file.is_file():
+        raise CheckpointError(f"missing {name} in {directory} (expected file {file})")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"invalid {name} at {file}: {err}") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"invalid {name} at {file}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def default_dtype(device: torch.device | str | None) -> torch.dtype:
+    """The compute dtype a model gets when none is asked for: bfloat16 on CUDA, float32 elsewhere."""
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_state_dict_files(
+    directory: pathlib.Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    keep_fp32: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Load every tensor of the safetensors checkpoint in `directory` onto `device`.
+
+    Layouts: one `*.safetensors` file, or shards listed by a `*.safetensors.index.json` (`weight_map`: key -> shard).
+    Tensors are read one at a time straight onto `device` (no full host-memory copy of the model). Floating tensors
+    are cast to `dtype` (None: keep the stored dtype); keys for which `keep_fp32(key)` is true become float32.
+    """
+    directory = pathlib.Path(directory)
+    state_dict: dict[str, torch.Tensor] = {}
+    for file, expected_keys in _weight_files(directory):
+        loaded = _read_safetensors(file, device, dtype, keep_fp32)
+        missing = sorted(set(expected_keys) - loaded.keys())
+        if missing:
+            raise CheckpointError(
+                f"shard {file} lacks {len(missing)} key(s) its index lists, e.g. {_listing(missing)}"
+                f" (index in {directory})"
+            )
+        duplicates = sorted(loaded.keys() & state_dict.keys())
+        if duplicates:
+            raise CheckpointError(f"key(s) {_listing(duplicates)} appear in more than one shard in {directory}")
+        state_dict.update(loaded)
+    return state_dict
+
+
+def load_into_module(
+    module: torch.nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    source: str,
+    ignore_prefixes: tuple[str, ...] = (),
+) -> None:
+    """Strictly load `state_dict` into `module`, taking ownership of its tensors (`assign=True`).
+
+    Every key of `module.state_dict()` must be present with the same shape, and no other key may appear except
+    those starting with one of `ignore_prefixes`; otherwise `CheckpointError` names each key, the expected and the
+    found shape, and `source`. A module built on the meta device receives the loaded tensors without a copy.
+    """
+    state_dict = (
+        {k: v for k, v in state_dict.items() if not k.startswith(ignore_prefixes)} if ignore_prefixes else state_dict
+    )
+    expected = module.state_dict(keep_vars=True)
+    problems = []
+    unknown = sorted(state_dict.keys() - expected.keys())
+    if unknown:
+        problems.append(f"unknown key(s) not in {type(module).__name__}: {_listing(unknown)}")
+    missing = sorted(expected.keys() - state_dict.keys())
+    if missing:
+        problems.append(f"missing key(s): {_listing(missing)}")
+    mismatched = [
+        f"{key} (expected {tuple(expected[key].shape)}, found {tuple(state_dict[key].shape)})"
+        for key in sorted(expected.keys() & state_dict.keys())
+        if expected[key].shape != state_dict[key].shape
+    ]
+    if mismatched:
+        problems.append(f"wrong shape: {_listing(mismatched)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {source} does not match {type(module).__name__}: " + "; ".join(problems))
+
+    module.load_state_dict(state_dict, strict=True, assign=True)
+    still_meta = [name for name, t in _named_tensors(module) if t.is_meta]
+    if still_meta:
+        raise CheckpointError(
+            f"after loading {source}, {type(module).__name__} still has tensors on the meta device "
+            f"(not stored in the checkpoint): {_listing(still_meta)}"
+        )
+
+
+def _require_subfolder(root: pathlib.Path, subfolder: str | None, *, origin: str) -> pathlib.Path:
+    if not subfolder:
+        return root
+    directory = root / subfolder
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"{origin} has no subfolder '{subfolder}' (looked for {directory}); pass subfolder=None if the folder is "
+            "the component itself"
+        )
+    return directory
+
+
+def _weight_files(directory: pathlib.Path) -> list[tuple[pathlib.Path, list[str]]]:
+    """The safetensors files of `directory` with the keys each one must hold (empty list: no index to check)."""
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint folder {directory} does not exist")
+    indexes = sorted(directory.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        names = ", ".join(i.name for i in indexes)
+        raise CheckpointError(f"ambiguous checkpoint in {directory}: several index files ({names})")
+    if indexes:
+        index = indexes[0]
+        weight_map = read_json(directory, index.name).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"invalid {index.name} in {directory}: no 'weight_map' object")
+        keys_by_shard: dict[str, list[str]] = {}
+        for key, shard in weight_map.items():
+            keys_by_shard.setdefault(shard, []).append(key)
+        files = []
+        for shard, keys in keys_by_shard.items():
+            file = directory / shard
+            if not file.is_file():
+                raise CheckpointError(f"missing shard {shard} (listed in {index.name}) in {directory}")
+            files.append((file, keys))
+        return files
+
+    for name in WEIGHT_FILE_NAMES:
+        if (directory / name).is_file():
+            return [(directory / name, [])]
+    candidates = sorted(directory.glob("*.safetensors"))
+    if len(candidates) == 1:
+        return [(candidates[0], [])]
+    if candidates:
+        names = ", ".join(c.name for c in candidates)
+        raise CheckpointError(f"ambiguous checkpoint in {directory}: several .safetensors files ({names}) and no index")
+    other = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    hint = f"; found {', '.join(other)} (only safetensors is supported)" if other else ""
+    raise CheckpointError(
+        f"no weights in {directory}: expected {' or '.join(WEIGHT_FILE_NAMES)} or a *.safetensors.index.json{hint}"
+    )
+
+
+def _read_safetensors(
+    file: pathlib.Path,
+    device: torch.device | str,
+    dtype: torch.dtype | None,
+    keep_fp32: Callable[[str], bool] | None,
+) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    device = torch.device(device)
+    tensors = {}
+    try:
+        with safe_open(os.fspath(file), framework="pt", device=str(device)) as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                tensor = handle.get_tensor(key)
+                if tensor.is_floating_point():
+                    target = torch.float32 if keep_fp32 is not None and keep_fp32(key) else dtype
+                    if target is not None and tensor.dtype != target:
+                        tensor = tensor.to(target)
+                tensors[key] = tensor
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"cannot read {file}: {err}") from err
+    return tensors
+
+
+def _named_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    return shown + (f", ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

@@ -1,0 +1,201 @@
+"""`dicache.enable` on diffusers' `Krea2Pipeline` (a pipeline we do not control): steps and branches are derived
+from the scheduler's timestep; Turbo (no CFG) and Raw (CFG) must both cache correctly."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline, Krea2Transformer2DModel
+from torch import nn
+
+import dicache
+import dicache.hooks
+from dicache import CacheConfig
+
+TEXT = dict(num_text_layers=3, text_hidden_dim=32)
+
+
+def tiny_transformer(seed=0):
+    torch.manual_seed(seed)
+    model = Krea2Transformer2DModel(
+        in_channels=64,
+        num_layers=6,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        timestep_embed_dim=32,
+        text_num_attention_heads=2,
+        text_num_key_value_heads=2,
+        text_intermediate_size=64,
+        num_layerwise_text_blocks=1,
+        num_refiner_text_blocks=1,
+        axes_dims_rope=(4, 6, 6),
+        **TEXT,
+    )
+    with torch.no_grad():  # the zero-initialised tables would make every block an identity
+        for name, p in model.named_parameters():
+            if "scale_shift_table" in name or "norm" in name:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+def make_pipe(transformer, distilled):
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=16,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+    ).eval()
+    sched = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=6400
+    )
+    pipe = Krea2Pipeline(
+        scheduler=sched, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer, is_distilled=distilled
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def embeds(seed, valid):
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(1, 12, TEXT["num_text_layers"], TEXT["text_hidden_dim"], generator=g)
+    m = torch.zeros(1, 12, dtype=torch.bool)
+    m[:, :valid] = True
+    return e, m
+
+
+def generate(pipe, steps, guidance, size=64):
+    pe, pm = embeds(1, 7)
+    ne, nm = embeds(2, 3)
+    kw = dict(
+        prompt_embeds=pe,
+        prompt_embeds_mask=pm,
+        height=size,
+        width=size,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+    )
+    if guidance > 0:
+        kw.update(negative_prompt_embeds=ne, negative_prompt_embeds_mask=nm)
+    return pipe(**kw).images
+
+
+class BranchRouter(nn.Module):
+    """Test oracle: routes the k-th transformer call at each timestep to its own model copy.
+
+    With `mix=True` every call goes to the first model as branch "cond" of one explicit request: one state shared
+    by both branches, i.e. what a wrong pairing would do.
+    """
+
+    def __init__(self, models, mix=False):
+        super().__init__()
+        self.models = nn.ModuleList(models)
+        self.config, self.dtype, self.device = models[0].config, models[0].dtype, models[0].device
+        self.last, self.k, self.step, self.mix = None, 0, -1, mix
+        self.scope = contextlib.ExitStack()
+
+    def forward(self, timestep, **kwargs):
+        t = float(timestep[0])
+        self.k = self.k + 1 if t == self.last else 0
+        self.step += self.k == 0
+        self.last = t
+        if not self.mix:
+            return self.models[self.k](timestep=timestep, **kwargs)
+        if self.step == 0 and self.k == 0:
+            self.scope.enter_context(dicache.request(self.models[0]))
+        with dicache.step(self.models[0], self.step, "cond"):
+            return self.models[0](timestep=timestep, **kwargs)
+
+
+def test_turbo_caches_right_after_warmup_without_reading_the_timestep(monkeypatch):
+    pipe = make_pipe(tiny_transformer(), distilled=True)
+    dicache.enable(
+        pipe, CacheConfig.from_env({}, max_warmup_steps=2, residual_diff_threshold=1e9, max_continuous_cached_steps=-1)
+    )
+
+    def forbidden(value):
+        raise AssertionError("the pipeline path must take the step from the scheduler, not the timestep tensor")
+
+    monkeypatch.setattr(dicache.hooks, "_timestep_key", forbidden)
+    generate(pipe, 8, 0.0)
+    st = dicache.stats(pipe)
+    assert list(st.branches) == ["cond"] and st.num_steps == 8
+    assert st.branches["cond"].computed_steps == [0, 1] and st.branches["cond"].cached_steps == list(range(2, 8))
+
+
+def test_raw_cfg_keeps_cond_and_uncond_apart():
+    config = CacheConfig.from_env({}, max_warmup_steps=2, residual_diff_threshold=0.6, max_continuous_cached_steps=2)
+    transformer = tiny_transformer()
+    copies = [copy.deepcopy(transformer), copy.deepcopy(transformer)]
+    shared = copy.deepcopy(transformer)
+    pipe = make_pipe(transformer, distilled=False)
+    dicache.enable(pipe, config)
+    latents = generate(pipe, 10, 3.5)
+    st = dicache.stats(pipe)
+    assert set(st.branches) == {"cond", "uncond"}
+    assert st.branches["cond"].cached_steps and st.branches["uncond"].cached_steps
+    assert st.branches["cond"].diffs != st.branches["uncond"].diffs  # each branch measures its own drift
+
+    # oracle: each branch's calls go to its own separately enabled copy (per-branch reference residuals)
+    for c in copies:
+        dicache.enable(c, config)
+    oracle = make_pipe(BranchRouter(copies), distilled=False)
+    expected = generate(oracle, 10, 3.5)
+    assert torch.equal(latents, expected)
+    assert dicache.stats(copies[0]).branches["cond"].cached_steps == st.branches["cond"].cached_steps
+    assert dicache.stats(copies[1]).branches["cond"].cached_steps == st.branches["uncond"].cached_steps
+
+    # negative control: one state shared by both branches (the bug the branch split prevents) is detected
+    dicache.enable(shared, config)
+    mixed = make_pipe(BranchRouter([shared], mix=True), distilled=False)
+    assert not torch.equal(generate(mixed, 10, 3.5), latents)
+
+
+def test_threshold_zero_is_bitwise_identical_and_disable_restores_the_pipeline():
+    pipe = make_pipe(tiny_transformer(), distilled=False)
+    plain = generate(pipe, 6, 3.5)
+    cls, set_timesteps = type(pipe), pipe.scheduler.set_timesteps
+    dicache.enable(pipe, {"residual_diff_threshold": 0.0})
+    assert torch.equal(generate(pipe, 6, 3.5), plain)
+    assert type(pipe).__name__ == "Krea2Pipeline" and isinstance(pipe, Krea2Pipeline)
+    dicache.disable(pipe)
+    assert type(pipe) is cls and "set_timesteps" not in pipe.scheduler.__dict__
+    assert pipe.scheduler.set_timesteps.__func__ is set_timesteps.__func__
+    assert "forward" not in pipe.transformer.__dict__
+    assert torch.equal(generate(pipe, 6, 3.5), plain)
+
+
+@pytest.mark.parametrize("distilled, guidance", [(True, 0.0), (False, 3.5)])
+def test_step_mask_preset_gets_the_step_count_from_the_pipeline(distilled, guidance):
+    pipe = make_pipe(tiny_transformer(), distilled=distilled)
+    dicache.enable(pipe, {"scm_preset": "fast", "scm_policy": "static", "max_warmup_steps": 0})
+    generate(pipe, 12, guidance)
+    st = dicache.stats(pipe)
+    mask = dicache.policies.preset_mask("fast", 12)
+    for b in st.branches.values():
+        assert b.cached_steps == [i for i, m in enumerate(mask) if m == 0]
+    assert st.num_steps == 12
+
+
+def test_requests_of_different_step_counts_and_modes_in_sequence():
+    transformer = tiny_transformer()
+    turbo, raw = make_pipe(transformer, True), make_pipe(transformer, False)
+    config = {"max_warmup_steps": 2, "residual_diff_threshold": 0.6}
+    dicache.enable(turbo, config)
+    dicache.enable(raw, config)
+    a = generate(turbo, 8, 0.0)
+    sa = dicache.stats(turbo)
+    generate(raw, 12, 3.5)
+    sr = dicache.stats(raw)
+    assert torch.equal(generate(turbo, 8, 0.0), a)
+    assert set(sa.branches) == {"cond"} and set(sr.branches) == {"cond", "uncond"} and sr.num_steps == 12
+    dicache.disable(raw)
+    assert dicache.is_enabled(turbo.transformer)  # still used by the turbo pipeline
+    dicache.disable(turbo)
+    assert not dicache.is_enabled(transformer)
