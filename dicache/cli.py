@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from .errors import DicacheError
 
-SUBCOMMANDS = ("config",)
+SUBCOMMANDS = ("generate", "serve", "sweep", "config")
 """Module names under `dicache.commands`, in the order `--help` lists them."""
 
 
