@@ -1,0 +1,106 @@
+"""HTTP errors in OpenAI's shape, and the handlers that turn every failure into one (never an unhandled 500).
+
+Bad input is a 400 whose message names the field, the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .schemas import ErrorDetail, ErrorResponse, ImageGenerationRequest
+
+log = logging.getLogger("dicache.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "server_error",
+    503: "server_unavailable",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    """An answer other than 200: status, a message for the client, and the request field it is about."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorDetail(message=message, type=_TYPES.get(status, "error"), param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable message for pydantic's errors (field, value, what is allowed) and the first field's name."""
+    messages: list[str] = []
+    first_param: str | None = None
+    for err in exc.errors():
+        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+        kind = err.get("type", "")
+        if kind == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "invalid JSON")
+            return f"malformed JSON body: {detail} (at character {loc[0] if loc else '?'})", None
+        if kind in ("model_attributes_type", "dict_type") and not loc:
+            if isinstance(err.get("input"), bytes):
+                return "request body is not JSON: send a JSON object with 'Content-Type: application/json'", None
+            return f"request body must be a JSON object, got {_show(err.get('input'))}", None
+        if kind == "missing" and not loc:
+            return "request body is missing: send a JSON object with at least 'prompt'", None
+        field = ".".join(loc) or "body"
+        first_param = first_param or field
+        if kind == "extra_forbidden":
+            allowed = ", ".join(ImageGenerationRequest.model_fields)
+            messages.append(f"unknown field {field!r} (got {_show(err.get('input'))}); accepted fields: {allowed}")
+        elif kind == "missing":
+            messages.append(f"{field} is required")
+        else:
+            msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+            messages.append(f"{field}={_show(err.get('input'))} is invalid: {msg}")
+    return "; ".join(messages) or "invalid request", first_param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map ApiError, request validation, HTTP errors and anything unexpected to OpenAI-shaped JSON."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_error(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 400 and message == "There was an error parsing the body":
+            message = "malformed JSON body: it could not be decoded (send a UTF-8 JSON object)"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return error_response(exc.status_code, message)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

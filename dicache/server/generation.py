@@ -1,0 +1,138 @@
+"""From a parsed request to a fully resolved `GenerationSpec`: defaults filled in, every bound checked.
+
+`resolve` raises `ApiError(400)` naming the field, the value and what is allowed; the cache overrides are validated
+by the engine's own rules (`CacheConfig.merged` + the block split), so a bad request never takes a queue slot.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import CacheConfig
+from ..errors import ConfigError
+from .errors import ApiError
+from .schemas import ImageGenerationRequest
+from .settings import ServerSettings
+
+_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a request that leaves a field out gets (the served variant's preset)."""
+
+    variant: str | None
+    num_inference_steps: int
+    guidance_scale: float
+    width: int
+    height: int
+    size_multiple: int = 16  # the pipeline's own (VAE factor x patch size); sizes must also be multiples of it
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    prompt: str
+    negative_prompt: str | None
+    n: int
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    enable_cache: bool
+    cache_overrides: dict[str, Any] = field(default_factory=dict)
+    variant: str | None = None
+
+    def engine_overrides(self) -> dict[str, Any]:
+        """The dict given to `dicache.request(pipe, config=...)`: the request's overrides + its enable_cache."""
+        return {**self.cache_overrides, "enable_cache": self.enable_cache}
+
+
+def parse_size(size: str | None, settings: ServerSettings, defaults: Defaults) -> tuple[int, int]:
+    """'WxH' -> (width, height) within the settings' bounds; None or 'auto' -> the default size."""
+    if size is None or size.strip().lower() == "auto":
+        return defaults.width, defaults.height
+    lo, hi, mult = settings.min_side, settings.max_side, math.lcm(settings.size_multiple, defaults.size_multiple)
+    allowed = (
+        f"'WIDTHxHEIGHT' (or 'auto'), each side a multiple of {mult} between {lo} and {hi}, "
+        f"at most {settings.max_pixels} pixels"
+    )
+    match = _SIZE.match(size)
+    if match is None:
+        raise ApiError(400, f"size={size!r} is invalid: must be {allowed}", "size")
+    width, height = int(match.group(1)), int(match.group(2))
+    if not (lo <= width <= hi and lo <= height <= hi) or width % mult or height % mult:
+        raise ApiError(400, f"size={size!r} is invalid: must be {allowed}", "size")
+    if width * height > settings.max_pixels:
+        raise ApiError(400, f"size={size!r} is invalid: {width * height} pixels; must be {allowed}", "size")
+    return width, height
+
+
+def effective_cache_config(overrides: Mapping[str, Any], base: CacheConfig, num_blocks: int | None) -> CacheConfig:
+    """`base` with per-request `overrides`, validated exactly as the engine will (keys, values, block split);
+    a `ConfigError` becomes a 400 on `cache_dit_params`."""
+    try:
+        merged = base.merged(overrides)
+        if num_blocks is not None:
+            merged.check_block_split(num_blocks)
+    except ConfigError as exc:
+        raise ApiError(400, f"cache_dit_params: {exc}", "cache_dit_params") from None
+    return merged
+
+
+def resolve(
+    request: ImageGenerationRequest,
+    settings: ServerSettings,
+    defaults: Defaults,
+    base_config: CacheConfig,
+    num_blocks: int | None = None,
+) -> GenerationSpec:
+    """Fill in defaults and check the request against the server's bounds and the engine's cache rules."""
+    if request.model is not None and request.model != settings.model_id:
+        raise ApiError(
+            400, f"model={request.model!r} is not served here; this server serves {settings.model_id!r}", "model"
+        )
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(request, name)
+        if text is not None and len(text) > settings.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"{name} is {len(text)} characters long; the limit is {settings.max_prompt_chars} "
+                "(server option --max-prompt-chars)",
+                name,
+            )
+    if request.n > settings.max_n:
+        raise ApiError(400, f"n={request.n} is invalid: must be between 1 and {settings.max_n}", "n")
+    width, height = parse_size(request.size, settings, defaults)
+    steps = request.num_inference_steps if request.num_inference_steps is not None else defaults.num_inference_steps
+    if steps > settings.max_steps:
+        raise ApiError(
+            400,
+            f"num_inference_steps={steps} is invalid: must be between 1 and {settings.max_steps}",
+            "num_inference_steps",
+        )
+    guidance = request.guidance_scale if request.guidance_scale is not None else defaults.guidance_scale
+    overrides = dict(request.cache_dit_params or {})
+    if request.enable_cache is not None:  # the top-level field wins over cache_dit_params["enable_cache"]
+        overrides["enable_cache"] = request.enable_cache
+    overrides.setdefault("enable_cache", base_config.enable_cache)  # default: SGLANG_CACHE_DIT_ENABLED
+    effective = effective_cache_config(overrides, base_config, num_blocks)
+    del overrides["enable_cache"]
+    return GenerationSpec(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        n=request.n,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=float(guidance),
+        seed=request.seed if request.seed is not None else secrets.randbits(63),
+        enable_cache=bool(effective.enable_cache),
+        cache_overrides=overrides,
+        variant=defaults.variant,
+    )

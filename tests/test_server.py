@@ -1,0 +1,499 @@
+"""`dicache serve`: a live server on loopback, driven with the official `openai` client and with raw HTTP.
+
+The served model is the real native `Krea2Pipeline` (the embedded checkpoint when it ships, else a tiny random one
+built here with diffusers' classes). Torch runs one thread per op so that two workers really run side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import GatedBackend, decode_png, dumps, pipeline_source, post_request, raw_http, wait_until
+
+import dicache
+from dicache.cli import main as cli_main
+from dicache.models.krea2 import Krea2Pipeline
+from dicache.server import ServerSettings, create_app, load_backend
+from dicache.server.background import BackgroundServer
+from dicache.server.jobs import JobQueue, QueueFullError, ShuttingDownError
+
+pytestmark = pytest.mark.timeout(300)
+
+GENERATIONS = "/v1/images/generations"
+ENV = {
+    "SGLANG_CACHE_DIT_ENABLED": "true",
+    "SGLANG_CACHE_DIT_WARMUP": "2",
+    "SGLANG_CACHE_DIT_RDT": "0.5",
+    "SGLANG_CACHE_DIT_MC": "2",
+}
+SETTINGS = ServerSettings(
+    workers=2, max_queue=16, max_n=2, max_side=64, max_steps=60, max_prompt_chars=200, max_body_bytes=8192
+)
+
+# Turbo-style (guidance 1: one branch) and Raw-style (CFG: cond + uncond) requests, with per-request cache settings.
+CASES = {
+    "turbo": dict(prompt="a red fox", size="32x32", num_inference_steps=8, guidance_scale=1.0, seed=1),
+    "raw": dict(
+        prompt="a blue car in the snow", negative_prompt="sun", size="48x32", num_inference_steps=10,
+        guidance_scale=4.5, seed=2,
+    ),
+    "raw_taylorseer": dict(
+        prompt="a green tree", size="32x48", num_inference_steps=12, guidance_scale=3.0, seed=3,
+        cache_dit_params={"enable_taylorseer": True, "residual_diff_threshold": 0.8, "max_warmup_steps": 3},
+    ),
+    "turbo_mask": dict(
+        prompt="a smiling face", size="32x32", n=2, num_inference_steps=12, guidance_scale=1.0, seed=4,
+        cache_dit_params={"scm_preset": "fast", "scm_policy": "static", "max_warmup_steps": 0},
+    ),
+    "turbo_uncached": dict(
+        prompt="a red fox", size="32x32", num_inference_steps=6, guidance_scale=1.0, seed=5, enable_cache=False
+    ),
+    "raw_capped": dict(
+        prompt="a cat with a dog", size="32x32", num_inference_steps=6, guidance_scale=2.0, seed=6,
+        cache_dit_params={"max_cached_steps": 1, "max_warmup_steps": 1},
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_source(tmp_path_factory):
+    return pipeline_source(tmp_path_factory.mktemp("krea2"))
+
+
+@pytest.fixture(scope="module")
+def backend(model_source):
+    """The real backend, its cache settings read from SGLANG_CACHE_DIT_* at start-up (as `dicache serve` does)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [n for n in os.environ if n.startswith("SGLANG_CACHE_DIT_")]:
+            mp.delenv(name)
+        for name, value in ENV.items():
+            mp.setenv(name, value)
+        return load_backend(model_source, device="cpu", default_size=(32, 32))
+
+
+@pytest.fixture(scope="module")
+def server(backend):
+    with BackgroundServer(create_app(backend, SETTINGS)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+_http = httpx.Client(timeout=120)  # one keep-alive connection pool for the module's plain HTTP calls
+
+
+def post(server, body):
+    return _http.post(server.url + GENERATIONS, json=body)
+
+
+def metrics_of(server) -> dict[tuple[str, tuple], float]:
+    text = _http.get(server.url + "/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+# ---------------------------------------------------------------------------------------------- happy path
+def test_openai_client_round_trip(server, client, backend):
+    assert [m.id for m in client.models.list()] == ["krea-2"]
+    kwargs = dict(model="krea-2", prompt="a red fox", n=2, size="48x32", response_format="b64_json")
+    first = client.images.generate(**kwargs, extra_body={"seed": 7, "num_inference_steps": 6})
+    assert len(first.data) == 2
+    images = [decode_png(d.b64_json) for d in first.data]
+    assert images[0].shape == (32, 48, 3) and not (images[0] == images[1]).all()  # two noises, two images
+
+    generation, stats = first.model_extra["generation"], first.model_extra["cache_stats"]
+    assert generation["seed"] == 7 and generation["num_inference_steps"] == 6 and generation["n"] == 2
+    preset = backend.defaults  # the checkpoint's variant (turbo for the tiny distilled one: guidance 1, no CFG)
+    assert generation["variant"] == preset.variant and generation["guidance_scale"] == preset.guidance_scale
+    assert generation["enable_cache"] is True  # SGLANG_CACHE_DIT_ENABLED=true at start-up
+    branches = ["cond", "uncond"] if preset.guidance_scale > 1 else ["cond"]
+    assert stats["enabled"] and stats["num_steps"] == 6 and list(stats["branches"]) == branches
+    assert stats["branches"]["cond"]["computed_steps"][:2] == [0, 1]  # SGLANG_CACHE_DIT_WARMUP=2
+    assert (
+        stats["branches"]["cond"]["reasons"]["1"] == "warmup" and stats["branches"]["cond"]["reasons"]["2"] != "warmup"
+    )
+
+    again = client.images.generate(**kwargs, extra_body={"seed": 7, "num_inference_steps": 6})
+    assert [d.model_extra["sha256"] for d in again.data] == [d.model_extra["sha256"] for d in first.data]
+    other = client.images.generate(**kwargs, extra_body={"seed": 8, "num_inference_steps": 6})
+    assert other.data[0].model_extra["sha256"] != first.data[0].model_extra["sha256"]
+
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["cache"]["enabled_by_default"] is True
+    assert health["cache"]["sources"]["max_warmup_steps"] == "env SGLANG_CACHE_DIT_WARMUP"
+    assert health["cache"]["settings"]["residual_diff_threshold"] == 0.5
+
+
+def engine_run(pipe, case, variant):
+    """The same generation through the engine directly: `dicache.request` scope + the native pipeline."""
+    overrides = {**case.get("cache_dit_params", {}), "enable_cache": case.get("enable_cache", True)}
+    width, height = (int(v) for v in case["size"].split("x"))
+    with torch.inference_mode(), dicache.request(pipe, config=overrides):
+        out = pipe(
+            case["prompt"], negative_prompt=case.get("negative_prompt"), height=height, width=width,
+            num_inference_steps=case["num_inference_steps"], guidance_scale=case.get("guidance_scale", 1.0),
+            seed=case["seed"], num_images_per_prompt=case.get("n", 1), output_type="np", variant=variant,
+        )  # fmt: skip
+    return out.images, dicache.stats(pipe).to_dict()
+
+
+def test_turbo_and_raw_requests_cache_exactly_as_the_engine_does(server, backend, model_source):
+    """Each request's image and cache statistics equal a direct engine run with the environment's config merged
+    with the request's overrides; CFG requests keep a cond and an uncond branch, Turbo-style requests one."""
+    import hashlib
+
+    reference = Krea2Pipeline.from_pretrained(model_source, device="cpu")
+    dicache.enable(reference, backend.cache_config)
+    plain = Krea2Pipeline.from_pretrained(model_source, device="cpu")  # never cache-enabled
+    plain.set_progress_bar_config(disable=True)
+    reference.set_progress_bar_config(disable=True)
+    for name, case in CASES.items():
+        response = post(server, case)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        images, stats = engine_run(reference, case, backend.defaults.variant)
+        assert [d["sha256"] for d in body["data"]] == [hashlib.sha256(i.tobytes()).hexdigest() for i in images], name
+        assert body["cache_stats"] == stats, name
+        cfg = case.get("guidance_scale", 1.0) > 1.0
+        assert set(stats["branches"]) == ({"cond", "uncond"} if cfg else {"cond"}), name
+        assert stats["num_steps"] == case["num_inference_steps"], name
+        if name == "turbo_uncached":
+            assert stats["enabled"] is False and stats["cached_calls"] == 0
+            with torch.inference_mode():
+                out = plain(
+                    case["prompt"], height=32, width=32, num_inference_steps=6, guidance_scale=1.0, seed=5,
+                    output_type="np",
+                    variant=backend.defaults.variant,
+                )  # fmt: skip
+            assert body["data"][0]["sha256"] == hashlib.sha256(out.images[0].tobytes()).hexdigest()  # off means off
+        else:
+            assert stats["cached_calls"] > 0, name
+    mask = dicache.policies.preset_mask("fast", 12)
+    turbo_mask = post(server, CASES["turbo_mask"]).json()["cache_stats"]["branches"]["cond"]
+    assert turbo_mask["cached_steps"] == [i for i, m in enumerate(mask) if m == 0]
+    capped = post(server, CASES["raw_capped"]).json()["cache_stats"]["branches"]
+    assert all(len(b["cached_steps"]) == 1 for b in capped.values())  # max_cached_steps=1 per branch
+
+
+def test_mixed_concurrent_requests_are_bitwise_identical_to_solo_runs(server, client):
+    """Every mode, fired together (two workers, a queue, the openai client and raw HTTP mixed), gives the very
+    bytes and cache statistics it gives alone."""
+    solo = {name: post(server, case).json() for name, case in CASES.items()}
+    jobs = [name for name in CASES for _ in range(2)]
+    random.Random(0).shuffle(jobs)
+    barrier = threading.Barrier(len(jobs))
+    peak = {"running": 0, "waiting": 0}
+    done = threading.Event()
+
+    def monitor():
+        while not done.is_set():
+            queue = httpx.get(server.url + "/health").json()["queue"]
+            peak["running"] = max(peak["running"], queue["running"])
+            peak["waiting"] = max(peak["waiting"], queue["waiting"])
+            time.sleep(0.01)
+
+    def fire(index_name):
+        index, name = index_name
+        case = dict(CASES[name])
+        barrier.wait()
+        if index % 2:
+            return post(server, case).json()
+        extra = {k: case.pop(k) for k in list(case) if k not in ("prompt", "size", "n")}
+        return client.images.generate(**case, extra_body=extra).model_dump()
+
+    watcher = threading.Thread(target=monitor)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(fire, enumerate(jobs)))
+    finally:
+        done.set()
+        watcher.join()
+    assert peak["running"] == 2 and peak["waiting"] >= 1  # really concurrent, and really queued
+    for name, result in zip(jobs, results):
+        assert [(d["b64_json"], d["sha256"]) for d in result["data"]] == [
+            (d["b64_json"], d["sha256"]) for d in solo[name]["data"]
+        ], name
+        assert result["cache_stats"] == solo[name]["cache_stats"], name
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+BAD_REQUESTS = [
+    (dict(prompt="x", size="40x40"), "size", ["size='40x40'", "multiple of 16", "between 16 and 64"]),
+    (dict(prompt="x", size="128x128"), "size", ["size='128x128'", "between 16 and 64"]),
+    (dict(prompt="x", size="big"), "size", ["size='big'", "WIDTHxHEIGHT"]),
+    (dict(prompt="x", n=3), "n", ["n=3", "between 1 and 2"]),
+    (dict(prompt="x", n=0), "n", ["n=0", "greater than or equal to 1"]),
+    (dict(prompt="x", num_inference_steps=61), "num_inference_steps", ["num_inference_steps=61", "between 1 and 60"]),
+    (dict(prompt="x", num_inference_steps=2.5), "num_inference_steps", ["num_inference_steps=2.5", "integer"]),
+    (dict(prompt="x", guidance_scale=0.5), "guidance_scale", ["guidance_scale=0.5", "greater than or equal to 1"]),
+    (dict(prompt="x", seed=-1), "seed", ["seed=-1", "greater than or equal to 0"]),
+    (dict(prompt="x", seed=2**64), "seed", ["seed=18446744073709551616", "less than or equal to"]),
+    (dict(prompt=""), "prompt", ["prompt=''", "at least 1 character"]),
+    (dict(size="32x32"), "prompt", ["prompt is required"]),
+    (dict(prompt="x" * 201), "prompt", ["prompt is 201 characters long", "the limit is 200"]),
+    (dict(prompt="x", negative_prompt="y" * 300), "negative_prompt", ["negative_prompt is 300 characters long"]),
+    (dict(prompt=["a", "b"]), "prompt", ["prompt=['a', 'b']", "valid string"]),
+    (dict(prompt="x", model="dall-e-3"), "model", ["model='dall-e-3' is not served here", "'krea-2'"]),
+    (dict(prompt="x", response_format="url"), "response_format", ["response_format='url'", "'b64_json'"]),
+    (dict(prompt="x", quality="hd"), "quality", ["unknown field 'quality'", "accepted fields: model, prompt"]),
+    (dict(prompt="x", enable_cache="maybe"), "enable_cache", ["enable_cache='maybe'", "boolean"]),
+    (dict(prompt="x", cache_dit_params=[1]), "cache_dit_params", ["cache_dit_params=[1]", "dictionary"]),
+    (dict(prompt="x", cache_dit_params={"foo": 1}), "cache_dit_params", ["'foo'", "allowed keys: enable_cache"]),
+    (
+        dict(prompt="x", cache_dit_params={"residual_diff_threshold": -1}),
+        "cache_dit_params",
+        ["'residual_diff_threshold'=-1 is invalid", "a number >= 0"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"taylorseer_order": 3}),
+        "cache_dit_params",
+        ["'taylorseer_order'=3", "1 or 2"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"Fn_compute_blocks": 99}),
+        "cache_dit_params",
+        ["Fn_compute_blocks=99", "at least one middle block"],
+    ),
+    (dict(prompt="x", cache_dit_params={"scm_compute_bins": [2, 2]}), "cache_dit_params", ["set together"]),
+    (dict(prompt="x", cache_dit_params={"enable_cache": "sometimes"}), "cache_dit_params", ["'sometimes'", "boolean"]),
+]
+
+
+@pytest.mark.parametrize("body, param, expected", BAD_REQUESTS, ids=[f"{i}-{c[1]}" for i, c in enumerate(BAD_REQUESTS)])
+def test_bad_field_is_a_400_naming_field_value_and_allowed(server, body, param, expected):
+    response = post(server, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    for text in expected:
+        assert text in error["message"], (text, error["message"])
+    assert _http.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        (b'{"prompt": "x",', "malformed JSON body"),
+        (b'{"prompt": NaN}', "prompt=nan"),
+        (b'{"prompt": "x", "guidance_scale": Infinity}', "guidance_scale=inf is invalid"),
+        (b"[1, 2]", "request body must be a JSON object"),
+        (b'"a fox"', "request body must be a JSON object"),
+        (b"", "request body is missing"),
+        (b"\xff\xfe\x00", "malformed JSON body"),
+        (b"prompt=a+fox", "Content-Type: application/json"),
+    ],
+)
+def test_malformed_bodies_are_400_over_raw_http(server, raw, expected):
+    content_type = "application/x-www-form-urlencoded" if raw.startswith(b"prompt=") else "application/json"
+    status, body = raw_http(server.host, server.port, post_request(GENERATIONS, raw, content_type))
+    assert status == 400 and expected in body.decode(), body
+
+
+def test_oversize_and_unknown_requests_are_refused_cleanly(server, client):
+    big = dumps({"prompt": "x", "negative_prompt": "y" * 10_000})
+    status, body = raw_http(server.host, server.port, post_request(GENERATIONS, big))
+    assert status == 413 and b"the limit is 8192 bytes" in body
+
+    def chunks():  # no Content-Length: the limit applies while reading
+        for _ in range(20):
+            yield b" " * 1000
+
+    chunked = httpx.post(server.url + GENERATIONS, content=chunks(), headers={"content-type": "application/json"})
+    assert chunked.status_code == 413 and "more than 8192 bytes" in chunked.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    assert httpx.get(server.url + GENERATIONS).status_code == 405
+    assert httpx.get(server.url + "/v1/models/dall-e-3").status_code == 404
+    with pytest.raises(openai.BadRequestError, match="size='33x33' is invalid"):
+        client.images.generate(prompt="x", size="33x33")
+    ok = post(server, dict(prompt="a red fox", size="16x16", num_inference_steps=2, seed=0))  # still serving
+    assert ok.status_code == 200 and decode_png(ok.json()["data"][0]["b64_json"]).shape == (16, 16, 3)
+
+
+def test_metrics_count_requests_errors_latency_queue_and_cached_ratio(server):
+    before = metrics_of(server)
+    ok = post(server, CASES["raw"]).json()
+    assert post(server, dict(prompt="x", n=9)).status_code == 400
+    after = metrics_of(server)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    endpoint = {"endpoint": GENERATIONS}
+    assert delta("dicache_http_requests_total", **endpoint, status="200") == 1
+    assert delta("dicache_http_requests_total", **endpoint, status="400") == 1
+    assert delta("dicache_http_errors_total", **endpoint, status="400") == 1
+    assert delta("dicache_http_request_duration_seconds_count", **endpoint) == 2
+    assert delta("dicache_transformer_calls_total", kind="computed") == ok["cache_stats"]["computed_calls"]
+    assert delta("dicache_transformer_calls_total", kind="cached") == ok["cache_stats"]["cached_calls"] > 0
+    assert delta("dicache_generations_total", outcome="ok") == 1
+    computed = after[("dicache_transformer_calls_total", (("kind", "computed"),))]
+    cached = after[("dicache_transformer_calls_total", (("kind", "cached"),))]
+    assert after[("dicache_cached_step_ratio", ())] == pytest.approx(cached / (cached + computed))
+    assert after[("dicache_queue_depth", ())] == 0 and after[("dicache_generations_running", ())] == 0
+
+
+# ---------------------------------------------------------------------------------------------- robustness
+def test_full_queue_is_429_and_a_disconnect_frees_its_slot(backend):
+    gated = GatedBackend(backend)
+    app = create_app(gated, ServerSettings(max_queue=1, workers=1))
+    body = dumps(dict(prompt="a cat", size="16x16", num_inference_steps=2, seed=1))
+    with BackgroundServer(app) as srv, ThreadPoolExecutor(2) as pool, gated:
+        health = lambda: httpx.get(srv.url + "/health").json()["queue"]  # noqa: E731
+        first = pool.submit(raw_http, srv.host, srv.port, post_request(GENERATIONS, body))
+        assert gated.started.acquire(timeout=20)  # the worker is busy with the first request
+        waiting = socket.create_connection((srv.host, srv.port))  # the second one waits in the queue...
+        waiting.sendall(post_request(GENERATIONS, body))
+        wait_until(lambda: health()["waiting"] == 1, what="a waiting request")
+        full = httpx.post(srv.url + GENERATIONS, content=body, headers={"content-type": "application/json"})
+        assert full.status_code == 429 and "queue is full" in full.json()["error"]["message"]
+        waiting.close()  # its client goes away: the slot is freed at once, not when the worker gets to it
+        wait_until(lambda: health()["waiting"] == 0, timeout=5, what="the slot to be freed")
+        third = pool.submit(raw_http, srv.host, srv.port, post_request(GENERATIONS, body))
+        wait_until(lambda: health()["waiting"] == 1, what="the next request to take the slot")
+        gated.gate.set()
+        assert first.result(60)[0] == 200 and third.result(60)[0] == 200
+        assert gated.started.acquire(timeout=5) and not gated.started.acquire(timeout=0.5)  # the dropped one never ran
+        metrics = metrics_of(srv)
+    assert metrics[("dicache_http_requests_total", (("endpoint", GENERATIONS), ("status", "429")))] == 1
+    assert metrics[("dicache_http_requests_total", (("endpoint", GENERATIONS), ("status", "499")))] == 1
+    assert metrics[("dicache_generations_total", (("outcome", "ok"),))] == 2
+
+
+def test_timeout_is_504_and_stops_the_running_generation(backend):
+    app = create_app(backend, ServerSettings(workers=1, request_timeout_s=1.0, max_side=64))
+    slow = dict(prompt="a rocket", size="64x64", num_inference_steps=200, guidance_scale=4.5, seed=0)  # 400 calls
+    with BackgroundServer(app) as srv:
+        start = time.monotonic()
+        response = httpx.post(srv.url + GENERATIONS, json=slow, timeout=60)
+        assert response.status_code == 504 and time.monotonic() - start < 5
+        assert "timed out after 1 s (generating)" in response.json()["error"]["message"]
+        wait_until(lambda: httpx.get(srv.url + "/health").json()["queue"]["running"] == 0, timeout=5)
+        metrics = metrics_of(srv)
+        assert metrics[("dicache_generations_total", (("outcome", "stopped"),))] == 1
+        assert metrics[("dicache_transformer_calls_total", (("kind", "computed"),))] == 0  # nothing completed
+        ok = httpx.post(srv.url + GENERATIONS, json=dict(prompt="x", size="16x16", num_inference_steps=1), timeout=60)
+        assert ok.status_code == 200
+
+
+def test_graceful_shutdown_finishes_accepted_requests(backend):
+    gated = GatedBackend(backend)
+    app = create_app(gated, ServerSettings(max_queue=4, workers=1))
+    srv = BackgroundServer(app).start()
+    body = dumps(dict(prompt="a sun", size="16x16", num_inference_steps=2, seed=3))
+    with ThreadPoolExecutor(2) as pool, gated:
+        running = pool.submit(raw_http, srv.host, srv.port, post_request(GENERATIONS, body))
+        assert gated.started.acquire(timeout=20)
+        queued = pool.submit(raw_http, srv.host, srv.port, post_request(GENERATIONS, body))
+        wait_until(lambda: httpx.get(srv.url + "/health").json()["queue"]["waiting"] == 1, what="a queued request")
+        srv.request_stop()  # what SIGTERM does
+
+        def refused():
+            try:
+                httpx.get(srv.url + "/health", timeout=1)
+            except httpx.TransportError:
+                return True
+            return False
+
+        wait_until(refused, what="the listener to close")
+        gated.gate.set()
+        for future in (running, queued):
+            status, payload = future.result(60)
+            assert status == 200 and b'"b64_json"' in payload
+    srv.thread.join(30)
+    assert not srv.thread.is_alive() and app.state.queue.closing and app.state.queue.running == 0
+
+
+def test_job_queue_contract():
+    release = threading.Event()
+    queue = JobQueue(lambda job: release.wait(10) and job.payload * 2, capacity=1, workers=1)
+    queue.start()
+    running = queue.submit(1)
+    wait_until(lambda: queue.running == 1)
+    waiting = queue.submit(2)
+    with pytest.raises(QueueFullError, match="queue is full"):
+        queue.submit(3)
+    assert queue.cancel(waiting) and waiting.future.cancelled() and queue.waiting == 0
+    assert not queue.cancel(running) and running.stop.is_set()  # running: asked to stop, not dropped
+    last = queue.submit(4)
+    release.set()
+    queue.shutdown(wait=True, timeout=10)
+    assert running.future.result() == 2 and last.future.result() == 8  # accepted jobs finish on shutdown
+    with pytest.raises(ShuttingDownError):
+        queue.submit(5)
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def test_cli_refuses_a_bad_environment_variable(monkeypatch, capsys):
+    monkeypatch.setenv("SGLANG_CACHE_DIT_RDT", "-1")
+    assert cli_main(["serve", "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "SGLANG_CACHE_DIT_RDT='-1' is invalid" in err and "a number >= 0" in err
+
+
+def test_cli_serves_and_sigterm_finishes_the_request_in_flight(model_source):
+    """The real command: environment config at start-up, a request, then SIGTERM while a generation runs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_CACHE_DIT_")}
+    env.update(SGLANG_CACHE_DIT_ENABLED="1", SGLANG_CACHE_DIT_WARMUP="1", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "dicache.cli", "serve", "--port", str(port), "--device", "cpu", "--max-side", "64"]
+    command += ["--model", model_source] if model_source else []
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy():
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(healthy, timeout=90, what="dicache serve to start")
+        quick = httpx.post(
+            url + GENERATIONS, json=dict(prompt="a heart", size="16x16", num_inference_steps=3), timeout=60
+        )
+        assert quick.json()["cache_stats"]["branches"]["cond"]["reasons"]["0"] == "warmup"  # WARMUP=1, caching on
+        slow = dict(prompt="a house", size="32x32", num_inference_steps=24, guidance_scale=4.5, seed=1)
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(httpx.post, url + GENERATIONS, json=slow, timeout=120)
+            wait_until(lambda: httpx.get(url + "/health").json()["queue"]["running"] == 1, what="a running request")
+            proc.send_signal(signal.SIGTERM)
+            response = in_flight.result(120)
+        assert response.status_code == 200 and response.json()["cache_stats"]["num_steps"] == 24
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its graceful shutdown
+        assert "every accepted request was answered" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
