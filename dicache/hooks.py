@@ -10,6 +10,7 @@ adds the calibrator's estimate of the middle residual, then runs the last Bn blo
   so a model looping `for block in blocks: x = block(x, ...)` calls the runner once per forward.
 Blocks themselves are never modified, so their own hooks and `torch.compile` keep working. The owner's forward is
 wrapped to give each call its (step, branch): declared by the pipeline, or derived from the timestep.
+A model split over processes carries a `ReductionLayout` (`parallel_layout`); the diff is then reduced over its group.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -26,20 +27,40 @@ from .adapters.base import ModelSpec, Streams
 from .policies import StepContext
 from .session import CacheSession
 
+PARALLEL_LAYOUT_ATTR = "parallel_layout"
+"""A model split over processes carries a `ReductionLayout` under this attribute (set by `dicache.parallel`)."""
 
-def relative_change(current: Streams, reference: Streams, group: Any = None) -> float:
+
+class ReductionLayout(Protocol):
+    """How this process's residual streams are a share of the whole, for sums that must cover the whole once.
+
+    group: the processes that must reach the same decision (the model-parallel group), or None for no reduction.
+    counted(stream): the part of this process's stream `(B, S_local, ...)` that counts toward the sums; over `group`
+        every element of the whole is counted on exactly one process (replicated copies count once).
+    """
+
+    group: Any
+
+    def counted(self, stream: torch.Tensor) -> torch.Tensor: ...
+
+
+def relative_change(current: Streams, reference: Streams, layout: ReductionLayout | None = None) -> float:
     """`mean|current − reference| / mean|reference|` over every element of every stream (one host sync).
 
-    With a process group the numerator and denominator sums are all-reduced before dividing, so every rank of a
-    model-parallel group gets the same value and unequal shards weigh by their element counts.
+    With a layout, each process sums only what it counts and the numerator and denominator sums are all-reduced over
+    its group before dividing, so every process of a model-parallel group gets the same value, equal to the
+    single-process one up to summation order (unequal shards weigh by their element counts).
     """
+    if layout is not None:
+        current = tuple(layout.counted(a) for a in current)
+        reference = tuple(layout.counted(b) for b in reference)
     num = sum(torch.sub(a, b).abs().sum(dtype=torch.float32) for a, b in zip(current, reference)).detach()
     den = sum(b.abs().sum(dtype=torch.float32) for b in reference).detach()
-    if group is not None:
+    if layout is not None and layout.group is not None:
         import torch.distributed as dist
 
         both = torch.stack([num, den]).double()
-        dist.all_reduce(both, group=group)
+        dist.all_reduce(both, group=layout.group)
         num, den = both[0], both[1]
     num, den = float(num), float(den)  # the one synchronisation point of a decision
     return num / den if den > 0 else float("inf")
@@ -91,7 +112,8 @@ class BlockStackRunner:
             return fn_residual[0]
 
         def diff() -> float:
-            return relative_change(residual(), branch.reference, self.session.process_group)
+            layout = getattr(self.spec.owner, PARALLEL_LAYOUT_ATTR, None)
+            return relative_change(residual(), branch.reference, layout)
 
         policy = request.policy
         decision = policy.decide(

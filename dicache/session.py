@@ -47,7 +47,6 @@ class CacheSession:
         self.config = config
         self.num_blocks = num_blocks
         self.num_streams = num_streams
-        self.process_group: Any = None  # set for model-parallel runs: diffs are reduced over it
         uid = next(_ids)
         self._request: contextvars.ContextVar[RequestState | None] = contextvars.ContextVar(
             f"dicache_request_{uid}", default=None

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--stats-json", default=None, help="also write the cache statistics as JSON here")
+    from ..parallel import add_parallel_arguments
+
+    add_parallel_arguments(parser)
 
 
 def output_paths(out: str, count: int) -> list[pathlib.Path]:
@@ -56,11 +59,22 @@ def run(args: argparse.Namespace) -> int:
 
     import dicache
     from dicache.models.krea2 import Krea2Pipeline
+    from dicache.parallel import parallelize_pipeline, setup_from_args
 
     config = dicache.CacheConfig.from_env()
     use_cache = config.enable_cache if args.cache == "env" else args.cache == "on"
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    pipe = Krea2Pipeline.from_pretrained(args.model, device=device)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
+    try:
+        return _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline)
+    finally:
+        ctx.shutdown()
+
+
+def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline) -> int:
+    pipe = Krea2Pipeline.from_pretrained(args.model, device=ctx.device)
+    parallelize_pipeline(pipe, ctx)
     if use_cache:
         dicache.enable(pipe, config)
     start = time.perf_counter()
@@ -71,11 +85,14 @@ def run(args: argparse.Namespace) -> int:
         width=args.width,
         num_inference_steps=args.steps,
         guidance_scale=args.guidance,
-        seed=args.seed,
+        seed=ctx.agree_seed(args.seed),
         num_images_per_prompt=args.num_images,
         variant=args.variant,
+        output_type="pil" if ctx.is_output_rank else "latent",
     )
     seconds = time.perf_counter() - start
+    if not ctx.is_output_rank:
+        return 0
     paths = output_paths(args.out, len(out.images))
     for image, path in zip(out.images, paths):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     d = ServerSettings()
     parser.add_argument("--model", default=None, help="checkpoint folder or hub id (default: the embedded checkpoint)")
+    from ..parallel import add_parallel_arguments
+
+    add_parallel_arguments(parser)
     parser.add_argument(
         "--variant",
         choices=("turbo", "raw"),
@@ -110,14 +113,26 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.torch_threads)
     cache_config = CacheConfig.from_env()  # a bad SGLANG_CACHE_DIT_* value stops here, naming the variable
     print(cache_config.describe(), flush=True)
+    from ..parallel import lockstep, parallelize_pipeline, setup_from_args
+
+    ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
     backend = load_backend(
         args.model,
         args.variant,
         dtype=args.dtype,
-        device=args.device,
+        device=str(ctx.device),
         cache_config=cache_config,
         default_size=args.default_size,
     )
-    app = create_app(backend, settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    parallelize_pipeline(backend.pipe, ctx)
+    backend = lockstep(backend, ctx)
+    if backend is None:  # a follower rank: it replayed rank 0's requests until rank 0 closed
+        ctx.shutdown()
+        return 0
+    try:
+        app = create_app(backend, settings)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        backend.close()
+        ctx.shutdown()
     return 0

@@ -10,6 +10,8 @@ taking three exact savings:
 - grouped-query attention goes to SDPA with `enable_gqa` (no K/V repetition, fast kernels), see `attention.py`.
 
 The cache engine's seam is `Krea2Transformer.run_blocks`: the only place the block stack is run.
+Parallel layouts (`dicache.parallel`) use neutral seams that are identities here: `Krea2Transformer.shard_image` /
+`gather_image` (which image tokens this process computes) and `Attention.kernel` (the attention call).
 """
 
 from __future__ import annotations
@@ -74,8 +76,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Self-attention: GQA projections, q/k RMSNorm, optional RoPE, sigmoid-gated output.
 
-    `to_out` is a one-element list only so the checkpoint key reads `to_out.0.weight`.
+    `to_out` is a one-element list only so the checkpoint key reads `to_out.0.weight`. `kernel` is the attention
+    seam, `(q, k, v, key_mask) -> out` in `gqa_attention`'s layout; a parallel layout may replace it on an instance
+    (e.g. to exchange heads for sequence around it). `num_heads` / `num_kv_heads` are the heads this module computes.
     """
+
+    kernel = staticmethod(gqa_attention)
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, eps: float) -> None:
         super().__init__()
@@ -105,7 +111,7 @@ class Attention(nn.Module):
         v = self.to_v(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = gqa_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_mask)
+        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_mask)
         out = out.transpose(1, 2).flatten(2)
         return self.to_out[0](out * torch.sigmoid(self.to_gate(x)))
 
@@ -462,6 +468,20 @@ class Krea2Transformer(nn.Module):
 
     # -- denoiser ---------------------------------------------------------------------------------------------------
 
+    def shard_image(
+        self, hidden_states: torch.Tensor, positions: torch.Tensor, num_text_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence seam: the image tokens `(B, n, C)` and their RoPE positions `(n, 3)` this process computes.
+
+        The joint sequence the blocks see is `[text (num_text_tokens), these image tokens]`. Identity here (all `N`
+        tokens); a sequence-parallel layout replaces it on the instance, together with `gather_image`.
+        """
+        return hidden_states, positions
+
+    def gather_image(self, velocity: torch.Tensor) -> torch.Tensor:
+        """Sequence seam: the velocity of all image tokens `(B, N, C)` from this process's share (identity here)."""
+        return velocity
+
     def run_blocks(self, hidden_states: torch.Tensor, *block_args) -> torch.Tensor:
         """The block-stack seam (the cache engine replaces this on the instance). Keep it exactly this loop."""
         for block in self.transformer_blocks:
@@ -506,14 +526,15 @@ class Krea2Transformer(nn.Module):
 
         temb = self.time_embed(timestep, self.dtype)
         temb_mod = self.time_mod_proj(F.gelu(temb, approximate="tanh"))
-        rotary_emb = self.rotary_emb(position_ids[-image_len:], num_leading_zeros=text.num_tokens)
+        image, image_positions = self.shard_image(hidden_states, position_ids[-image_len:], text.num_tokens)
+        rotary_emb = self.rotary_emb(image_positions, num_leading_zeros=text.num_tokens)
         key_mask = text.key_mask
         if key_mask is not None:
-            key_mask = torch.cat([key_mask, key_mask.new_ones(batch, image_len)], dim=1)
+            key_mask = torch.cat([key_mask, key_mask.new_ones(batch, image.shape[1])], dim=1)
 
-        joint = torch.cat([text.tokens, self.img_in(hidden_states.to(self.dtype))], dim=1)
+        joint = torch.cat([text.tokens, self.img_in(image.to(self.dtype))], dim=1)
         joint = self.run_blocks(joint, temb_mod, rotary_emb, key_mask)
-        velocity = self.final_layer(joint[:, text.num_tokens :], temb)
+        velocity = self.gather_image(self.final_layer(joint[:, text.num_tokens :], temb))
 
         if return_dict is None:
             return velocity

@@ -1,0 +1,458 @@
+"""Full-size Krea-2 sampling speed: dicache (native model) against diffusers + cache-dit, in the same run.
+
+Random weights at the real size (12.8 B, shared by both implementations), bf16, 1024² (4096 image tokens), text
+padded to 512 with 48 real tokens; denoising only (latent output, no text encoder / VAE). Sections:
+
+- forward: one full forward and one cached forward (Fn=1, Bn=0) of ours, the cached/full ratio; diffusers' forward.
+- masks: Turbo 8 steps (no CFG) and Raw 50 steps (CFG) under the step masks cache-dit's presets give
+  (slow/medium/fast/ultra), Fn=1 Bn=0 W=4 static, ours vs diffusers + cache-dit, same masks on both sides.
+- sglang: the default settings' pattern when every allowed step is cached (Fn=1 Bn=0 W=4 MC=3, dynamic decisions
+  with an always-passing threshold): Turbo 5 of 8 computed, Raw 15 of 50 per branch.
+- overhead: Turbo 8 plain vs hooks measuring the diff at every step with nothing cached.
+- the same with the transformer blocks compiled (both sides), with recompilations counted after warm-up.
+- profile: the top kernels of one full and one cached forward.
+
+    python benchmarks/bench_krea2_speed.py [--results benchmarks/RESULTS.md] [--no-compile] [--sections ...]
+    python benchmarks/bench_krea2_speed.py --tiny --device cpu      # logic check
+
+Prints a table per section (time, achieved TFLOP/s, speed-up), writes JSON to $OUT/bench_krea2_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench_krea2_forward import TINY_CONFIG, block_flops, build_models, forward_flops  # noqa: E402
+
+import dicache  # noqa: E402
+from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
+from dicache.models.krea2.scheduler import FlowMatchEulerScheduler  # noqa: E402
+
+SECTIONS = ("forward", "masks", "sglang", "overhead", "profile")
+# cache-dit 1.5.3's masks (cache_dit.steps_mask) for 8 and 50 steps, used when cache-dit is not importable
+PRESETS = ("slow", "medium", "fast", "ultra")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-diffusers", action="store_true")
+    p.add_argument("--raw-steps", type=int, default=50)
+    p.add_argument("--turbo-steps", type=int, default=8)
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default: 3 for Turbo, 1 for Raw)")
+    p.add_argument("--peak-tflops", type=float, default=790.0)
+    p.add_argument("--results", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.sections = [s for s in args.sections.split(",") if s]
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}; allowed: {','.join(SECTIONS)}")
+    return args
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.config = TINY_CONFIG if args.tiny else None
+        self.size = 128 if args.tiny else 1024
+        self.text_len, self.valid = (32, 8) if args.tiny else (512, 48)
+        self.results: dict = {"sections": {}}
+
+    # -------------------------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        from diffusers import Krea2Transformer2DModel
+
+        config = self.config or {k: v for k, v in Krea2Transformer2DModel().config.items() if not k.startswith("_")}
+        self.config = config
+        self.ours, self.ref, note = build_models(config, self.device, self.dtype, 0, not self.args.no_diffusers)
+        if note:
+            print(note)
+        gen = torch.Generator(self.device).manual_seed(1)
+        shape = (1, self.text_len, config["num_text_layers"], config["text_hidden_dim"])
+        self.pe = torch.randn(shape, generator=gen, device=self.device).to(self.dtype)
+        self.ne = torch.randn(shape, generator=gen, device=self.device).to(self.dtype)
+        self.pm = self._mask(self.valid)
+        self.nm = self._mask(8 if not self.args.tiny else 6)
+        self.pipe = Krea2Pipeline(transformer=self.ours, scheduler=FlowMatchEulerScheduler())
+        self.pipe.set_progress_bar_config(disable=True)
+        self.dpipe = None
+        if self.ref is not None:
+            from diffusers import FlowMatchEulerDiscreteScheduler
+            from diffusers import Krea2Pipeline as DiffusersKrea2Pipeline
+
+            sched = FlowMatchEulerDiscreteScheduler(
+                use_dynamic_shifting=True,
+                base_shift=0.5,
+                max_shift=1.15,
+                base_image_seq_len=256,
+                max_image_seq_len=6400,
+            )
+            self.dpipe = DiffusersKrea2Pipeline(
+                scheduler=sched, vae=None, text_encoder=None, tokenizer=None, transformer=self.ref, is_distilled=False
+            )
+            self.dpipe.set_progress_bar_config(disable=True)
+        self.image_tokens = (self.size // 16) ** 2
+        self.results["setup"] = {
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.machine(),
+            "torch": torch.__version__,
+            "dtype": str(self.dtype),
+            "size": self.size,
+            "text_len": self.text_len,
+            "valid_text": self.valid,
+            "params_B": round(sum(p.numel() for p in self.ours.parameters()) / 1e9, 3),
+        }
+
+    def _mask(self, valid: int) -> torch.Tensor:
+        m = torch.zeros(1, self.text_len, dtype=torch.bool, device=self.device)
+        m[:, : valid - 5] = True
+        m[:, -5:] = True
+        return m
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def timed(self, fn, reps: int) -> dict:
+        """Median seconds over `reps` runs after one warm-up run; peak memory of the timed runs."""
+        fn()
+        self.sync()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - start)
+        times.sort()
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        return {"s": round(times[len(times) // 2], 4), "peak_GiB": None if peak is None else round(peak, 2)}
+
+    # -------------------------------------------------------------------------------------------------- runs
+    def ours_run(self, steps: int, cfg: bool):
+        kw = dict(
+            prompt_embeds=self.pe,
+            prompt_embeds_mask=self.pm,
+            height=self.size,
+            width=self.size,
+            num_inference_steps=steps,
+            seed=0,
+            output_type="latent",
+        )
+        if cfg:
+            kw.update(
+                negative_prompt_embeds=self.ne, negative_prompt_embeds_mask=self.nm, variant="raw", guidance_scale=4.5
+            )
+        else:
+            kw.update(variant="turbo", guidance_scale=1.0)
+        return lambda: self.pipe(**kw)
+
+    def ref_run(self, steps: int, cfg: bool):
+        kw = dict(
+            prompt_embeds=self.pe,
+            prompt_embeds_mask=self.pm,
+            height=self.size,
+            width=self.size,
+            num_inference_steps=steps,
+            guidance_scale=3.5 if cfg else 0.0,
+            output_type="latent",
+        )
+        if cfg:
+            kw.update(negative_prompt_embeds=self.ne, negative_prompt_embeds_mask=self.nm)
+
+        def run():
+            return self.dpipe(generator=torch.Generator("cpu").manual_seed(0), **kw)
+
+        return run
+
+    def reps(self, steps: int) -> int:
+        return self.args.reps or (3 if steps <= 8 else 1)
+
+    def cachedit_mask(self, preset: str, steps: int) -> list[int]:
+        import cache_dit
+
+        return list(cache_dit.steps_mask(total_steps=steps, mask_policy=preset))
+
+    @staticmethod
+    def bins(mask: list[int]) -> tuple[list[int], list[int]]:
+        """Alternating compute/cache runs of a mask that starts with 1."""
+        runs, value, count = [], mask[0], 0
+        for m in mask:
+            if m == value:
+                count += 1
+            else:
+                runs.append(count)
+                value, count = m, 1
+        runs.append(count)
+        return runs[0::2], runs[1::2]
+
+    # -------------------------------------------------------------------------------------------------- sections
+    def section_forward(self, tag: str) -> None:
+        ours, steps = self.ours, 64
+        text = ours.encode_text(self.pe, self.pm)
+        x = torch.randn(1, self.image_tokens, self.config["in_channels"], device=self.device, dtype=self.dtype)
+        ids = Krea2Pipeline.position_ids(self.size // 16, self.size // 16, self.device)
+        t = torch.full((1,), 0.7, device=self.device)
+        dicache.enable(
+            ours, {"scm_compute_bins": [1], "scm_cache_bins": [steps], "scm_policy": "static", "max_warmup_steps": 0}
+        )
+        full_times, cached_times = [], []
+        with torch.no_grad(), dicache.request(ours, num_inference_steps=steps + 1):
+            for i in range(steps):
+                self.sync()
+                start = time.perf_counter()
+                with dicache.step(ours, i, "cond", 0.7):
+                    ours(x, text, t, ids)
+                self.sync()
+                (full_times if i == 0 else cached_times).append(time.perf_counter() - start)
+        dicache.disable(ours)
+        with torch.no_grad():
+            full = self.timed(lambda: ours(x, text, t, ids), 10)
+        cached = sorted(cached_times[3:])[len(cached_times[3:]) // 2]
+        row = {
+            "ours_full_s": full["s"],
+            "ours_cached_s": round(cached, 5),
+            "cached_over_full": round(cached / full["s"], 4),
+            "peak_GiB": full["peak_GiB"],
+        }
+        flops = forward_flops(self.config, self.image_tokens, self.valid, with_text_path=False)
+        row["ours_full_tflops"] = round(flops / full["s"] / 1e12, 1)
+        row["floor_s"] = round(flops / self.args.peak_tflops / 1e12, 4)
+        row["one_block_share"] = round(block_flops(self.config, self.image_tokens + self.valid) / flops, 4)
+        if self.ref is not None:
+            args = dict(
+                hidden_states=x,
+                encoder_hidden_states=self.pe,
+                timestep=t.to(self.dtype),
+                position_ids=torch.cat([torch.zeros(self.text_len, 3, device=self.device), ids]),
+                encoder_attention_mask=self.pm,
+                return_dict=False,
+            )
+            with torch.no_grad():
+                ref = self.timed(lambda: self.ref(**args), 5)
+            row["diffusers_full_s"] = ref["s"]
+            row["speedup_vs_diffusers"] = round(ref["s"] / full["s"], 3)
+        self.results["sections"][f"forward{tag}"] = row
+        print(f"forward{tag}: {row}", flush=True)
+
+    def section_masks(self, tag: str) -> None:
+        rows = []
+        for steps, cfg in ((self.args.turbo_steps, False), (self.args.raw_steps, True)):
+            for preset in PRESETS:
+                mask = self.cachedit_mask(preset, steps)
+                compute, cache = self.bins(mask)
+                config = {
+                    "scm_compute_bins": compute,
+                    "scm_cache_bins": cache or [1],
+                    "scm_policy": "static",
+                    "max_warmup_steps": 4,
+                    "max_continuous_cached_steps": -1,
+                }
+                row = {"steps": steps, "cfg": cfg, "preset": preset, "mask": "".join(map(str, mask))}
+                dicache.enable(self.pipe, config)
+                ours = self.timed(self.ours_run(steps, cfg), self.reps(steps))
+                st = dicache.stats(self.pipe)
+                dicache.disable(self.pipe)
+                row.update(
+                    ours_s=ours["s"],
+                    ours_peak_GiB=ours["peak_GiB"],
+                    ours_compute=round(st.compute_fraction, 3),
+                    ours_computed_calls=st.computed_calls,
+                )
+                if self.dpipe is not None:
+                    ref = self._cachedit_time(steps, cfg, mask)
+                    row.update(
+                        cachedit_s=ref["s"], cachedit_peak_GiB=ref["peak_GiB"], speedup=round(ref["s"] / ours["s"], 3)
+                    )
+                rows.append(row)
+                print(f"masks{tag}: {row}", flush=True)
+        self.results["sections"][f"masks{tag}"] = rows
+
+    def _cachedit_time(self, steps: int, cfg: bool, mask: list[int]) -> dict:
+        import cache_dit
+        from cache_dit import DBCacheConfig
+
+        cache_dit.enable_cache(
+            self.dpipe,
+            cache_config=DBCacheConfig(
+                num_inference_steps=steps,
+                Fn_compute_blocks=1,
+                Bn_compute_blocks=0,
+                max_warmup_steps=4,
+                residual_diff_threshold=0.24,
+                max_continuous_cached_steps=-1,
+                steps_computation_mask=mask,
+                steps_computation_policy="static",
+                enable_separate_cfg=cfg,
+            ),
+        )
+        try:
+            return self.timed(self.ref_run(steps, cfg), self.reps(steps))
+        finally:
+            cache_dit.disable_cache(self.dpipe)
+
+    def section_sglang(self, tag: str) -> None:
+        rows = []
+        config = {
+            "Fn_compute_blocks": 1,
+            "Bn_compute_blocks": 0,
+            "max_warmup_steps": 4,
+            "max_continuous_cached_steps": 3,
+            "residual_diff_threshold": 1e9,
+        }
+        for steps, cfg, sglang_s in ((self.args.turbo_steps, False, 0.92), (self.args.raw_steps, True, 6.3)):
+            plain = self.timed(self.ours_run(steps, cfg), self.reps(steps))
+            dicache.enable(self.pipe, config)
+            cached = self.timed(self.ours_run(steps, cfg), self.reps(steps))
+            st = dicache.stats(self.pipe)
+            dicache.disable(self.pipe)
+            row = {
+                "steps": steps,
+                "cfg": cfg,
+                "plain_s": plain["s"],
+                "cached_s": cached["s"],
+                "computed_per_branch": {k: len(b.computed_steps) for k, b in st.branches.items()},
+                "sglang_seed_docs_s": sglang_s,
+                "peak_GiB": cached["peak_GiB"],
+            }
+            rows.append(row)
+            print(f"sglang{tag}: {row}", flush=True)
+        self.results["sections"][f"sglang{tag}"] = rows
+
+    def section_overhead(self, tag: str) -> None:
+        steps = self.args.turbo_steps
+        plain = self.timed(self.ours_run(steps, False), 5)
+        dicache.enable(self.pipe, {"max_warmup_steps": 0, "residual_diff_threshold": 1e-9})
+        hooked = self.timed(self.ours_run(steps, False), 5)
+        assert dicache.stats(self.pipe).cached_calls == 0
+        dicache.disable(self.pipe)
+        row = {
+            "plain_s": plain["s"],
+            "hooked_nothing_cached_s": hooked["s"],
+            "overhead_pct": round(100 * (hooked["s"] - plain["s"]) / plain["s"], 2),
+        }
+        self.results["sections"][f"overhead{tag}"] = row
+        print(f"overhead{tag}: {row}", flush=True)
+
+    def section_profile(self, tag: str) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        ours = self.ours
+        text = ours.encode_text(self.pe, self.pm)
+        x = torch.randn(1, self.image_tokens, self.config["in_channels"], device=self.device, dtype=self.dtype)
+        ids = Krea2Pipeline.position_ids(self.size // 16, self.size // 16, self.device)
+        t = torch.full((1,), 0.7, device=self.device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        dicache.enable(
+            ours, {"scm_compute_bins": [1], "scm_cache_bins": [9], "scm_policy": "static", "max_warmup_steps": 0}
+        )
+        out = {}
+        with torch.no_grad(), dicache.request(ours, num_inference_steps=10):
+            for i, name in enumerate(("full", "cached", "cached")):
+                with profile(activities=activities) as prof, dicache.step(ours, i, "cond", 0.7):
+                    ours(x, text, t, ids)
+                    self.sync()
+                key = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+                table = prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60)
+                out[name] = table
+        dicache.disable(ours)
+        self.results["sections"][f"profile{tag}"] = out
+        print(f"profile{tag} full:\n{out['full']}\nprofile{tag} cached:\n{out['cached']}", flush=True)
+
+    # -------------------------------------------------------------------------------------------------- compile
+    def compile_both(self) -> dict:
+        import torch._dynamo
+
+        start = time.perf_counter()
+        for block in self.ours.transformer_blocks:
+            block.compile(fullgraph=True)
+        if self.ref is not None:
+            self.ref.compile_repeated_blocks(fullgraph=True)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        return {"compile_setup_s": round(time.perf_counter() - start, 2)}
+
+    def run(self) -> dict:
+        self.setup()
+        variants = [""] if self.args.no_compile else ["", "_compiled"]
+        for tag in variants:
+            if tag:
+                self.results["compile"] = self.compile_both()
+                from torch._dynamo.utils import counters
+
+                graphs_before = None
+            for section in self.args.sections:
+                if section == "profile" and tag == "" and not self.args.no_compile:
+                    continue  # profile the compiled (fastest) model
+                if tag and section == "forward":
+                    self.section_forward(tag)  # warms up the compiled blocks at every shape used
+                    graphs_before = dict(counters["stats"])
+                    continue
+                getattr(self, f"section_{section}")(tag)
+            if tag:
+                self.results["compile"]["graph_stats_after_warmup"] = graphs_before
+                self.results["compile"]["graph_stats_end"] = dict(counters["stats"])
+        return self.results
+
+
+def markdown(results: dict, command: str) -> str:
+    s = results["setup"]
+    lines = [
+        f"\n## Krea-2 full-size sampling speed ({datetime.datetime.now():%Y-%m-%d %H:%M})\n",
+        f"Command: `{command}`  ",
+        f"Machine: {s['device']}, torch {s['torch']}, {s['dtype']}, {s['size']}², text {s['text_len']} "
+        f"padded / {s['valid_text']} real, {s['params_B']} B params, random weights\n",
+    ]
+    for name, data in results["sections"].items():
+        if name.startswith("profile"):
+            lines += [f"### {name}\n", "```", data["full"], "```", "```", data["cached"], "```\n"]
+            continue
+        rows = data if isinstance(data, list) else [data]
+        keys = list(rows[0])
+        lines += [f"### {name}\n", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+        lines.append("")
+    if "compile" in results:
+        lines.append(f"Compile: {json.dumps(results['compile'])}\n")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    bench = Bench(args)
+    results = bench.run()
+    out = args.out or os.path.join(os.environ.get("OUT", "."), "bench_krea2_speed.json")
+    pathlib.Path(out).write_text(json.dumps(results, indent=1))
+    command = "python benchmarks/bench_krea2_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = markdown(results, command.strip())
+    print(text)
+    if args.results:
+        path = pathlib.Path(args.results)
+        if not path.exists():
+            path.write_text("# Benchmark results\n")
+        with path.open("a") as fh:
+            fh.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

@@ -1,0 +1,216 @@
+"""`dicache sweep`: measure speedup vs fidelity over a grid of cache settings, side by side with cache-dit.
+
+Writes into `--out`: results.jsonl (resumable), results.json, report.md, plots/*.png, grids/<schedule>/*.png.
+Values given on the command line override a `--grid` file, which overrides the built-in (or `--quick`) defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+HELP = "sweep cache settings: compute fraction, time and fidelity (PSNR/SSIM/rel-L2) vs cache-dit and fewer steps"
+
+GRID_AXES = (
+    ("Fn", "Fn_compute_blocks", int),
+    ("Bn", "Bn_compute_blocks", int),
+    ("W", "max_warmup_steps", int),
+    ("RDT", "residual_diff_threshold", float),
+    ("MC", "max_continuous_cached_steps", int),
+    ("TS", "taylorseer_order", int),
+    ("SCM", "scm_preset", str),
+    ("SCM_POLICY", "scm_policy", str),
+)
+QUICK_PROMPTS = 2
+DEFAULT_PROMPTS = 8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "examples:\n"
+        "  dicache sweep --quick --out sweep-quick\n"
+        "  dicache sweep --schedules 8 28:4.5 --RDT 0.08 0.12 0.24 --TS 0 1 --out sweep-rdt\n"
+        "  dicache sweep --grid benchmarks/sweep_grid.yaml --out sweep-full\n"
+        "schedules: STEPS[:CFG_SCALE[:VARIANT]], CFG scale in the standard convention uncond + s·(cond − uncond),\n"
+        "  s = 1 (or omitted) = no CFG; e.g. 8 (Turbo-like), 28:4.5 and 50:4.5 (Raw-like). cache-dit gets g = s − 1.\n"
+        "grid axes take lists; their cartesian product is swept. TS 0 = TaylorSeer off.\n"
+        "An interrupted sweep resumes: rerun the same command; finished cells are not recomputed."
+    )
+    parser.add_argument("--model", help="checkpoint folder or hub repo id (default: the embedded krea2-tiny)")
+    parser.add_argument("--out", default="sweep-results", help="output folder (default: %(default)s)")
+    parser.add_argument("--grid", metavar="FILE", help="YAML/JSON grid file (keys: " + ", ".join(_file_keys()) + ")")
+    parser.add_argument("--quick", action="store_true", help="a small grid, 2 prompts, 8 and 28:4.5 steps (minutes)")
+    parser.add_argument("--schedules", nargs="+", metavar="SCHED", help="e.g. 8 28:4.5 50:4.5")
+    parser.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="prompt file: text (one a line) or JSON (default: the checkpoint's heldout_prompts.json, held-out split)",
+    )
+    parser.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable; replaces --prompts)")
+    parser.add_argument("--seeds", nargs="+", type=int, help="seeds for every prompt (default: the file's, else 0)")
+    parser.add_argument(
+        "--num-prompts", type=int, help=f"use the first K prompts (default {DEFAULT_PROMPTS}, --quick {QUICK_PROMPTS})"
+    )
+    parser.add_argument("--height", type=int, help="image height in px (default: the checkpoint's)")
+    parser.add_argument("--width", type=int, help="image width in px (default: the checkpoint's)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=("ours", "cache-dit"),
+        help="cached methods (default: ours, plus cache-dit when installed)",
+    )
+    parser.add_argument(
+        "--targets", nargs="+", type=float, help="PSNR targets in dB for recommendations (default 30 35 40)"
+    )
+    axes = parser.add_argument_group("grid axes (each a list; overrides the grid file's grid)")
+    for flag, key, kind in GRID_AXES:
+        axes.add_argument(
+            f"--{flag.replace('_', '-')}",
+            dest=f"axis_{flag}",
+            nargs="+",
+            type=kind if kind is not int else _int,
+            metavar="V",
+            help=key,
+        )
+    parser.add_argument("--device", help="torch device for both pipelines, e.g. cuda (default: cpu)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="model dtype (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads while sweeping (default: torch's); 1 is often fastest on a shared or loaded CPU",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--dry-run", action="store_true", help="print the cells and samples, run nothing")
+    parser.add_argument("--report-only", action="store_true", help="redraw report.md and plots from results.json")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _file_keys() -> tuple[str, ...]:
+    from ..sweep.spec import FILE_KEYS
+
+    return FILE_KEYS
+
+
+def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
+    """The `SweepSpec` of the parsed arguments (CLI > grid file > `--quick`/default presets)."""
+    from ..sweep import spec as S
+
+    file: dict[str, Any] = S.read_grid_file(args.grid) if args.grid else {}
+    model = args.model or file.get("model")
+
+    grid: Any = S.QUICK_GRID if args.quick else S.DEFAULT_GRID
+    grid = file.get("grid", grid)
+    axes = {key: getattr(args, f"axis_{flag}") for flag, key, _ in GRID_AXES if getattr(args, f"axis_{flag}")}
+    if axes:
+        grid = axes
+    cells = S.expand_grid(grid)
+
+    schedules = args.schedules or file.get("schedules") or (S.QUICK_SCHEDULES if args.quick else S.DEFAULT_SCHEDULES)
+    schedules = [S.Schedule.parse(s) for s in (schedules if isinstance(schedules, list | tuple) else [schedules])]
+
+    seeds = args.seeds if args.seeds is not None else file.get("seeds")
+    limit = args.num_prompts or file.get("num_prompts") or (QUICK_PROMPTS if args.quick else DEFAULT_PROMPTS)
+    if args.prompt:
+        pairs = [(p, None) for p in args.prompt]
+    elif args.prompts:
+        pairs = S.read_prompts(args.prompts, split="heldout")
+    elif file.get("prompts"):
+        prompts = file["prompts"]
+        pairs = [(p, None) for p in ([prompts] if isinstance(prompts, str) else prompts)]
+    else:
+        pairs = _default_prompts(model)
+    samples = S.make_samples(pairs, seeds, limit)
+
+    methods = args.methods or file.get("methods")
+    if methods is None:
+        from ..sweep.cachedit import INSTALL_HINT, cache_dit_available
+
+        methods = ["ours", "cache-dit"]
+        if not cache_dit_available():
+            methods = ["ours"]
+            log(f"note: {INSTALL_HINT}; sweeping ours and the fewer-steps baseline only")
+    targets = args.targets or file.get("targets") or S.DEFAULT_TARGETS
+    return S.SweepSpec(
+        samples=samples,
+        schedules=schedules,
+        cells=cells,
+        methods=tuple(methods),
+        model=model,
+        height=args.height or file.get("height"),
+        width=args.width or file.get("width"),
+        targets=tuple(float(t) for t in targets),
+    )
+
+
+def _default_prompts(model: str | None) -> list[tuple[str, int | None]]:
+    """The checkpoint's held-out prompts (heldout_prompts.json) when it has them, else built-in ones."""
+    from ..sweep.spec import FALLBACK_PROMPTS, read_prompts
+
+    if model is None:
+        from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT
+
+        folder = EMBEDDED_CHECKPOINT
+    else:
+        folder = Path(model)
+    path = folder / "heldout_prompts.json"
+    if path.is_file():
+        return read_prompts(path, split="heldout")
+    return [(p, None) for p in FALLBACK_PROMPTS]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..sweep.report import write_report
+    from ..sweep.store import RESULTS_JSON
+
+    out = Path(args.out)
+    if args.report_only:
+        path = out / RESULTS_JSON
+        if not path.is_file():
+            from ..sweep.spec import SweepSpecError
+
+            raise SweepSpecError(f"--report-only: {path} does not exist (run the sweep first)")
+        report = write_report(json.loads(path.read_text()), out)
+        print(f"wrote {report}")
+        return 0
+    spec = build_spec(args)
+    if args.dry_run:
+        print(f"model: {spec.model or 'embedded krea2-tiny'}; methods: {', '.join(spec.methods)} + fewer steps")
+        print("schedules: " + "; ".join(s.name for s in spec.schedules))
+        print(f"samples ({len(spec.samples)}): " + "; ".join(f"{p!r} seed {s}" for p, s in spec.samples))
+        print(f"cells ({len(spec.cells)}):")
+        for cell in spec.cells:
+            print(f"  {cell.label}")
+        return 0
+    import torch
+
+    from ..sweep.run import run_sweep
+
+    if args.threads is not None and args.threads < 1:
+        from ..sweep.spec import SweepSpecError
+
+        raise SweepSpecError(f"--threads={args.threads} is invalid: must be an integer >= 1")
+    previous = torch.get_num_threads()
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        results = run_sweep(
+            spec, out, progress=not args.no_progress, dtype=getattr(torch, args.dtype), device=args.device
+        )
+    finally:
+        torch.set_num_threads(previous)
+    print(f"{len(results['records'])} records; report: {out / 'report.md'}; results: {out / RESULTS_JSON}")
+    return 0
