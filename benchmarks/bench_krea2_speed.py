@@ -51,7 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--sections", default=",".join(SECTIONS))
-    p.add_argument("--no-compile", action="store_true")
+    p.add_argument(
+        "--mode",
+        choices=("eager", "compiled", "both"),
+        default="both",
+        help="run the sections eager, with the transformer blocks compiled, or both",
+    )
     p.add_argument("--no-diffusers", action="store_true")
     p.add_argument("--raw-steps", type=int, default=50)
     p.add_argument("--turbo-steps", type=int, default=8)
@@ -76,6 +81,8 @@ class Bench:
         self.size = 128 if args.tiny else 1024
         self.text_len, self.valid = (32, 8) if args.tiny else (512, 48)
         self.results: dict = {"sections": {}}
+        self.warm: set = set()
+        self.out_path: pathlib.Path | None = None
 
     # -------------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -131,12 +138,18 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def timed(self, fn, reps: int) -> dict:
-        """Median seconds over `reps` runs after one warm-up run; peak memory of the timed runs."""
-        fn()
-        self.sync()
+    def timed(self, fn, reps: int, warm_key=None) -> dict:
+        """Median seconds over `reps` runs, after one warm-up run unless `warm_key` was warmed before; peak memory
+        of the timed runs; graphs compiled during the timed runs (0 means no recompilation after warm-up)."""
+        from torch._dynamo.utils import counters
+
+        if warm_key is None or warm_key not in self.warm:
+            fn()
+            self.sync()
+            self.warm.add(warm_key)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        graphs = counters["stats"]["unique_graphs"]
         times = []
         for _ in range(reps):
             start = time.perf_counter()
@@ -145,7 +158,11 @@ class Bench:
             times.append(time.perf_counter() - start)
         times.sort()
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-        return {"s": round(times[len(times) // 2], 4), "peak_GiB": None if peak is None else round(peak, 2)}
+        return {
+            "s": round(times[len(times) // 2], 4),
+            "peak_GiB": None if peak is None else round(peak, 2),
+            "new_graphs": counters["stats"]["unique_graphs"] - graphs,
+        }
 
     # -------------------------------------------------------------------------------------------------- runs
     def ours_run(self, steps: int, cfg: bool):
@@ -269,7 +286,7 @@ class Bench:
                 }
                 row = {"steps": steps, "cfg": cfg, "preset": preset, "mask": "".join(map(str, mask))}
                 dicache.enable(self.pipe, config)
-                ours = self.timed(self.ours_run(steps, cfg), self.reps(steps))
+                ours = self.timed(self.ours_run(steps, cfg), self.reps(steps), warm_key=("ours", steps, cfg, tag))
                 st = dicache.stats(self.pipe)
                 dicache.disable(self.pipe)
                 row.update(
@@ -277,17 +294,21 @@ class Bench:
                     ours_peak_GiB=ours["peak_GiB"],
                     ours_compute=round(st.compute_fraction, 3),
                     ours_computed_calls=st.computed_calls,
+                    ours_new_graphs=ours["new_graphs"],
                 )
                 if self.dpipe is not None:
-                    ref = self._cachedit_time(steps, cfg, mask)
+                    ref = self._cachedit_time(steps, cfg, mask, tag)
                     row.update(
-                        cachedit_s=ref["s"], cachedit_peak_GiB=ref["peak_GiB"], speedup=round(ref["s"] / ours["s"], 3)
+                        cachedit_s=ref["s"],
+                        cachedit_peak_GiB=ref["peak_GiB"],
+                        cachedit_new_graphs=ref["new_graphs"],
+                        speedup=round(ref["s"] / ours["s"], 3),
                     )
                 rows.append(row)
                 print(f"masks{tag}: {row}", flush=True)
         self.results["sections"][f"masks{tag}"] = rows
 
-    def _cachedit_time(self, steps: int, cfg: bool, mask: list[int]) -> dict:
+    def _cachedit_time(self, steps: int, cfg: bool, mask: list[int], tag: str) -> dict:
         import cache_dit
         from cache_dit import DBCacheConfig
 
@@ -306,7 +327,7 @@ class Bench:
             ),
         )
         try:
-            return self.timed(self.ref_run(steps, cfg), self.reps(steps))
+            return self.timed(self.ref_run(steps, cfg), self.reps(steps), warm_key=("cachedit", steps, cfg, tag))
         finally:
             cache_dit.disable_cache(self.dpipe)
 
@@ -320,9 +341,9 @@ class Bench:
             "residual_diff_threshold": 1e9,
         }
         for steps, cfg, sglang_s in ((self.args.turbo_steps, False, 0.92), (self.args.raw_steps, True, 6.3)):
-            plain = self.timed(self.ours_run(steps, cfg), self.reps(steps))
+            plain = self.timed(self.ours_run(steps, cfg), self.reps(steps), warm_key=("ours", steps, cfg, tag))
             dicache.enable(self.pipe, config)
-            cached = self.timed(self.ours_run(steps, cfg), self.reps(steps))
+            cached = self.timed(self.ours_run(steps, cfg), self.reps(steps), warm_key=("ours", steps, cfg, tag))
             st = dicache.stats(self.pipe)
             dicache.disable(self.pipe)
             row = {
@@ -340,9 +361,9 @@ class Bench:
 
     def section_overhead(self, tag: str) -> None:
         steps = self.args.turbo_steps
-        plain = self.timed(self.ours_run(steps, False), 5)
+        plain = self.timed(self.ours_run(steps, False), 5, warm_key=("ours", steps, False, tag))
         dicache.enable(self.pipe, {"max_warmup_steps": 0, "residual_diff_threshold": 1e-9})
-        hooked = self.timed(self.ours_run(steps, False), 5)
+        hooked = self.timed(self.ours_run(steps, False), 5, warm_key=("ours", steps, False, tag))
         assert dicache.stats(self.pipe).cached_calls == 0
         dicache.disable(self.pipe)
         row = {
@@ -390,26 +411,21 @@ class Bench:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         return {"compile_setup_s": round(time.perf_counter() - start, 2)}
 
+    def save(self) -> None:
+        if self.out_path is not None:
+            self.out_path.write_text(json.dumps(self.results, indent=1))
+
     def run(self) -> dict:
         self.setup()
-        variants = [""] if self.args.no_compile else ["", "_compiled"]
+        variants = {"eager": [""], "compiled": ["_compiled"], "both": ["", "_compiled"]}[self.args.mode]
         for tag in variants:
             if tag:
                 self.results["compile"] = self.compile_both()
-                from torch._dynamo.utils import counters
-
-                graphs_before = None
             for section in self.args.sections:
-                if section == "profile" and tag == "" and not self.args.no_compile:
+                if section == "profile" and tag == "" and self.args.mode == "both":
                     continue  # profile the compiled (fastest) model
-                if tag and section == "forward":
-                    self.section_forward(tag)  # warms up the compiled blocks at every shape used
-                    graphs_before = dict(counters["stats"])
-                    continue
                 getattr(self, f"section_{section}")(tag)
-            if tag:
-                self.results["compile"]["graph_stats_after_warmup"] = graphs_before
-                self.results["compile"]["graph_stats_end"] = dict(counters["stats"])
+                self.save()
         return self.results
 
 
@@ -438,9 +454,10 @@ def markdown(results: dict, command: str) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
+    out = args.out or os.path.join(os.environ.get("OUT", "."), f"bench_krea2_speed_{args.mode}.json")
+    bench.out_path = pathlib.Path(out)
     results = bench.run()
-    out = args.out or os.path.join(os.environ.get("OUT", "."), "bench_krea2_speed.json")
-    pathlib.Path(out).write_text(json.dumps(results, indent=1))
+    bench.save()
     command = "python benchmarks/bench_krea2_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = markdown(results, command.strip())
     print(text)

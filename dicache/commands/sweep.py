@@ -54,8 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-prompts", type=int, help=f"use the first K prompts (default {DEFAULT_PROMPTS}, --quick {QUICK_PROMPTS})"
     )
-    parser.add_argument("--height", type=int, help="image height in px (default: the checkpoint's)")
-    parser.add_argument("--width", type=int, help="image width in px (default: the checkpoint's)")
+    parser.add_argument(
+        "--height",
+        type=int,
+        help="image height in px (default: heldout_prompts.json's image_size, else the pipeline's)",
+    )
+    parser.add_argument("--width", type=int, help="image width in px (default: as --height)")
     parser.add_argument(
         "--methods",
         nargs="+",
@@ -150,26 +154,41 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
         cells=cells,
         methods=tuple(methods),
         model=model,
-        height=args.height or file.get("height"),
-        width=args.width or file.get("width"),
+        height=args.height or file.get("height") or _default_size(model),
+        width=args.width or file.get("width") or _default_size(model),
         targets=tuple(float(t) for t in targets),
     )
+
+
+def _heldout_file(model: str | None) -> Path:
+    """`heldout_prompts.json` beside the checkpoint (it may not exist)."""
+    if model is None:
+        from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT
+
+        return EMBEDDED_CHECKPOINT / "heldout_prompts.json"
+    return Path(model) / "heldout_prompts.json"
 
 
 def _default_prompts(model: str | None) -> list[tuple[str, int | None]]:
     """The checkpoint's held-out prompts (heldout_prompts.json) when it has them, else built-in ones."""
     from ..sweep.spec import FALLBACK_PROMPTS, read_prompts
 
-    if model is None:
-        from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT
-
-        folder = EMBEDDED_CHECKPOINT
-    else:
-        folder = Path(model)
-    path = folder / "heldout_prompts.json"
+    path = _heldout_file(model)
     if path.is_file():
         return read_prompts(path, split="heldout")
     return [(p, None) for p in FALLBACK_PROMPTS]
+
+
+def _default_size(model: str | None) -> int | None:
+    """The training resolution the held-out set names (`image_size`), else None (the pipeline's default size)."""
+    path = _heldout_file(model)
+    if not path.is_file():
+        return None
+    try:
+        size = json.loads(path.read_text()).get("image_size")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return int(size) if isinstance(size, int) else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"model: {spec.model or 'embedded krea2-tiny'}; methods: {', '.join(spec.methods)} + fewer steps")
         print("schedules: " + "; ".join(s.name for s in spec.schedules))
+        print(f"size: {spec.height or 'pipeline default'} x {spec.width or 'pipeline default'} px")
         print(f"samples ({len(spec.samples)}): " + "; ".join(f"{p!r} seed {s}" for p, s in spec.samples))
         print(f"cells ({len(spec.cells)}):")
         for cell in spec.cells:
@@ -214,3 +234,23 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(previous)
     print(f"{len(results['records'])} records; report: {out / 'report.md'}; results: {out / RESULTS_JSON}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dicache.commands.sweep ...`: the subcommand alone (no other subcommand's imports)."""
+    import sys
+
+    from ..errors import DicacheError
+
+    parser = argparse.ArgumentParser(prog="dicache sweep", description=HELP)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except DicacheError as exc:
+        print(f"dicache sweep: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

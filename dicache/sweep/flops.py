@@ -1,0 +1,88 @@
+"""FLOPs estimate of a Krea-2 transformer call, counted from its config and token counts (pure functions).
+
+Only matrix multiplications are counted (2 FLOPs per multiply-add); norms, RoPE, softmax and element-wise work are
+ignored. A call = a fixed part (timestep MLP, `img_in`, final layer) + one term per block; the text path (text fusion
++ `txt_in`) is counted separately because pipelines differ in how often they run it: diffusers on every call, the
+native pipeline once per request and CFG branch. The ratio is an estimate, not a measurement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CallFlops:
+    """FLOPs of one transformer call: `per_block` for each of `num_blocks` blocks, `fixed` (embeddings, final layer)
+    per call, and `text` per run of the text path."""
+
+    per_block: float
+    fixed: float
+    text: float
+    num_blocks: int
+
+    @property
+    def full(self) -> float:
+        """One complete call, text path included."""
+        return self.fixed + self.text + self.num_blocks * self.per_block
+
+
+def _attention_block(tokens: int, keys: int, dim: int, heads: int, kv_heads: int, ffn: int) -> float:
+    head_dim = dim // heads
+    projections = 2 * tokens * dim * (3 * dim + 2 * kv_heads * head_dim)  # q, gate, out + k, v
+    attention = 4 * tokens * keys * dim  # QK^T and AV over all heads
+    mlp = 2 * tokens * 3 * dim * ffn  # SwiGLU gate, up, down
+    return float(projections + attention + mlp)
+
+
+def krea2_call_flops(config: Mapping[str, Any], image_tokens: int, text_tokens: int, batch: int = 1) -> CallFlops:
+    """FLOPs of one call of a `Krea2Transformer2DModel`-style config (diffusers keys) on `batch` samples.
+
+    `image_tokens`: packed latent tokens per sample; `text_tokens`: text tokens the blocks see per sample.
+    """
+
+    def get(key: str, default: Any = None) -> Any:
+        value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+        if value is None:
+            raise ValueError(f"transformer config has no {key!r}; cannot estimate FLOPs")
+        return value
+
+    dim = get("attention_head_dim", 128) * get("num_attention_heads", 48)
+    tokens = image_tokens + text_tokens
+    block = _attention_block(
+        tokens, tokens, dim, get("num_attention_heads", 48), get("num_key_value_heads", 12), get("intermediate_size")
+    )
+    text_dim, layers = get("text_hidden_dim", 2560), get("num_text_layers", 12)
+    text_block = dict(
+        dim=text_dim,
+        heads=get("text_num_attention_heads", 20),
+        kv_heads=get("text_num_key_value_heads", 20),
+        ffn=get("text_intermediate_size", 6912),
+    )
+    layerwise = get("num_layerwise_text_blocks", 2) * text_tokens * _attention_block(layers, layers, **text_block)
+    refiner = get("num_refiner_text_blocks", 2) * _attention_block(text_tokens, text_tokens, **text_block)
+    projector = 2 * text_tokens * text_dim * layers  # collapses the tapped-layer axis
+    txt_in = 2 * text_tokens * (text_dim * dim + dim * dim)
+    in_channels, time_dim = get("in_channels", 64), get("timestep_embed_dim", 256)
+    embed = 2 * image_tokens * in_channels * dim + 2 * (time_dim * dim + dim * dim + 6 * dim * dim)
+    final = 2 * image_tokens * dim * in_channels
+    return CallFlops(
+        per_block=batch * block,
+        fixed=batch * float(embed + final),
+        text=batch * float(layerwise + projector + refiner + txt_in),
+        num_blocks=int(get("num_layers", 28)),
+    )
+
+
+def flops_ratio(call: CallFlops, calls: int, blocks_run: int, text_runs: int) -> float:
+    """Estimated FLOPs of a cached generation / the same generation uncached; 1.0 for no calls.
+
+    (blocks_run · per_block + calls · fixed + text_runs · text) / (calls · (num_blocks · per_block + fixed) +
+    text_runs · text): caching changes only the blocks run, not the calls or text-path runs.
+    """
+    if calls <= 0:
+        return 1.0
+    constant = calls * call.fixed + text_runs * call.text
+    return (blocks_run * call.per_block + constant) / (calls * call.num_blocks * call.per_block + constant)

@@ -1,0 +1,188 @@
+"""Generate one image and measure it: the native Krea-2 pipeline, plain or cached by dicache.
+
+A runner's `generate(...)` returns a `Sample`: the image, the final packed latents, timings and how many transformer
+blocks ran. The cache-dit side (diffusers' pipeline) has the same interface in `cachedit.py`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import CacheConfig
+from .spec import Schedule
+
+
+@dataclass
+class Sample:
+    """One generated image and what it cost.
+
+    image: `(3, H, W)` float32 in [0, 1], CPU. latents: final packed latents `(N, C·p²)` float32, CPU.
+    denoise_s: seconds from the first transformer call's start to the last one's end; total_s: the whole pipeline
+    call (text encoding, denoising, VAE decode). calls: transformer calls (steps × CFG branches); cached_calls: calls
+    whose middle blocks were skipped; blocks_run: transformer blocks evaluated over all calls.
+    """
+
+    image: torch.Tensor
+    latents: torch.Tensor
+    denoise_s: float
+    total_s: float
+    calls: int
+    cached_calls: int
+    blocks_run: int
+    num_blocks: int
+    image_tokens: int
+    text_tokens: int
+    cached_steps: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def compute_fraction(self) -> float:
+        """Transformer blocks run / blocks a plain run of the same calls runs."""
+        return self.blocks_run / (self.calls * self.num_blocks) if self.calls else 1.0
+
+
+class CallRecorder:
+    """Counts a module's calls, times the first start to the last end, and reads token counts from the first call.
+
+    On CUDA the device is synchronised at the first call's start and at every call's end, so times are real.
+    Token counts: `hidden_states` (positional 0 or keyword) `(B, N, C)` gives N image tokens; `encoder_hidden_states`
+    (positional 1 or keyword) gives the text tokens: `.num_tokens` when it has one (native, padding dropped), else its
+    dim 1 (diffusers, padded).
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.calls = 0
+        self.first_start: float | None = None
+        self.last_end: float | None = None
+        self.image_tokens = 0
+        self.text_tokens = 0
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> CallRecorder:
+        self._handles = [
+            self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            self.module.register_forward_hook(self._post),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _sync(self, tensor: Any) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+
+    def _pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self.first_start is None:
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            self._sync(hidden)
+            self.first_start = time.perf_counter()
+            text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+            if isinstance(hidden, torch.Tensor) and hidden.ndim == 3:
+                self.image_tokens = int(hidden.shape[1])
+            if hasattr(text, "num_tokens"):
+                self.text_tokens = int(text.num_tokens)
+            elif isinstance(text, torch.Tensor) and text.ndim >= 2:
+                self.text_tokens = int(text.shape[1])
+        self.calls += 1
+
+    def _post(self, module: Any, args: tuple, output: Any) -> None:
+        self._sync(output[0] if isinstance(output, tuple | list) else getattr(output, "sample", output))
+        self.last_end = time.perf_counter()
+
+    @property
+    def denoise_s(self) -> float:
+        if self.first_start is None or self.last_end is None:
+            return 0.0
+        return self.last_end - self.first_start
+
+
+class NativeRunner:
+    """`dicache.models.krea2.Krea2Pipeline`, plain (`cache=None`) or with `dicache.enable(pipe, cache)`.
+
+    The text path runs once per request and branch (not per call), which `text_per_call = False` tells the FLOPs
+    estimate.
+    """
+
+    pipeline = "native"
+    text_per_call = False
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+        self.pipe.set_progress_bar_config(disable=True)
+
+    @classmethod
+    def load(cls, model: str | None, dtype: torch.dtype = torch.float32, device: str | None = None) -> NativeRunner:
+        from ..models.krea2 import Krea2Pipeline
+
+        return cls(Krea2Pipeline.from_pretrained(model, dtype=dtype, device=device))
+
+    @property
+    def transformer_config(self) -> Any:
+        return self.pipe.transformer.config
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pipe.transformer.transformer_blocks)
+
+    @property
+    def default_size(self) -> tuple[int, int]:
+        return tuple(self.pipe.default_size)
+
+    @property
+    def is_distilled(self) -> bool:
+        return bool(self.pipe.is_distilled)
+
+    def _configure(self, cache: CacheConfig | None) -> None:
+        import dicache
+
+        if cache is None:
+            dicache.disable(self.pipe)
+        else:
+            dicache.enable(self.pipe, cache)  # replaces any previous settings
+
+    def generate(
+        self, prompt: str, seed: int, schedule: Schedule, steps: int, height: int, width: int, cache: CacheConfig | None
+    ) -> Sample:
+        """One image of `prompt` with `seed` at `steps` steps and the schedule's CFG, cached with `cache` (or not)."""
+        import dicache
+
+        self._configure(cache)
+        with CallRecorder(self.pipe.transformer) as rec:
+            start = time.perf_counter()
+            out = self.pipe(
+                prompt,
+                height=height,
+                width=width,
+                num_inference_steps=steps,
+                guidance_scale=schedule.guidance_scale,
+                seed=seed,
+                output_type="pt",
+                variant=schedule.variant,
+            )
+            total = time.perf_counter() - start
+        num_blocks = self.num_blocks
+        calls, cached, blocks_run, cached_steps = rec.calls, 0, rec.calls * num_blocks, {}
+        if cache is not None:
+            stats = dicache.stats(self.pipe)
+            calls, cached, blocks_run = stats.total_calls, stats.cached_calls, stats.blocks_run
+            cached_steps = {name: list(b.cached_steps) for name, b in stats.branches.items()}
+        return Sample(
+            image=out.images[0].detach().float().cpu(),
+            latents=out.latents[0].detach().float().cpu(),
+            denoise_s=rec.denoise_s,
+            total_s=total,
+            calls=calls,
+            cached_calls=cached,
+            blocks_run=blocks_run,
+            num_blocks=num_blocks,
+            image_tokens=rec.image_tokens,
+            text_tokens=rec.text_tokens,
+            cached_steps=cached_steps,
+        )

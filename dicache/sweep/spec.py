@@ -1,0 +1,370 @@
+"""What a sweep runs: schedules, cache-setting cells, prompts and seeds; read from CLI values or a YAML/JSON file.
+
+A *cell* is one set of cache settings, validated by `dicache.CacheConfig` against the built-in defaults (the
+`SGLANG_CACHE_DIT_*` environment is ignored so that a sweep is reproducible). Grid keys are `CacheConfig` request
+keys or their short names (`Fn, Bn, W, RDT, MC, TS, SCM, SCM_POLICY`); `taylorseer_order: 0` means TaylorSeer off.
+A grid is a mapping of key -> list of values (their cartesian product) or a list of such mappings (their union).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import KNOBS_BY_KEY, CacheConfig
+from ..errors import ConfigError
+
+METHODS = ("ours", "cache-dit")
+"""Cached methods a sweep can run; the fewer-steps baseline always runs."""
+
+ALIASES = {
+    "Fn": "Fn_compute_blocks",
+    "Bn": "Bn_compute_blocks",
+    "W": "max_warmup_steps",
+    "RDT": "residual_diff_threshold",
+    "MC": "max_continuous_cached_steps",
+    "TS": "taylorseer_order",
+    "SCM": "scm_preset",
+    "SCM_POLICY": "scm_policy",
+}
+GRID_KEYS = tuple(k for k in KNOBS_BY_KEY if k != "enable_cache")
+FILE_KEYS = ("model", "prompts", "seeds", "num_prompts", "schedules", "height", "width", "methods", "targets", "grid")
+VARIANTS = ("turbo", "raw")
+
+
+class SweepSpecError(ConfigError):
+    """A bad sweep input (grid key, value, schedule, prompt file); the message names it and what is allowed."""
+
+
+# ---------------------------------------------------------------------------------------------------- schedules
+@dataclass(frozen=True)
+class Schedule:
+    """A sampling schedule: `steps`, CFG scale `guidance_scale` in the standard convention
+    `uncond + s·(cond − uncond)` (s = 1: no CFG), and an optional pipeline `variant` (turbo | raw)."""
+
+    steps: int
+    guidance_scale: float = 1.0
+    variant: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise SweepSpecError(f"schedule steps={self.steps!r} is invalid: must be an integer >= 1")
+        if not self.guidance_scale >= 1.0:
+            raise SweepSpecError(
+                f"schedule guidance_scale={self.guidance_scale!r} is invalid: must be 1 (no CFG) or > 1 "
+                "(standard convention uncond + s·(cond − uncond))"
+            )
+        if self.variant is not None and self.variant not in VARIANTS:
+            raise SweepSpecError(f"schedule variant={self.variant!r} is invalid: must be one of {', '.join(VARIANTS)}")
+
+    @property
+    def cfg(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    @property
+    def diffusers_guidance(self) -> float:
+        """The same CFG for diffusers' `Krea2Pipeline` (`cond + g·(cond − uncond)`, on iff g > 0): g = s − 1."""
+        return self.guidance_scale - 1.0
+
+    @property
+    def name(self) -> str:
+        cfg = f"CFG {self.guidance_scale:g}" if self.cfg else "no CFG"
+        return f"{self.steps} steps, {cfg}" + (f", {self.variant}" if self.variant else "")
+
+    @property
+    def slug(self) -> str:
+        return (
+            f"n{self.steps}"
+            + (f"-cfg{self.guidance_scale:g}" if self.cfg else "")
+            + (f"-{self.variant}" if self.variant else "")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "guidance_scale": self.guidance_scale, "variant": self.variant}
+
+    @classmethod
+    def parse(cls, value: Any) -> Schedule:
+        """`8`, `"28:4.5"`, `"8:1:turbo"` or `{"steps": 28, "guidance_scale": 4.5, "variant": null}`."""
+        if isinstance(value, Schedule):
+            return value
+        if isinstance(value, Mapping):
+            unknown = set(value) - {"steps", "guidance_scale", "variant"}
+            if unknown:
+                raise SweepSpecError(
+                    f"schedule keys {sorted(unknown)} are unknown; allowed: steps, guidance_scale, variant"
+                )
+            return cls(
+                _as_int(value.get("steps"), "schedule steps"),
+                float(value.get("guidance_scale", 1.0)),
+                value.get("variant"),
+            )
+        parts = str(value).split(":")
+        if not 1 <= len(parts) <= 3:
+            raise SweepSpecError(f"schedule {value!r} is invalid: expected STEPS[:CFG_SCALE[:VARIANT]], e.g. 28:4.5")
+        steps = _as_int(parts[0], f"schedule {value!r} steps")
+        try:
+            scale = float(parts[1]) if len(parts) > 1 else 1.0
+        except ValueError:
+            raise SweepSpecError(f"schedule {value!r}: CFG scale {parts[1]!r} is not a number") from None
+        return cls(steps, scale, parts[2] if len(parts) > 2 else None)
+
+
+def _as_int(value: Any, what: str) -> int:
+    if isinstance(value, bool):
+        raise SweepSpecError(f"{what}={value!r} is invalid: must be an integer")
+    try:
+        number = int(str(value))
+    except (TypeError, ValueError):
+        raise SweepSpecError(f"{what}={value!r} is invalid: must be an integer") from None
+    return number
+
+
+# ---------------------------------------------------------------------------------------------------- cells
+@dataclass(frozen=True)
+class Cell:
+    """One cache setting: `settings` are `CacheConfig` request keys over the built-in defaults."""
+
+    settings: tuple[tuple[str, Any], ...]
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.settings}
+
+    @property
+    def config(self) -> CacheConfig:
+        return CacheConfig.from_env({}, **self.overrides)
+
+    @property
+    def label(self) -> str:
+        return cell_label(self.config)
+
+    def canonical(self) -> dict[str, Any]:
+        """Every setting of the resolved config (defaults filled in): what the cell's identity hashes."""
+        data = self.config.model_dump()
+        data.pop("enable_cache", None)
+        return data
+
+
+def cell_label(c: CacheConfig) -> str:
+    """A compact name, e.g. `F1B0 W4 MC3 R0.24 TS1` or `F1B0 W4 SCM fast/static`."""
+    parts = [f"F{c.Fn_compute_blocks}B{c.Bn_compute_blocks}", f"W{c.max_warmup_steps}"]
+    static_mask = c.has_step_mask and c.scm_policy == "static"
+    if not static_mask:
+        parts += [f"MC{c.max_continuous_cached_steps}", f"R{c.residual_diff_threshold:g}"]
+    if c.max_cached_steps >= 0:
+        parts.append(f"M{c.max_cached_steps}")
+    if c.has_step_mask:
+        mask = c.scm_preset if c.scm_preset != "none" else "bins " + "-".join(map(str, c.scm_compute_bins or []))
+        parts.append(f"SCM {mask}/{c.scm_policy}")
+    if c.enable_taylorseer:
+        parts.append(f"TS{c.taylorseer_order}" + ("σ" if c.taylorseer_distance == "sigma" else ""))
+    if c.policy != "dbcache":
+        parts.append(f"policy {c.policy}")
+    return " ".join(parts)
+
+
+def make_cell(values: Mapping[str, Any]) -> Cell:
+    """Validate one setting (aliases resolved, `taylorseer_order: 0` = off) into a `Cell`."""
+    overrides: dict[str, Any] = {}
+    for raw_key, value in values.items():
+        key = ALIASES.get(raw_key, raw_key)
+        if key not in GRID_KEYS:
+            allowed = ", ".join(GRID_KEYS) + "; short names: " + ", ".join(f"{a}={k}" for a, k in ALIASES.items())
+            raise SweepSpecError(f"unknown grid key {raw_key!r}; allowed: {allowed}")
+        overrides[key] = value
+    order = overrides.get("taylorseer_order")
+    if order is not None and not isinstance(order, bool) and str(order).strip() in ("0", "0.0"):
+        overrides.pop("taylorseer_order")
+        if overrides.get("enable_taylorseer") in (True, "true", "1", 1):
+            raise SweepSpecError("taylorseer_order=0 (TaylorSeer off) contradicts enable_taylorseer=true in one cell")
+        overrides["enable_taylorseer"] = False
+    elif order is not None:
+        overrides.setdefault("enable_taylorseer", True)
+    try:
+        config = CacheConfig.from_env({}, **overrides)
+    except ConfigError as exc:
+        raise SweepSpecError(f"grid cell {dict(values)}: {exc}") from None
+    normalized = {k: getattr(config, k) for k in overrides}
+    return Cell(tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in normalized.items())))
+
+
+def expand_grid(grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Sequence[Any]]] | None) -> list[Cell]:
+    """Cells of a grid: the cartesian product of each mapping's value lists, unioned over a list of mappings;
+    duplicates (the same resolved settings) are dropped, first occurrence kept."""
+    if grid is None:
+        return []
+    groups = [grid] if isinstance(grid, Mapping) else list(grid)
+    cells: list[Cell] = []
+    for group in groups:
+        if not isinstance(group, Mapping):
+            raise SweepSpecError(
+                f"a grid must be a mapping of key -> list of values (or a list of them), got {group!r}"
+            )
+        keys = list(group)
+        lists = []
+        for key in keys:
+            values = group[key]
+            if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+                values = [values]
+            values = list(values)
+            if not values:
+                raise SweepSpecError(f"grid key {key!r} has an empty list of values")
+            lists.append(values)
+        for combo in itertools.product(*lists):
+            cells.append(make_cell(dict(zip(keys, combo))))
+    return dedupe_cells(cells)
+
+
+def dedupe_cells(cells: Iterable[Cell]) -> list[Cell]:
+    seen, out = set(), []
+    for cell in cells:
+        key = stable_hash(cell.canonical())
+        if key not in seen:
+            seen.add(key)
+            out.append(cell)
+    return out
+
+
+def stable_hash(obj: Any, length: int = 16) -> str:
+    """SHA-256 of the canonical JSON of `obj` (sorted keys), truncated to `length` hex digits."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+# ---------------------------------------------------------------------------------------------------- presets
+# Step-mask cells set W = 0: the mask alone then decides, in ours and in cache-dit (which lets a mask override W).
+QUICK_GRID: list[dict[str, list[Any]]] = [
+    {"RDT": [0.08, 0.24], "TS": [0, 1]},
+    {"SCM": ["medium"], "SCM_POLICY": ["static"], "W": [0], "TS": [0, 1]},
+]
+DEFAULT_GRID: list[dict[str, list[Any]]] = [
+    {"Fn": [1], "RDT": [0.08, 0.12, 0.24], "MC": [3, -1], "TS": [0, 1]},
+    {"Fn": [4], "RDT": [0.12], "MC": [4], "TS": [0, 1]},
+    {"W": [8], "RDT": [0.08], "MC": [-1], "TS": [0, 1]},
+    {"SCM": ["slow", "medium", "fast", "ultra"], "SCM_POLICY": ["static"], "W": [0], "TS": [0, 1]},
+]
+QUICK_SCHEDULES = ("8", "28:4.5")
+DEFAULT_SCHEDULES = ("8", "28:4.5", "50:4.5")
+DEFAULT_TARGETS = (30.0, 35.0, 40.0)
+FALLBACK_PROMPTS = (
+    "red apple",
+    "grinning face",
+    "rocket",
+    "dog face",
+    "pizza",
+    "snowman",
+    "sun with face",
+    "soccer ball",
+)
+
+
+@dataclass
+class SweepSpec:
+    """Everything a sweep needs besides the model objects. `samples` are (prompt, seed) pairs; `model=None` is the
+    embedded checkpoint; `height`/`width` None: the pipeline's default size."""
+
+    samples: list[tuple[str, int]]
+    schedules: list[Schedule]
+    cells: list[Cell]
+    methods: tuple[str, ...] = METHODS
+    model: str | None = None
+    height: int | None = None
+    width: int | None = None
+    targets: tuple[float, ...] = DEFAULT_TARGETS
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.samples:
+            raise SweepSpecError("a sweep needs at least one prompt and seed")
+        if not self.cells:
+            raise SweepSpecError("a sweep needs at least one grid cell")
+        if not self.schedules:
+            raise SweepSpecError("a sweep needs at least one schedule (e.g. 8 or 28:4.5)")
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad:
+            raise SweepSpecError(f"methods {bad} are unknown; allowed: {', '.join(METHODS)}")
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 16):
+                raise SweepSpecError(f"{name}={value!r} is invalid: must be an integer >= 16 (pixels)")
+
+
+def read_grid_file(path: str | Path) -> dict[str, Any]:
+    """A YAML (.yaml/.yml) or JSON grid file as a mapping; top-level keys are checked against `FILE_KEYS`."""
+    p = Path(path)
+    if not p.is_file():
+        raise SweepSpecError(f"grid file {str(path)!r} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # yaml and json raise their own types; the message names the file
+        raise SweepSpecError(f"grid file {str(path)!r} cannot be parsed: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise SweepSpecError(f"grid file {str(path)!r} must hold a mapping with keys among {', '.join(FILE_KEYS)}")
+    unknown = sorted(set(data) - set(FILE_KEYS))
+    if unknown:
+        raise SweepSpecError(f"grid file {str(path)!r}: unknown key(s) {unknown}; allowed: {', '.join(FILE_KEYS)}")
+    return dict(data)
+
+
+def read_prompts(path: str | Path, split: str | None = None) -> list[tuple[str, int | None]]:
+    """(prompt, seed or None) pairs from a text file (one prompt a line) or JSON: a list of strings, a list of
+    `{"prompt", "seed"}` objects, or an object with `prompts` (such a list) and optionally `seeds` (then every prompt
+    gets every seed). With `split`, only entries whose `"split"` equals it (the embedded held-out set marks
+    `heldout` / `train`) are kept, when the file has splits."""
+    p = Path(path)
+    if not p.is_file():
+        raise SweepSpecError(f"prompt file {str(path)!r} does not exist")
+    if p.suffix.lower() != ".json":
+        return [(line.strip(), None) for line in p.read_text().splitlines() if line.strip()]
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise SweepSpecError(f"prompt file {str(path)!r} is not valid JSON: {exc}") from None
+    if isinstance(data, Mapping):
+        items, seeds = data.get("prompts"), data.get("seeds")
+    else:
+        items, seeds = data, None
+    if not isinstance(items, list) or not items:
+        raise SweepSpecError(f"prompt file {str(path)!r}: expected a non-empty list of prompts")
+    if split is not None and any(isinstance(i, Mapping) and "split" in i for i in items):
+        items = [i for i in items if isinstance(i, Mapping) and i.get("split") == split]
+    pairs: list[tuple[str, int | None]] = []
+    for item in items:
+        if isinstance(item, str):
+            pairs.append((item, None))
+        elif isinstance(item, Mapping) and isinstance(item.get("prompt"), str):
+            seed = item.get("seed")
+            pairs.append((item["prompt"], None if seed is None else _as_int(seed, f"seed of {item['prompt']!r}")))
+        else:
+            raise SweepSpecError(f"prompt file {str(path)!r}: entry {item!r} is neither a string nor {{'prompt': ...}}")
+    if seeds is not None:
+        pairs = [(prompt, _as_int(s, "seed")) for prompt, _ in pairs for s in seeds]
+    return pairs
+
+
+def make_samples(
+    pairs: Sequence[tuple[str, int | None]], seeds: Sequence[int] | None, limit: int | None = None
+) -> list[tuple[str, int]]:
+    """(prompt, seed) samples: with `seeds`, every prompt with every seed; else each pair's own seed (0 if none).
+    `limit` keeps the first `limit` prompts."""
+    prompts = list(dict.fromkeys(p for p, _ in pairs))
+    if limit is not None:
+        if limit < 1:
+            raise SweepSpecError(f"num_prompts={limit} is invalid: must be >= 1")
+        keep = set(prompts[:limit])
+        pairs = [pair for pair in pairs if pair[0] in keep]
+        prompts = prompts[:limit]
+    if seeds is not None:
+        return [(p, int(s)) for p in prompts for s in seeds]
+    return list(dict.fromkeys((p, 0 if s is None else int(s)) for p, s in pairs))
