@@ -102,3 +102,24 @@ def test_generate_without_cache_and_with_bad_model(tiny_dir, tmp_path, capsys):
     assert code == 0 and "caching off" in capsys.readouterr().out
     code = main(["generate", "a cat", "--model", str(tmp_path / "missing"), "--device", "cpu"])
     assert code == 2 and "missing" in capsys.readouterr().err
+
+
+def test_base_install_commands_do_not_need_the_extras(tmp_path):
+    """`dicache --help` and `generate` work without fastapi/matplotlib/diffusers; `serve` says what to install."""
+    blocked = [
+        "fastapi",
+        "uvicorn",
+        "prometheus_client",
+        "matplotlib",
+        "pytorch_msssim",
+        "cache_dit",
+        "diffusers",
+    ]
+    prelude = f"import sys\nfor m in {blocked!r}: sys.modules[m] = None\nfrom dicache.cli import main\n"
+    run = lambda code: subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True)  # noqa: E731
+    assert run("sys.exit(main(['--help']))").returncode == 0
+    out = run(f"sys.exit(main(['generate', 'red apple', '--steps', '2', '--out', {str(tmp_path / 'a.png')!r}]))")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "a.png").is_file()
+    served = run("sys.exit(main(['serve']))")
+    assert served.returncode == 2 and "pip install 'dicache[serve]'" in served.stderr

@@ -100,10 +100,15 @@ def settings_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
+    from ..errors import DicacheError
 
+    try:
+        import uvicorn
+
+        from ..server import create_app, load_backend
+    except ModuleNotFoundError as exc:
+        raise DicacheError(f"dicache serve needs the serve extra: pip install 'dicache[serve]' ({exc})") from None
     from ..config import CacheConfig
-    from ..server import create_app, load_backend
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)

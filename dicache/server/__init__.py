@@ -9,8 +9,22 @@ Modules: `settings` (limits), `schemas` (request/response bodies), `generation` 
 `background` (run the app on loopback in a thread, for tests and benchmarks).
 """
 
-from .app import create_app
-from .backend import PipelineBackend, load_backend
-from .settings import ServerSettings
+from __future__ import annotations
 
-__all__ = ["PipelineBackend", "ServerSettings", "create_app", "load_backend"]
+import importlib
+
+_EXPORTS = {
+    "create_app": ".app",
+    "PipelineBackend": ".backend",
+    "load_backend": ".backend",
+    "ServerSettings": ".settings",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Imported on first use, so that `dicache --help` and `dicache generate` work without the serve extra."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)
