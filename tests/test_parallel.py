@@ -85,7 +85,10 @@ def test_ulysses_output_bitwise_equal_to_one_process(two, scenario):
 def test_tensor_parallel_output_within_rounding(two, scenario):
     records = pw.load(two, scenario, 2)
     for record in records:
-        torch.testing.assert_close(record["latents"], record["ref_latents"], rtol=1e-4, atol=1e-5)
+        # fp32 sums re-ordered by the all-reduce: errors at float32 rounding level, far inside bf16 noise (~4e-3)
+        out, ref = record["latents"], record["ref_latents"]
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(records[0]["latents"], records[1]["latents"])  # all-reduced: every rank holds the same
 
 
