@@ -730,7 +730,10 @@ def save_pipeline(pipe, out_dir: Path) -> None:
     index["tokenizer"] = ["transformers", "PreTrainedTokenizerFast"]  # transformers 5 would write TokenizersBackend
     (out_dir / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     # dicache's own metadata: the native pipeline's default image size for this checkpoint
-    meta = {"default_size": [IMAGE_SIZE, IMAGE_SIZE], "note": "dicache metadata; held-out prompts: heldout_prompts.json"}
+    meta = {
+        "default_size": [IMAGE_SIZE, IMAGE_SIZE],
+        "note": "dicache metadata; held-out prompts in heldout_prompts.json",
+    }
     (out_dir / "dicache.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
