@@ -54,15 +54,15 @@ def relative_change(current: Streams, reference: Streams, layout: ReductionLayou
     if layout is not None:
         current = tuple(layout.counted(a) for a in current)
         reference = tuple(layout.counted(b) for b in reference)
-    num = sum(torch.sub(a, b).abs().sum(dtype=torch.float32) for a, b in zip(current, reference)).detach()
-    den = sum(b.abs().sum(dtype=torch.float32) for b in reference).detach()
+    num = sum(torch.sub(a, b).abs().sum(dtype=torch.float32) for a, b in zip(current, reference))
+    den = sum(b.abs().sum(dtype=torch.float32) for b in reference)
+    both = torch.stack([num, den]).detach()
     if layout is not None and layout.group is not None:
         import torch.distributed as dist
 
-        both = torch.stack([num, den]).double()
+        both = both.double()
         dist.all_reduce(both, group=layout.group)
-        num, den = both[0], both[1]
-    num, den = float(num), float(den)  # the one synchronisation point of a decision
+    num, den = both.tolist()  # the one host synchronisation of a decision
     return num / den if den > 0 else float("inf")
 
 

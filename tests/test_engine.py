@@ -362,3 +362,25 @@ def test_copying_an_enabled_model_is_a_clear_error(model):
     dicache.enable(model)
     with pytest.raises(TypeError, match="dicache.disable"):
         copy.deepcopy(model)
+
+
+def test_a_decision_costs_at_most_one_host_read(model, x, monkeypatch):
+    """Only rule 7 reads a device value, once (one `tolist` of [numerator, denominator]); nothing else syncs."""
+    reads = []
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    dicache.enable(model, cfg(max_warmup_steps=2, residual_diff_threshold=0.5, max_continuous_cached_steps=2))
+    with dicache.request(model), torch.no_grad():
+        for i, t in enumerate(timesteps(10)):
+            with dicache.step(model, i, "cond"):
+                model(x, torch.tensor([t]))
+    monkeypatch.undo()
+    st = dicache.stats(model).branches["cond"]
+    assert len(reads) == len(st.diffs) > 0 and set(reads) == {"tolist"}
+    assert len(st.diffs) <= 10 - 2  # warm-up steps measure nothing

@@ -1,0 +1,81 @@
+"""`torch.compile` of the transformer blocks works together with caching: after warm-up no step recompiles."""
+
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounter
+
+import dicache
+from dicache.models.krea2 import Krea2Transformer
+from dicache.models.krea2.pipeline import Krea2Pipeline
+
+CONFIG = dict(
+    in_channels=16,
+    num_layers=4,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    timestep_embed_dim=32,
+    text_hidden_dim=32,
+    num_text_layers=2,
+    text_num_attention_heads=2,
+    text_num_key_value_heads=2,
+    text_intermediate_size=64,
+    num_layerwise_text_blocks=1,
+    num_refiner_text_blocks=1,
+    axes_dims_rope=(4, 6, 6),
+)
+
+
+def make_pipe():
+    torch.manual_seed(0)
+    model = Krea2Transformer(**CONFIG).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "scale_shift_table" in name or "norm" in name:
+                p.normal_(0, 0.2)
+    pipe = Krea2Pipeline(transformer=model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generate(pipe, steps, scale, valid=5):
+    embeds = torch.randn(1, 12, 2, 32, generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(1, 12, dtype=torch.bool)
+    mask[:, :valid] = True
+    return pipe(
+        prompt_embeds=embeds,
+        prompt_embeds_mask=mask,
+        negative_prompt_embeds=embeds * 0.5,
+        negative_prompt_embeds_mask=mask,
+        height=64,
+        width=64,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        seed=0,
+        output_type="latent",
+    ).images
+
+
+def test_compiled_blocks_with_caching_do_not_recompile_after_warmup():
+    torch._dynamo.reset()
+    pipe = make_pipe()
+    config = {"max_warmup_steps": 2, "residual_diff_threshold": 0.5, "enable_taylorseer": True}
+    dicache.enable(pipe, config)
+    eager = generate(pipe, 10, 3.0)
+    eager_stats = dicache.stats(pipe).to_dict()
+    counter = CompileCounter()
+    for block in pipe.transformer.transformer_blocks:
+        block.compile(backend=counter, fullgraph=True)
+    compiled = generate(pipe, 10, 3.0)  # warm-up: compiles
+    warm = counter.frame_count
+    assert warm > 0 and dicache.stats(pipe).cached_calls > 0
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    assert dicache.stats(pipe).to_dict() == eager_stats  # same decisions compiled and eager
+    generate(pipe, 10, 3.0)  # every step of a second request reuses the compiled graphs
+    generate(pipe, 7, 3.0)  # another step count, same shapes
+    with dicache.request(pipe, config={"scm_preset": "fast", "scm_policy": "static"}):
+        generate(pipe, 12, 3.0)  # a static mask: cached steps skip blocks, computed ones reuse the graphs
+    assert counter.frame_count == warm
+    dicache.disable(pipe)
+    torch._dynamo.reset()
