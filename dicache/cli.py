@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from .errors import DicacheError
 
-SUBCOMMANDS = ("generate", "serve", "sweep", "config")
+SUBCOMMANDS = ("generate", "serve", "sweep", "calibrate", "config")
 """Module names under `dicache.commands`, in the order `--help` lists them."""
 
 
@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dicache",
         description="Step caching (DBCache + TaylorSeer) for Diffusion Transformer sampling, first-class Krea-2. "
-        "Cache settings come from SGLANG_CACHE_DIT_* environment variables (see `dicache config`).",
+        "Cache settings come from SGLANG_CACHE_DIT_* environment variables over an optional settings profile "
+        "(--profile / SGLANG_CACHE_DIT_PROFILE, written by `dicache calibrate`); see `dicache config`.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:

@@ -26,7 +26,7 @@ PROFILE_ENV = ENV_PREFIX + "PROFILE"
 # SGLang defines these for a second transformer (Wan2.2's low-noise expert); Krea-2 has one transformer.
 _IGNORED_ENV_PREFIXES = (ENV_PREFIX + "SECONDARY_",)
 
-SCM_PRESETS = ("none", "slow", "medium", "fast", "ultra")
+SCM_PRESETS = ("none", "slow", "medium", "fast", "ultra", "curved")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,10 @@ KNOBS: tuple[Knob, ...] = (
         "turn caching on in the CLI and the server (an explicit dicache.enable() always turns it on)",
     ),
     Knob(
-        "Fn_compute_blocks", "FN", "an integer >= 1", "first blocks always computed; their residual drives the decision"
+        "Fn_compute_blocks",
+        "FN",
+        "an integer >= 1, or 0 with a static step mask (scm_policy=static)",
+        "first blocks always computed; their residual drives the decision (0: a cached step runs no block)",
     ),
     Knob("Bn_compute_blocks", "BN", "an integer >= 0", "last blocks always computed, also on cached steps"),
     Knob("max_warmup_steps", "WARMUP", "an integer >= 0", "steps 0..W-1 of every branch are always computed"),
@@ -73,6 +76,18 @@ KNOBS: tuple[Knob, ...] = (
         "an integer >= -1",
         "most cached steps per branch and request (-1: unlimited)",
     ),
+    Knob(
+        "max_accumulated_diff",
+        "MAX_ACC_DIFF",
+        "a number >= 0 (0: off)",
+        "error control: cache only while the sum of the diffs measured since the last computed step stays below it",
+    ),
+    Knob(
+        "protect_sigma",
+        "PROTECT_SIGMA",
+        "a number in [0, 1] (1: off)",
+        "noise-level warm-up: steps whose sigma is above it are always computed",
+    ),
     Knob("enable_taylorseer", "TAYLORSEER", "a boolean", "extrapolate the skipped residual with TaylorSeer"),
     Knob("taylorseer_order", "TS_ORDER", "1 or 2", "TaylorSeer order"),
     Knob(
@@ -82,10 +97,29 @@ KNOBS: tuple[Knob, ...] = (
         "TaylorSeer measures distance in step indices or in the scheduler's sigmas",
     ),
     Knob(
+        "taylorseer_damping",
+        "TS_DAMPING",
+        "a number in [0, 1]",
+        "scale of TaylorSeer's extrapolation terms (1: plain TaylorSeer, 0: reuse)",
+    ),
+    Knob(
         "scm_preset",
         "SCM_PRESET",
-        "one of none, slow, medium, fast, ultra",
-        "step computation mask preset (defined for 28 steps, rescaled to any count >= 4)",
+        "one of none, slow, medium, fast, ultra, curved",
+        "step computation mask preset (slow..ultra: defined for 28 steps, rescaled to any count >= 4; curved: "
+        "SCM_COMPUTE_FRACTION of the steps, dense at high noise as SCM_CURVE says)",
+    ),
+    Knob(
+        "scm_compute_fraction",
+        "SCM_COMPUTE_FRACTION",
+        "a number in (0, 1]",
+        "curved preset: share of the steps computed (first and last always)",
+    ),
+    Knob(
+        "scm_curve",
+        "SCM_CURVE",
+        "a number >= 1",
+        "curved preset: computed step j of k sits at round((j/(k-1))^SCM_CURVE * (n-1)); 1 = evenly spread",
     ),
     Knob(
         "scm_compute_bins",
@@ -104,6 +138,19 @@ KNOBS: tuple[Knob, ...] = (
         "SCM_POLICY",
         "'dynamic' or 'static'",
         "dynamic: the mask only forbids caching; static: cache wherever the mask says 0",
+    ),
+    Knob(
+        "scm_uncond_fraction",
+        "SCM_UNCOND_FRACTION",
+        "a number in (0, 1]",
+        "CFG: the uncond branch computes this share of the steps the mask computes (spread like the curved preset)",
+    ),
+    Knob(
+        "cfg_delta_reuse",
+        "CFG_DELTA_REUSE",
+        "a boolean",
+        "CFG: a cached uncond step on a step whose cond was computed is cond's fresh residual minus the last "
+        "measured (cond - uncond) residual difference",
     ),
     Knob(
         "policy",
@@ -208,19 +255,26 @@ class CacheConfig(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid", validate_default=True, frozen=True)
 
     enable_cache: bool = False
-    Fn_compute_blocks: int = Field(1, ge=1)
+    Fn_compute_blocks: int = Field(1, ge=0)
     Bn_compute_blocks: int = Field(0, ge=0)
     max_warmup_steps: int = Field(4, ge=0)
     residual_diff_threshold: float = Field(0.24, ge=0.0, allow_inf_nan=False)
     max_continuous_cached_steps: int = Field(3, ge=-1)
     max_cached_steps: int = Field(-1, ge=-1)
+    max_accumulated_diff: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    protect_sigma: float = Field(1.0, ge=0.0, le=1.0)
     enable_taylorseer: bool = False
     taylorseer_order: Literal[1, 2] = 1
     taylorseer_distance: Literal["step", "sigma"] = "step"
-    scm_preset: Literal["none", "slow", "medium", "fast", "ultra"] = "none"
+    taylorseer_damping: float = Field(1.0, ge=0.0, le=1.0)
+    scm_preset: Literal["none", "slow", "medium", "fast", "ultra", "curved"] = "none"
+    scm_compute_fraction: float = Field(0.5, gt=0.0, le=1.0)
+    scm_curve: float = Field(2.5, ge=1.0, allow_inf_nan=False)
     scm_compute_bins: Annotated[list[Annotated[int, Field(ge=1)]] | None, NoDecode] = None
     scm_cache_bins: Annotated[list[Annotated[int, Field(ge=1)]] | None, NoDecode] = None
     scm_policy: Literal["dynamic", "static"] = "dynamic"
+    scm_uncond_fraction: float = Field(1.0, gt=0.0, le=1.0)
+    cfg_delta_reuse: bool = False
     policy: Literal["dbcache", "never", "always"] = "dbcache"
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -263,6 +317,12 @@ class CacheConfig(BaseSettings):
             raise ValueError(
                 "scm_compute_bins and scm_cache_bins alternate starting with compute, so compute has as many bins as "
                 f"cache or one more (got {len(compute)} compute and {len(cache)} cache bins)"
+            )
+        if self.Fn_compute_blocks == 0 and self.policy == "dbcache" and not self.decides_statically:
+            raise ValueError(
+                "Fn_compute_blocks=0 needs a static step mask (scm_preset or scm_compute_bins with "
+                f"scm_policy='static'; got scm_preset={self.scm_preset!r}, scm_policy={self.scm_policy!r}): "
+                "the dynamic decision measures the residual of the first Fn >= 1 blocks"
             )
         return self
 
@@ -334,6 +394,11 @@ class CacheConfig(BaseSettings):
     def has_step_mask(self) -> bool:
         return self.scm_preset != "none" or self.scm_compute_bins is not None
 
+    @property
+    def decides_statically(self) -> bool:
+        """Every decision comes from the step mask (no residual diff is ever measured)."""
+        return self.has_step_mask and self.scm_policy == "static"
+
     def check_block_split(self, num_blocks: int) -> None:
         """Raise `BlockSplitError` unless at least one middle block remains between Fn and Bn."""
         from .errors import BlockSplitError
@@ -342,7 +407,8 @@ class CacheConfig(BaseSettings):
         if fn + bn >= num_blocks:
             raise BlockSplitError(
                 f"Fn_compute_blocks={fn} + Bn_compute_blocks={bn} must be < the model's {num_blocks} blocks "
-                f"(at least one middle block to cache); allowed: Fn >= 1, Bn >= 0, Fn + Bn <= {num_blocks - 1}"
+                f"(at least one middle block to cache); allowed: Fn >= 1 (0 with a static mask), Bn >= 0, "
+                f"Fn + Bn <= {num_blocks - 1}"
             )
 
 
@@ -373,8 +439,9 @@ def _config_error(
         key = str(err["loc"][0]) if err["loc"] else None
         knob = KNOBS_BY_KEY.get(key) if key else None
         if knob is None:  # a cross-field rule
-            origins = [f"{k}={v!r}" for k, v in overrides.items() if k.startswith("scm_")]
-            origins += [f"{KNOBS_BY_KEY[k].env_name}={v!r}" for k, v in env_values.items() if k.startswith("scm_")]
+            related = ("scm_", "Fn_compute_blocks", "policy")
+            origins = [f"{k}={v!r}" for k, v in overrides.items() if k.startswith(related)]
+            origins += [f"{KNOBS_BY_KEY[k].env_name}={v!r}" for k, v in env_values.items() if k.startswith(related)]
             detail = str(err["msg"]).removeprefix("Value error, ")
             messages.append(detail + (f" (from {', '.join(origins)})" if origins else ""))
             continue

@@ -61,3 +61,18 @@ def test_reuse_returns_last_residual_unchanged():
 def test_order_is_validated():
     with pytest.raises(ValueError, match="1 or 2"):
         TaylorSeerCalibrator(3)
+
+
+def test_damping_scales_the_extrapolation_terms():
+    r0, r1 = torch.full((3,), 1.0), torch.full((3,), 3.0)
+    estimates = {}
+    for damping in (0.0, 0.5, 1.0):
+        c = TaylorSeerCalibrator(order=1, damping=damping)
+        c.update(0.0, r0)
+        c.update(1.0, r1)
+        estimates[damping] = c.estimate(2.0)
+    torch.testing.assert_close(estimates[1.0], torch.full((3,), 5.0))  # plain linear extrapolation
+    torch.testing.assert_close(estimates[0.0], r1)  # damping 0 is reuse
+    torch.testing.assert_close(estimates[0.5], torch.full((3,), 4.0))
+    with pytest.raises(ValueError, match="taylorseer_damping"):
+        TaylorSeerCalibrator(order=1, damping=1.5)

@@ -18,7 +18,7 @@ def tiny_dir(tmp_path_factory):
 
 def test_help_lists_the_commands():
     out = subprocess.run([sys.executable, "-m", "dicache.cli", "--help"], capture_output=True, text=True, check=True)
-    assert "generate" in out.stdout and "config" in out.stdout
+    assert "generate" in out.stdout and "config" in out.stdout and "calibrate" in out.stdout
 
 
 def test_config_prints_values_and_origins(monkeypatch, capsys):

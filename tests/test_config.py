@@ -103,8 +103,12 @@ def test_overrides_merge_over_environment_and_name_the_key():
     assert merged.sources()["Fn_compute_blocks"] == "env SGLANG_CACHE_DIT_FN"
     assert base.residual_diff_threshold == 0.3  # the base is not modified
     with pytest.raises(ConfigError) as info:
+        base.merged({"Fn_compute_blocks": -1})
+    assert "'Fn_compute_blocks'=-1" in str(info.value) and ">= 1" in str(info.value)
+    with pytest.raises(ConfigError, match="Fn_compute_blocks=0 needs a static step mask.*scm_policy='dynamic'"):
         base.merged({"Fn_compute_blocks": 0})
-    assert "'Fn_compute_blocks'" in str(info.value) and "0" in str(info.value) and ">= 1" in str(info.value)
+    whole_step = base.merged({"Fn_compute_blocks": 0, "scm_preset": "curved", "scm_policy": "static"})
+    assert whole_step.Fn_compute_blocks == 0 and whole_step.decides_statically
     with pytest.raises(ConfigError, match="unknown cache override key.*'rdt'.*residual_diff_threshold"):
         base.merged({"rdt": 0.1})
     with pytest.raises(ConfigError, match="'enable_taylorseer'='sure'.*boolean"):

@@ -384,3 +384,98 @@ def test_a_decision_costs_at_most_one_host_read(model, x, monkeypatch):
     st = dicache.stats(model).branches["cond"]
     assert len(reads) == len(st.diffs) > 0 and set(reads) == {"tolist"}
     assert len(st.diffs) <= 10 - 2  # warm-up steps measure nothing
+
+
+class CountingBlock(LinearInTimeBlock):
+    calls = 0
+
+    def forward(self, hidden_states, temb):
+        CountingBlock.calls += 1
+        return super().forward(hidden_states, temb)
+
+
+def test_whole_step_reuse_with_fn_zero_runs_no_block_on_cached_steps():
+    torch.manual_seed(3)
+    model = ToyTransformer(num_blocks=4, dim=8, block=CountingBlock).eval()
+    x = torch.randn(1, 3, 8)
+    plain = run(model, x, 10)
+    overrides = {"scm_preset": "curved", "scm_compute_fraction": 0.4, "scm_curve": 2.0, "scm_policy": "static"}
+    dicache.enable(model, cfg(Fn_compute_blocks=0, max_warmup_steps=0, **overrides))
+    CountingBlock.calls = 0
+    with dicache.request(model, num_inference_steps=10):
+        reused = run(model, x, 10)
+    mask = dicache.policies.curved_mask(10, 0.4, 2.0)
+    assert CountingBlock.calls == 4 * sum(mask) == 16, "a cached step must run none of the 4 blocks"
+    st = dicache.stats(model).branches["cond"]
+    assert st.computed_steps == [s for s in range(10) if mask[s]] and len(st.cached_steps) == 10 - sum(mask)
+    # a computed step is the plain model at the input it sees; a cached step adds the last computed stack residual
+    # (t_last·Σc for these blocks) to its own embedded input
+    sum_c = sum(b.c for b in model.blocks).detach()
+    xs, last = x.clone(), 0
+    with torch.no_grad():
+        for s in range(10):
+            t = 1 - s / 10
+            if mask[s]:
+                last = s
+            expected = model.proj_out(model.proj_in(xs) + (1 - last / 10) * sum_c)
+            torch.testing.assert_close(reused[s], expected, rtol=1e-5, atol=1e-5)
+            if not mask[s]:
+                assert not torch.allclose(reused[s], model.proj_out(model.proj_in(xs) + t * sum_c), atol=1e-4)
+            xs = xs - 0.05 * reused[s]
+    assert not all(torch.equal(a, b) for a, b in zip(reused, plain))
+
+
+def test_cfg_delta_reuse_uses_the_fresh_cond_residual_for_a_cached_uncond_step():
+    torch.manual_seed(3)
+    model = ToyTransformer(num_blocks=4, dim=8, block=LinearInTimeBlock).eval()
+    x = torch.randn(1, 3, 8)
+    overrides = {"scm_preset": "curved", "scm_compute_fraction": 0.6, "scm_policy": "static"}
+    overrides.update(max_warmup_steps=0, scm_uncond_fraction=0.5)
+    results = {}
+    for delta in (False, True):
+        dicache.enable(model, cfg(cfg_delta_reuse=delta, **overrides))
+        with dicache.request(model, num_inference_steps=10):
+            results[delta] = run(model, x, 10, branches=2)
+        st = dicache.stats(model)
+        assert len(st.branches["uncond"].cached_steps) > len(st.branches["cond"].cached_steps)
+    mask = dicache.policies.curved_mask(10, 0.6, 2.5)
+    uncond_mask = dicache.policies.subset_mask(mask, 0.5, 2.5)
+    sum_c = sum(b.c for b in model.blocks).detach()
+    checked = 0
+    for delta, outputs in results.items():
+        xs = x.clone()
+        with torch.no_grad():
+            for s in range(10):
+                cond_out, uncond_out = outputs[2 * s], outputs[2 * s + 1]
+                if mask[s] and not uncond_mask[s]:
+                    # the middle residual t·Σc is the same for both branches, so (cond − uncond) = 0 and cond's fresh
+                    # residual is exactly uncond's; reusing uncond's own residual from an earlier step is not
+                    exact = model.proj_out(model.proj_in(xs + 0.1) + (1 - s / 10) * sum_c)
+                    assert torch.allclose(uncond_out, exact, atol=1e-5) == delta
+                    checked += 1
+                xs = xs - 0.05 * (cond_out + 0.5 * (uncond_out - cond_out))
+    assert checked >= 4
+    assert not torch.equal(results[True][-1], results[False][-1])
+
+
+def test_protect_sigma_and_accumulated_diff_in_the_engine(model, x):
+    sigmas = [1 - i / 10 for i in range(10)]
+    dicache.enable(model, cfg(max_warmup_steps=0, residual_diff_threshold=1e9, max_continuous_cached_steps=-1))
+    with dicache.request(model, num_inference_steps=10, config={"protect_sigma": 0.65}, sigmas=sigmas):
+        run(model, x, 10)
+    reasons = dicache.stats(model).branches["cond"].reasons
+    assert [s for s, r in reasons.items() if r == "protect_sigma"] == [0, 1, 2, 3]
+    no_sigmas = dicache.request(model, num_inference_steps=10, config={"protect_sigma": 0.65})
+    with pytest.raises(ConfigError, match="protect_sigma=0.65 needs the scheduler's sigmas"), no_sigmas:
+        run(model, x, 10)
+    dicache.enable(model, cfg(max_warmup_steps=1, residual_diff_threshold=1.0, max_continuous_cached_steps=-1))
+    run(model, x, 10)
+    free = dicache.stats(model).branches["cond"]
+    dicache.enable(
+        model,
+        cfg(max_warmup_steps=1, residual_diff_threshold=1.0, max_continuous_cached_steps=-1, max_accumulated_diff=0.05),
+    )
+    run(model, x, 10)
+    bounded = dicache.stats(model).branches["cond"]
+    assert "accumulated" in bounded.reasons.values()
+    assert bounded.cached_steps < free.cached_steps

@@ -12,5 +12,5 @@ __all__ = ["Calibrator", "ReuseCalibrator", "TaylorSeerCalibrator", "make_calibr
 def make_calibrator(config) -> Calibrator:
     """A fresh calibrator for one residual stream of one branch, as `config` asks."""
     if config.enable_taylorseer:
-        return TaylorSeerCalibrator(order=config.taylorseer_order)
+        return TaylorSeerCalibrator(order=config.taylorseer_order, damping=config.taylorseer_damping)
     return ReuseCalibrator()

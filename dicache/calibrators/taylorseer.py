@@ -7,6 +7,8 @@ For order 1 this is the reference TaylorSeer step (`D0 + D1·(c − x0)`, `D1 = 
 2 the reference divides every level by the last gap and uses `(c − x0)^k / k!`, which is exact only for linear
 sequences. The ladder is usable as soon as two computed steps exist (order 1 from the 2nd computed step; order 2
 falls back to order 1 until the 3rd), not from the 4th as in the reference implementation.
+`damping` (0..1) scales every extrapolation term (`D0 + damping·Σ_{k≥1} …`): a damped TaylorSeer that trusts the
+trend less, which measured better than the plain one when steps are far apart (whole-step reuse, sparse masks).
 Memory: `order + 1` residual-sized tensors.
 """
 
@@ -16,12 +18,15 @@ import torch
 
 
 class TaylorSeerCalibrator:
-    """Newton-form TaylorSeer of order 1 or 2 over step indices or sigmas."""
+    """Newton-form TaylorSeer of order 1 or 2 over step indices or sigmas, optionally damped."""
 
-    def __init__(self, order: int = 1) -> None:
+    def __init__(self, order: int = 1, damping: float = 1.0) -> None:
         if order not in (1, 2):
             raise ValueError(f"taylorseer_order={order!r} is invalid: must be 1 or 2")
+        if not 0.0 <= damping <= 1.0:
+            raise ValueError(f"taylorseer_damping={damping!r} is invalid: must be in [0, 1]")
         self.order = order
+        self.damping = damping
         self._ladder: list[torch.Tensor] = []  # D0, D1, … for the current anchor x0
         self._nodes: list[float] = []  # x0, x1, … (most recent first), at most `order` kept
 
@@ -41,7 +46,7 @@ class TaylorSeerCalibrator:
         weight = 1.0
         for k in range(1, len(self._ladder)):
             weight *= x - self._nodes[k - 1]
-            out = out + self._ladder[k] * weight
+            out = out + self._ladder[k] * (weight * self.damping)
         return out
 
     @property

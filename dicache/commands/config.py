@@ -1,27 +1,42 @@
-"""`dicache config`: the effective cache settings and where each value came from."""
+"""`dicache config`: the effective cache settings and where each value came from (default, profile, environment)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-HELP = "print the effective cache settings (SGLANG_CACHE_DIT_* variables) and where each value came from"
+HELP = (
+    "print the effective cache settings (SGLANG_CACHE_DIT_* variables over an optional settings profile) and where "
+    "each value came from"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..profiles import add_profile_argument
+
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--env-example", action="store_true", help="print env.example (every variable and default)")
+    add_profile_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config import CacheConfig, env_example
+    from ..config import env_example
+    from ..profiles import cache_config, describe_profile, profile_source
 
     if args.env_example:
         print(env_example(), end="")
         return 0
-    config = CacheConfig.from_env()
+    config = cache_config(args.profile)
     if args.json:
-        print(json.dumps({"settings": config.model_dump(), "sources": config.sources()}, indent=2))
+        print(
+            json.dumps(
+                {"settings": config.model_dump(), "sources": config.sources(), "profile": profile_source(config)},
+                indent=2,
+            )
+        )
     else:
         print(config.describe())
+        profile = describe_profile(config)
+        if profile:
+            print(profile)
     return 0

@@ -1,4 +1,5 @@
-"""`dicache generate`: text-to-image with Krea-2, caching configured from SGLANG_CACHE_DIT_* variables."""
+"""`dicache generate`: text-to-image with Krea-2, caching configured from SGLANG_CACHE_DIT_* variables over an
+optional settings profile (`--profile PATH` or SGLANG_CACHE_DIT_PROFILE, e.g. written by `dicache calibrate`)."""
 
 from __future__ import annotations
 
@@ -38,10 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache",
         choices=("env", "on", "off"),
         default="env",
-        help="env: SGLANG_CACHE_DIT_ENABLED decides (default); on/off force it",
+        help="env: SGLANG_CACHE_DIT_ENABLED (or the profile's enable_cache) decides (default); on/off force it",
     )
+    from ..profiles import add_profile_argument
+
+    add_profile_argument(parser)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    parser.add_argument("--stats-json", default=None, help="also write the cache statistics as JSON here")
+    parser.add_argument(
+        "--stats-json",
+        default=None,
+        help="also write the cache statistics as JSON here (with the settings used and where each came from)",
+    )
     from ..parallel import add_parallel_arguments
 
     add_parallel_arguments(parser)
@@ -60,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
     import dicache
     from dicache.models.krea2 import Krea2Pipeline
     from dicache.parallel import parallelize_pipeline, setup_from_args
+    from dicache.profiles import cache_config
 
-    config = dicache.CacheConfig.from_env()
+    config = cache_config(args.profile)  # defaults < profile (--profile wins over the variable) < environment
     use_cache = config.enable_cache if args.cache == "env" else args.cache == "on"
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -101,8 +110,17 @@ def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_
     if not use_cache:
         print("caching off (set SGLANG_CACHE_DIT_ENABLED=true or pass --cache on)")
         return 0
+    from dicache.profiles import describe_profile, profile_source
+
+    profile = describe_profile(config)
+    if profile:
+        print(profile)
     stats = dicache.stats(pipe)
     print(stats.table())
     if args.stats_json:
-        pathlib.Path(args.stats_json).write_text(json.dumps(stats.to_dict(), indent=2))
+        record = {
+            **stats.to_dict(),
+            "config": {"settings": config.model_dump(), "sources": config.sources(), "profile": profile_source(config)},
+        }
+        pathlib.Path(args.stats_json).write_text(json.dumps(record, indent=2))
     return 0

@@ -1,4 +1,5 @@
-"""`dicache serve`: the OpenAI-compatible image server (FastAPI + uvicorn) with SGLANG_CACHE_DIT_* caching."""
+"""`dicache serve`: the OpenAI-compatible image server (FastAPI + uvicorn) with SGLANG_CACHE_DIT_* caching over an
+optional settings profile (`--profile PATH` or SGLANG_CACHE_DIT_PROFILE), applied to every request."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 
 HELP = (
     "serve Krea-2 over an OpenAI-compatible HTTP API (POST /v1/images/generations, GET /v1/models, /health, "
-    "/metrics); cache settings from SGLANG_CACHE_DIT_* at start-up, overridable per request"
+    "/metrics); cache settings from SGLANG_CACHE_DIT_* (over --profile) at start-up, overridable per request"
 )
 
 
@@ -23,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     d = ServerSettings()
     parser.add_argument("--model", default=None, help="checkpoint folder or hub id (default: the embedded checkpoint)")
+    from ..profiles import add_profile_argument
+
+    add_profile_argument(parser)
     from ..parallel import add_parallel_arguments
 
     add_parallel_arguments(parser)
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         from ..server import create_app, load_backend
     except ModuleNotFoundError as exc:
         raise DicacheError(f"dicache serve needs the serve extra: pip install 'dicache[serve]' ({exc})") from None
-    from ..config import CacheConfig
+    from ..profiles import cache_config as read_cache_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
@@ -116,8 +120,15 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    cache_config = CacheConfig.from_env()  # a bad SGLANG_CACHE_DIT_* value stops here, naming the variable
+    # defaults < profile (--profile wins over SGLANG_CACHE_DIT_PROFILE) < SGLANG_CACHE_DIT_*; a bad value or a
+    # missing profile stops here, naming the variable or the option and path
+    cache_config = read_cache_config(args.profile)
     print(cache_config.describe(), flush=True)
+    from ..profiles import describe_profile
+
+    profile = describe_profile(cache_config)
+    if profile:
+        print(profile, flush=True)
     from ..parallel import lockstep, parallelize_pipeline, setup_from_args
 
     ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree

@@ -1,5 +1,8 @@
-"""`dicache sweep`: measure speedup vs fidelity over a grid of cache settings, side by side with cache-dit.
+"""`dicache sweep`: measure speedup vs fidelity over a grid of cache settings, against the same-compute baselines.
 
+Baselines: fewer-steps Euler, fewer-steps Heun, the `curved` static step-reuse schedule (all uncached, native
+pipeline) and cache-dit (when installed). Fidelity against the uncached run of the schedule and against a
+high-accuracy reference (uncached Euler, `--reference-steps`, default 200).
 Writes into `--out`: results.jsonl (resumable), results.json, report.md, plots/*.png, grids/<schedule>/*.png.
 Values given on the command line override a `--grid` file, which overrides the built-in (or `--quick`) defaults.
 """
@@ -37,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "schedules: STEPS[:CFG_SCALE[:VARIANT]], CFG scale in the standard convention uncond + s·(cond − uncond),\n"
         "  s = 1 (or omitted) = no CFG; e.g. 8 (Turbo-like), 28:4.5 and 50:4.5 (Raw-like). cache-dit gets g = s − 1.\n"
         "grid axes take lists; their cartesian product is swept. TS 0 = TaylorSeer off.\n"
+        "baselines: euler heun curved cachedit (default: all; cachedit only when cache-dit is installed).\n"
         "An interrupted sweep resumes: rerun the same command; finished cells are not recomputed."
     )
     parser.add_argument("--model", help="checkpoint folder or hub repo id (default: the embedded krea2-tiny)")
@@ -68,6 +72,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--targets", nargs="+", type=float, help="PSNR targets in dB for recommendations (default 30 35 40)"
+    )
+    parser.add_argument(
+        "--baselines",
+        nargs="+",
+        metavar="NAME",
+        help="same-compute baselines: euler heun curved cachedit (default: all, cachedit when installed)",
+    )
+    parser.add_argument(
+        "--reference-steps",
+        metavar="N",
+        help="steps of the high-accuracy reference (uncached Euler) for PSNR-vs-reference; 0 = off (default 200)",
+    )
+    parser.add_argument(
+        "--compute-targets",
+        nargs="+",
+        type=float,
+        metavar="F",
+        help="compute fractions where the baselines run and the report's bins sit (default 0.3 0.4 ... 0.8)",
     )
     axes = parser.add_argument_group("grid axes (each a list; overrides the grid file's grid)")
     for flag, key, kind in GRID_AXES:
@@ -139,15 +161,30 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
         pairs = _default_prompts(model)
     samples = S.make_samples(pairs, seeds, limit)
 
+    # cache-dit runs when `methods` names it (an error if it is missing) or when `baselines` (default: all) names
+    # `cachedit` and `methods` does not exclude it (then skipped with a note if it is missing)
+    notes: list[str] = []
     methods = args.methods or file.get("methods")
+    baselines_given = args.baselines if args.baselines is not None else file.get("baselines")
+    baselines, want_cachedit = S.parse_baselines(baselines_given if baselines_given is not None else S.BASELINES)
+    asked = methods is not None and "cache-dit" in methods
     if methods is None:
+        methods = ["ours"] + (["cache-dit"] if want_cachedit else [])
+    elif baselines_given is not None and want_cachedit and not asked:
+        methods = [*methods, "cache-dit"]
+    if "cache-dit" in methods and not asked:
         from ..sweep.cachedit import INSTALL_HINT, cache_dit_available
 
-        methods = ["ours", "cache-dit"]
         if not cache_dit_available():
-            methods = ["ours"]
-            log(f"note: {INSTALL_HINT}; sweeping ours and the fewer-steps baseline only")
+            methods = [m for m in methods if m != "cache-dit"]
+            note = f"{INSTALL_HINT}; the cache-dit baseline is skipped"
+            notes.append(note)
+            log(f"note: {note}")
     targets = args.targets or file.get("targets") or S.DEFAULT_TARGETS
+    reference_steps = args.reference_steps if args.reference_steps is not None else file.get("reference_steps", "")
+    reference_steps = S.DEFAULT_REFERENCE_STEPS if reference_steps == "" else S.parse_reference_steps(reference_steps)
+    compute_targets = args.compute_targets or file.get("compute_targets") or S.DEFAULT_COMPUTE_TARGETS
+    cachedit_grid = file.get("cachedit_grid")
     return S.SweepSpec(
         samples=samples,
         schedules=schedules,
@@ -157,7 +194,21 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
         height=args.height or file.get("height") or _default_size(model),
         width=args.width or file.get("width") or _default_size(model),
         targets=tuple(float(t) for t in targets),
+        baselines=baselines,
+        reference_steps=reference_steps,
+        compute_targets=tuple(_fraction(v) for v in compute_targets),
+        cachedit_cells=None if cachedit_grid is None else S.expand_grid(cachedit_grid),
+        extra={"notes": notes},
     )
+
+
+def _fraction(value: Any) -> float:
+    from ..sweep.spec import SweepSpecError
+
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise SweepSpecError(f"compute_targets value {value!r} is invalid: must be a number in (0, 1]") from None
 
 
 def _heldout_file(model: str | None) -> Path:
@@ -208,12 +259,22 @@ def run(args: argparse.Namespace) -> int:
     spec = build_spec(args)
     if args.dry_run:
         print(f"model: {spec.model or 'embedded krea2-tiny'}; methods: {', '.join(spec.methods)} + fewer steps")
+        print(
+            "baselines: "
+            + (", ".join(spec.baselines) or "none")
+            + f" at compute {', '.join(f'{f:g}' for f in spec.compute_targets)}; reference: "
+            + (f"{spec.reference_steps}-step Euler" if spec.reference_steps else "off")
+        )
         print("schedules: " + "; ".join(s.name for s in spec.schedules))
         print(f"size: {spec.height or 'pipeline default'} x {spec.width or 'pipeline default'} px")
         print(f"samples ({len(spec.samples)}): " + "; ".join(f"{p!r} seed {s}" for p, s in spec.samples))
         print(f"cells ({len(spec.cells)}):")
         for cell in spec.cells:
             print(f"  {cell.label}")
+        if spec.cachedit_cells is not None and "cache-dit" in spec.methods:
+            print(f"cache-dit cells ({len(spec.cachedit_cells)}):")
+            for cell in spec.cachedit_cells:
+                print(f"  {cell.label}")
         return 0
     import torch
 

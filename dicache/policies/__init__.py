@@ -5,7 +5,7 @@ from __future__ import annotations
 from .base import CachePolicy, Decision, StepContext
 from .dbcache import DBCachePolicy
 from .simple import AlwaysCache, NeverCache
-from .step_mask import preset_mask, step_mask
+from .step_mask import curved_mask, preset_mask, step_mask, subset_mask
 
 __all__ = [
     "AlwaysCache",
@@ -14,9 +14,11 @@ __all__ = [
     "Decision",
     "NeverCache",
     "StepContext",
+    "curved_mask",
     "make_policy",
     "preset_mask",
     "step_mask",
+    "subset_mask",
 ]
 
 
@@ -26,11 +28,18 @@ def make_policy(config, num_steps: int | None) -> CachePolicy:
         return NeverCache()
     if config.policy == "always":
         return AlwaysCache()
+    mask = step_mask(config, num_steps)
+    uncond_mask = None
+    if mask is not None and config.scm_uncond_fraction < 1.0:
+        uncond_mask = subset_mask(mask, config.scm_uncond_fraction, config.scm_curve)
     return DBCachePolicy(
         warmup=config.max_warmup_steps,
         threshold=config.residual_diff_threshold,
         max_continuous=config.max_continuous_cached_steps,
         max_cached=config.max_cached_steps,
-        mask=step_mask(config, num_steps),
+        mask=mask,
         static_mask=config.scm_policy == "static",
+        uncond_mask=uncond_mask,
+        protect_sigma=config.protect_sigma,
+        max_accumulated=config.max_accumulated_diff,
     )

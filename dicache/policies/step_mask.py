@@ -3,6 +3,8 @@
 Presets are defined for 28 steps as alternating runs (compute, cache, compute, …) and rescaled to any step
 count >= 4 keeping the compute fraction and its placement; the first and last steps are always computed.
 Explicit bins are used as given (truncated to the step count; too short is an error).
+The `curved` preset computes a chosen share of the steps, placed densely where the noise is high: computed step j of k
+sits at `round((j/(k−1))^γ·(n−1))` (γ = `scm_curve`; DESIGN §8's static schedule is γ = 1.5).
 """
 
 from __future__ import annotations
@@ -75,6 +77,45 @@ def preset_mask(preset: str, num_steps: int) -> list[int]:
     return mask
 
 
+def curved_positions(num_steps: int, computed: int, curve: float) -> list[int]:
+    """Exactly `computed` (clamped to [2, num_steps]) distinct step indices, dense at the start, 0 and n−1 included.
+
+    Targets `round((j/(k−1))^curve·(n−1))`; where rounding makes two targets meet, the later one moves to the next free
+    index so the count is exact.
+    """
+    n = num_steps
+    k = max(min(int(computed), n), min(2, n))
+    if k == n:
+        return list(range(n))
+    if k == 1:
+        return [0]
+    positions: list[int] = []
+    for j in range(k):
+        target = round((j / (k - 1)) ** curve * (n - 1))
+        lowest = positions[-1] + 1 if positions else 0
+        highest = n - (k - j)  # leave room for the remaining k − j − 1 positions
+        positions.append(min(max(target, lowest), highest))
+    return positions
+
+
+def curved_mask(num_steps: int, fraction: float, curve: float) -> list[int]:
+    """The `curved` preset: `round(fraction·n)` computed steps (at least the first and the last)."""
+    if num_steps < 1:
+        raise ConfigError(f"scm_preset='curved' needs num_inference_steps >= 1; the request has {num_steps}")
+    chosen = set(curved_positions(num_steps, round(fraction * num_steps), curve))
+    return [1 if i in chosen else 0 for i in range(num_steps)]
+
+
+def subset_mask(mask: list[int], fraction: float, curve: float) -> list[int]:
+    """The steps of `mask` a branch computing `fraction` of them computes: a curved choice among the computed steps
+    (their first and last kept). `fraction = 1` returns `mask` itself."""
+    computed = [i for i, m in enumerate(mask) if m]
+    if fraction >= 1.0 or len(computed) <= 2:
+        return list(mask)
+    keep = {computed[j] for j in curved_positions(len(computed), round(fraction * len(computed)), curve)}
+    return [1 if i in keep else 0 for i in range(len(mask))]
+
+
 def step_mask(config, num_steps: int | None) -> list[int] | None:
     """The mask a `CacheConfig` asks for at `num_steps`, or None when it sets no mask."""
     if not config.has_step_mask:
@@ -86,4 +127,6 @@ def step_mask(config, num_steps: int | None) -> list[int] | None:
         )
     if config.scm_compute_bins is not None:
         return mask_from_bins(config.scm_compute_bins, config.scm_cache_bins, num_steps)
+    if config.scm_preset == "curved":
+        return curved_mask(num_steps, config.scm_compute_fraction, config.scm_curve)
     return preset_mask(config.scm_preset, num_steps)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..config import CacheConfig
 from ..errors import DicacheError
+from ..profiles import profile_source
 from .backend import GenerationStopped
 from .body_limit import BodySizeLimitMiddleware
 from .errors import ApiError, install_error_handlers
@@ -62,10 +63,10 @@ Extra fields: `negative_prompt`, `num_inference_steps`, `guidance_scale`, `seed`
 
 **size**: "WIDTHxHEIGHT", each side a multiple of 16 within the server's limits.
 
-**Caching**: the server's settings come from `SGLANG_CACHE_DIT_*` at start-up; `enable_cache` and `cache_dit_params`
-(keys as in cache-dit / SGLang, e.g. `residual_diff_threshold`) override them for this request only. The response's
-`cache_stats` has the request's computed / cached steps per CFG branch. Same seed and parameters give a bitwise
-identical image, whatever else the server is doing.
+**Caching**: the server's settings come from `SGLANG_CACHE_DIT_*` over its settings profile (`--profile`) at start-up;
+`enable_cache` and `cache_dit_params` (keys as in cache-dit / SGLang, e.g. `residual_diff_threshold`) override them
+for this request only. The response's `cache_stats` has the request's computed / cached steps per CFG branch. Same
+seed and parameters give a bitwise identical image, whatever else the server is doing.
 
 Errors: 400 (bad field: the message names it, the value and what is allowed), 413 (body too large), 429 (queue full),
 503 (shutting down), 504 (request timeout).
@@ -192,6 +193,7 @@ def create_app(
                 "enabled_by_default": bool(backend.cache_config.enable_cache),
                 "settings": backend.cache_config.model_dump(),
                 "sources": backend.cache_config.sources(),
+                "profile": profile_source(backend.cache_config),
             },
         }
         return JSONResponse(body, status_code=503 if queue.closing else 200)

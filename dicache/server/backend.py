@@ -150,9 +150,12 @@ def load_backend(
     device: str | None = None,
     cache_config: CacheConfig | None = None,
     default_size: tuple[int, int] | None = None,
+    profile: str | None = None,
 ) -> PipelineBackend:
     """Load the native Krea-2 pipeline (`model` None: the embedded checkpoint; device None: cuda if available) and
-    enable caching with `cache_config` (None: the environment's, `SGLANG_CACHE_DIT_*`)."""
+    enable caching with `cache_config` (None: the environment's, `SGLANG_CACHE_DIT_*` over the settings profile
+    `profile`, default `SGLANG_CACHE_DIT_PROFILE`'s). Every request starts from these settings; its
+    `cache_dit_params` merge over them."""
     from ..models.krea2 import Krea2Pipeline
 
     if isinstance(dtype, str):
@@ -160,7 +163,13 @@ def load_backend(
         if not isinstance(resolved, torch.dtype):
             raise ValueError(f"dtype={dtype!r} is invalid: must be a torch dtype name such as bfloat16 or float32")
         dtype = resolved
-    config = cache_config if cache_config is not None else CacheConfig.from_env()
+    if cache_config is not None and profile is not None:
+        raise ValueError("load_backend: pass cache_config or profile, not both")
+    if cache_config is None:
+        from ..profiles import cache_config as read_cache_config
+
+        cache_config = read_cache_config(profile)
+    config = cache_config
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     pipe = Krea2Pipeline.from_pretrained(model, dtype=dtype, device=device)
     return PipelineBackend(pipe, config, variant_defaults(pipe, variant, default_size))

@@ -1,7 +1,8 @@
 """`ServerSettings`: the HTTP server's own limits (queue, workers, timeouts, input bounds).
 
-Cache settings are not here: they come from `SGLANG_CACHE_DIT_*` (`dicache.CacheConfig.from_env`) at start-up and
-from each request's `cache_dit_params`.
+Cache settings are not here: they come from `SGLANG_CACHE_DIT_*` over an optional settings profile
+(`dicache.profiles.cache_config`: `--profile` or `SGLANG_CACHE_DIT_PROFILE`) at start-up and from each request's
+`cache_dit_params`.
 """
 
 from __future__ import annotations

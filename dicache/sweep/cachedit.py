@@ -60,6 +60,8 @@ def unsupported_reason(config: CacheConfig) -> str | None:
         return f"policy={config.policy!r} has no cache-dit equivalent"
     if config.enable_taylorseer and config.taylorseer_distance != "step":
         return "TaylorSeer distance in sigmas has no cache-dit equivalent"
+    if config.Fn_compute_blocks < 1:
+        return "cache-dit needs Fn_compute_blocks >= 1 (no whole-step reuse)"
     return None
 
 
@@ -214,4 +216,5 @@ class CacheDitRunner:
             image_tokens=rec.image_tokens,
             text_tokens=rec.text_tokens,
             cached_steps=cached_steps,
+            full_calls=schedule.steps * (2 if schedule.cfg else 1),
         )

@@ -76,13 +76,27 @@ def krea2_call_flops(config: Mapping[str, Any], image_tokens: int, text_tokens: 
     )
 
 
-def flops_ratio(call: CallFlops, calls: int, blocks_run: int, text_runs: int) -> float:
-    """Estimated FLOPs of a cached generation / the same generation uncached; 1.0 for no calls.
+def flops_ratio(
+    call: CallFlops,
+    calls: int,
+    blocks_run: int,
+    text_runs: int,
+    full_calls: int | None = None,
+    full_text_runs: int | None = None,
+) -> float:
+    """Estimated FLOPs of a generation / those of the uncached run of the same schedule; 1.0 when that has no calls.
 
-    (blocks_run · per_block + calls · fixed + text_runs · text) / (calls · (num_blocks · per_block + fixed) +
-    text_runs · text): caching changes only the blocks run, not the calls or text-path runs.
+    (blocks_run · per_block + calls · fixed + text_runs · text) / (full_calls · (num_blocks · per_block + fixed) +
+    full_text_runs · text). `calls` / `text_runs`: transformer calls made and text-path runs of this generation;
+    `full_calls` / `full_text_runs`: those of the uncached run (default: the same, i.e. a cache that changes only the
+    blocks run). Only the blocks that ran are counted, so whole-step reuse (Fn = 0: a cached call runs no block) and
+    baselines with fewer calls (fewer steps, step reuse) are in the same units; the fixed part is counted for every
+    call made (an upper bound when a cached call skips the embeddings too).
     """
-    if calls <= 0:
+    full_calls = calls if full_calls is None else full_calls
+    full_text_runs = text_runs if full_text_runs is None else full_text_runs
+    if full_calls <= 0:
         return 1.0
-    constant = calls * call.fixed + text_runs * call.text
-    return (blocks_run * call.per_block + constant) / (calls * call.num_blocks * call.per_block + constant)
+    used = blocks_run * call.per_block + calls * call.fixed + text_runs * call.text
+    full = full_calls * (call.num_blocks * call.per_block + call.fixed) + full_text_runs * call.text
+    return used / full

@@ -1,7 +1,9 @@
 """Plots of sweep results (matplotlib, imported lazily) and image grids (PIL).
 
 `plot_schedule(results, slug)` draws fidelity vs compute fraction for one schedule: PSNR, SSIM and relative L2 panels,
-one colour per method (all cells as dots, the Pareto front as a line), the fewer-steps baseline as its own curve.
+one colour per method (all cells as dots, the Pareto front as a line), each uncached baseline (fewer-steps Euler,
+fewer-steps Heun, the curved schedule) as its own dashed curve. `plot_measures(results, slug)` draws PSNR against the
+uncached run and against the high-accuracy reference side by side, one line per method.
 The notebook `notebooks/sweep_report.ipynb` calls these on a `results.json`.
 """
 
@@ -20,9 +22,13 @@ from .metrics import PSNR_CAP_DB
 METHOD_STYLE = {
     "ours": {"color": "tab:blue", "marker": "o", "label": "dicache (ours)", "lw": 1.5, "ms": 5},
     "cache-dit": {"color": "tab:orange", "marker": "s", "label": "cache-dit", "lw": 4.0, "ms": 9},
-    "fewer-steps": {"color": "tab:gray", "marker": "^", "label": "fewer steps (no cache)", "lw": 1.5, "ms": 6},
+    "fewer-steps": {"color": "tab:gray", "marker": "^", "label": "fewer steps, Euler (no cache)", "lw": 1.5, "ms": 6},
+    "heun": {"color": "tab:green", "marker": "v", "label": "fewer steps, Heun (no cache)", "lw": 1.5, "ms": 6},
+    "curved": {"color": "tab:purple", "marker": "D", "label": "curved step reuse (no cache)", "lw": 1.5, "ms": 5},
 }
-PLOT_ORDER = ("fewer-steps", "cache-dit", "ours")  # ours last, on top: where the fronts coincide both stay visible
+BASELINE_CURVES = ("fewer-steps", "heun", "curved")
+"""Methods drawn as one dashed line through all their runs (they have one run per compute)."""
+PLOT_ORDER = ("fewer-steps", "heun", "curved", "cache-dit", "ours")  # ours last, on top: coinciding fronts stay visible
 PANELS = (("psnr", "PSNR (dB) ↑"), ("ssim", "SSIM ↑"), ("rel_l2", "relative L2 on latents ↓"))
 PLOTS_DIR = "plots"
 
@@ -55,7 +61,7 @@ def plot_schedule(results: dict[str, Any], slug: str, axes: Sequence[Any] | None
             style = METHOD_STYLE[method]
             xs = [r["compute_fraction"] for r in records]
             ys = [r[metric] for r in records]
-            if method == "fewer-steps":
+            if method in BASELINE_CURVES:
                 order = np.argsort(xs)
                 ax.plot(
                     np.array(xs)[order],
@@ -93,8 +99,69 @@ def plot_schedule(results: dict[str, Any], slug: str, axes: Sequence[Any] | None
     return fig
 
 
+MEASURE_PANELS = (("psnr", "PSNR (dB) vs the uncached run ↑"), ("psnr_ref", "PSNR (dB) vs the {n}-step reference ↑"))
+
+
+def plot_measures(results: dict[str, Any], slug: str, axes: Sequence[Any] | None = None) -> Any:
+    """PSNR vs compute fraction for one schedule against both references (the uncached run; the high-accuracy one,
+    when the sweep has it), one line per method: the baselines through all their runs, dicache and cache-dit along
+    their Pareto fronts over their settings (dots). The compute-target bins are shaded lightly."""
+    import matplotlib.pyplot as plt
+
+    steps = results["meta"].get("reference_steps")
+    panels = [(m, t.format(n=steps)) for m, t in MEASURE_PANELS if m == "psnr" or steps]
+    if axes is None:
+        size = (6.0 * len(panels), 4.6)
+        fig, axes = plt.subplots(1, len(panels), figsize=size, constrained_layout=True, squeeze=False)
+        axes = axes[0]
+    else:
+        fig = axes[0].figure
+    groups = schedule_records(results, slug)
+    name = next((s["name"] for s in results["meta"]["schedules"] if s["slug"] == slug), slug)
+    for ax, (metric, title) in zip(axes, panels):
+        for i, center in enumerate(results["meta"].get("compute_targets") or []):
+            ax.axvspan(center - 0.05, center + 0.05, color="0.5" if i % 2 else "0.7", alpha=0.08, lw=0)
+        for method in PLOT_ORDER:
+            records = [r for r in groups[method] if r.get(metric) is not None and r[metric] < PSNR_CAP_DB]
+            if not records:
+                continue
+            style = METHOD_STYLE[method]
+            if method in BASELINE_CURVES:
+                records = sorted(records, key=lambda r: r["compute_fraction"])
+                line = "--"
+            else:
+                ax.scatter(
+                    [r["compute_fraction"] for r in records],
+                    [r[metric] for r in records],
+                    color=style["color"],
+                    marker=style["marker"],
+                    alpha=0.3,
+                    s=20,
+                )
+                records = pareto_front(records, metric)
+                line = "-"
+            ax.plot(
+                [r["compute_fraction"] for r in records],
+                [r[metric] for r in records],
+                line,
+                color=style["color"],
+                marker=style["marker"],
+                lw=style["lw"] if method != "cache-dit" else 2.5,
+                ms=style["ms"] if method != "cache-dit" else 7,
+                label=style["label"] + ("" if method in BASELINE_CURVES else " (Pareto front)"),
+            )
+        ax.set_xlabel("compute fraction (transformer blocks run / uncached run)")
+        ax.set_ylabel(title)
+        ax.set_xlim(0, 1.05)
+        ax.grid(alpha=0.3)
+    axes[0].set_title(f"{name}: dicache vs the same-compute baselines")
+    axes[0].legend(fontsize=8, loc="lower right")
+    return fig
+
+
 def save_plots(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """One PNG per schedule under `out_dir/plots/`: `fidelity_<slug>.png`. Returns their paths."""
+    """Two PNGs per schedule under `out_dir/plots/`: `fidelity_<slug>.png` (PSNR, SSIM, rel-L2) and
+    `baselines_<slug>.png` (PSNR vs both references, one line per method). Returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -105,6 +172,11 @@ def save_plots(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
         path = Path(out_dir) / PLOTS_DIR / f"fidelity_{schedule['slug']}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         fig = plot_schedule(results, schedule["slug"])
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+        path = Path(out_dir) / PLOTS_DIR / f"baselines_{schedule['slug']}.png"
+        fig = plot_measures(results, schedule["slug"])
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

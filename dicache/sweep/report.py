@@ -1,8 +1,9 @@
 """The Markdown report of a sweep: a plain function of the results (`results.json`'s content) to text.
 
-Per schedule: the uncached timings, the goal check (ours vs cache-dit vs fewer steps at every compute budget),
-recommended settings for the fidelity targets, the Pareto front, and every cell sorted by compute fraction next to
-its same-compute fewer-steps baseline.
+Per schedule: the uncached timings, dicache against the four same-compute baselines per compute bin and measure
+(`compare`: PSNR vs the uncached run and vs the high-accuracy reference, the issue's targets), the goal check (ours vs
+cache-dit vs fewer steps at every compute budget), recommended settings for the fidelity targets, the Pareto front,
+every cell sorted by compute fraction next to its same-compute fewer-steps baseline, and every baseline run.
 """
 
 from __future__ import annotations
@@ -10,12 +11,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from . import compare
 from .analysis import cheapest_reaching, goal_check, pareto_front
 from .metrics import MS_SSIM_MIN_SIZE, PSNR_CAP_DB
 from .plots import PLOTS_DIR, schedule_records
 
 REPORT_MD = "report.md"
-METHOD_NAMES = {"ours": "dicache (ours)", "cache-dit": "cache-dit", "fewer-steps": "fewer steps"}
+METHOD_NAMES = {
+    "ours": "dicache (ours)",
+    "cache-dit": "cache-dit",
+    "fewer-steps": "fewer steps",
+    "heun": "fewer steps, Heun",
+    "curved": "curved step reuse",
+}
+BASELINES_TEXT = (
+    "Baselines at equal compute: fewer-steps Euler (the pipeline's sampler), fewer-steps Heun (predictor Euler, "
+    "corrector with the mean velocity, a plain Euler step to σ = 0; compute = evaluations / n), the `curved` static "
+    "schedule (n steps, the velocity computed only at round((j/(k−1))^1.5·(n−1)), j < k, and reused in between; "
+    "compute = k/n), all uncached on the pipeline's resolution-aware sigmas, and cache-dit. Each uncached baseline "
+    "runs at the counts just below and just above every compute target. Rule: each baseline's Pareto front (compute ≤, "
+    "PSNR ≥) is interpolated linearly at the dicache point's compute (outside its range: its nearest end point, "
+    "marked (b) below / (x) beyond); the best of the four is the comparison, the margin = dicache − best. "
+    "`margin, ≥ rule`: the conservative alternative, each baseline's cheapest front point with compute ≥ the dicache "
+    "point's. A bin f holds the dicache settings with compute in [f − 0.05, f + 0.05); its row shows the one with the "
+    "largest margin (a bin without one shows the baselines at f). Targets (issue): 28 and 50 steps, ≥ 1 dB above the "
+    "best baseline in every bin 0.3–0.8; 8 steps, some dicache setting with compute ≤ 0.6 at ≥ 35 dB; per measure."
+)
 
 
 def _f(value: Any, digits: int = 2, suffix: str = "") -> str:
@@ -44,10 +65,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def _who(record: dict[str, Any] | None) -> str:
+def _who(record: dict[str, Any] | None, metric: str = "psnr") -> str:
     if record is None:
         return "–"
-    return f"{record['setting']} ({record['compute_fraction']:.2f}, {_db(record['psnr'], 1)})"
+    return f"{record['setting']} ({record['compute_fraction']:.2f}, {_db(record[metric], 1)})"
 
 
 def render_report(results: dict[str, Any]) -> str:
@@ -56,6 +77,7 @@ def render_report(results: dict[str, Any]) -> str:
     by_key = {r["key"]: r for r in results["records"]}
     n = len(meta["samples"])
     prompts = len({p for p, _ in meta["samples"]})
+    comparisons = compare.compare(results)
     lines = [
         f"# dicache sweep: {meta['model']}",
         "",
@@ -75,24 +97,89 @@ def render_report(results: dict[str, Any]) -> str:
         "times are wall-clock seconds per image on the machine above, noisy on a shared CPU, where the compute "
         "fraction and the FLOPs ratio are the load-independent measures. diffusers pads text to the prompt's length "
         "rounded up to 32 tokens (padding is masked; the output is unchanged within float noise).",
+        "",
+        BASELINES_TEXT
+        + (
+            f" PSNR ref: against the uncached {meta['reference_steps']}-step Euler run of the same prompt, seed and "
+            "guidance (a high-accuracy reference that does not depend on the sampler under test)."
+            if meta.get("reference_steps")
+            else ""
+        ),
     ]
     for note in meta.get("notes", []):
         lines.append(f"- note: {note}")
     for schedule in meta["schedules"]:
-        lines += _schedule_section(results, schedule, by_key, meta["targets"])
+        lines += _schedule_section(results, schedule, by_key, meta["targets"], comparisons)
     return "\n".join(lines) + "\n"
 
 
+def _bv(entry: dict[str, Any] | None, best: bool = False) -> str:
+    """A baseline value cell: dB, marked (b) below / (x) beyond the baseline's range, bold when it is the best."""
+    if entry is None:
+        return "–"
+    mark = {"below": " (b)", "extrapolated": " (x)"}.get(entry["how"], "")
+    text = f"{entry['value']:.2f}{mark}"
+    return f"**{text}**" if best else text
+
+
+def _margin(value: float | None) -> str:
+    return "–" if value is None else f"{value:+.2f}"
+
+
+def _target_line(entry: dict[str, Any]) -> str:
+    target = entry["target"]
+    if target is None:
+        return f"No target for {entry['steps']} steps in the issue; margins for information."
+    verdict = "**met**" if target["met"] else "**not met**"
+    if target["kind"] == "margin":
+        failed = "" if target["met"] else " (bins " + ", ".join(f"{b:g}" for b in target["failed"]) + ")"
+        conservative = "met" if target["met_at_least"] else "not met"
+        return f"Target: {target['text']}: {verdict}{failed}; with the ≥ rule: {conservative}."
+    best = target["best"]
+    shown = "no setting" if best is None else _who(best, entry["metric"])
+    return f"Target: {target['text']}: {verdict}; best within the limit: {shown}."
+
+
+def comparison_lines(entry: dict[str, Any], heading: str = "####") -> list[str]:
+    """Markdown for one schedule and measure of `compare.compare(results)`: target verdict and the bin table."""
+    lines = [f"{heading} {entry['measure']}", "", _target_line(entry), ""]
+    header = ["compute bin", "best dicache setting", "compute", "dB"]
+    header += [compare.BASELINE_NAMES[m] for m in compare.BASELINE_METHODS]
+    header += ["margin dB", "margin, ≥ rule"]
+    rows = []
+    for r in entry["rows"]:
+        ours = r["ours"]
+        row = [
+            f"{r['bin']:g} ({r['range'][0]:.2f}–{r['range'][1]:.2f})",
+            "–" if ours is None else ours["setting"],
+            f"{r['compute']:.3f}" if ours is not None else f"({r['compute']:.2f})",
+            _p(r["value"]),
+        ]
+        row += [_bv(r["baselines"].get(m), best=m == r["best"]) for m in compare.BASELINE_METHODS]
+        row += [_margin(r["margin"]), _margin(r["margin_at_least"])]
+        rows.append(row)
+    return lines + _table(header, rows)
+
+
 def _schedule_section(
-    results: dict[str, Any], schedule: dict[str, Any], by_key: dict[str, dict], targets: list[float]
+    results: dict[str, Any],
+    schedule: dict[str, Any],
+    by_key: dict[str, dict],
+    targets: list[float],
+    comparisons: list[dict[str, Any]],
 ) -> list[str]:
     slug = schedule["slug"]
     groups = schedule_records(results, slug)
     ours, cd, fewer = groups["ours"], groups["cache-dit"], groups["fewer-steps"]
+    solver_groups = [groups["fewer-steps"], groups["heun"], groups["curved"]]
+    solver_runs = [r for g in solver_groups for r in g]
     lines = ["", f"## {schedule['name']}", ""]
     refs = [r for r in results["records"] if r["schedule_slug"] == slug and r["method"] == "uncached"]
+    steps = results["meta"].get("reference_steps")
     for ref in refs:
         agree = f"; vs the native reference: PSNR {_db(ref['psnr_vs_native'], 1)}" if "psnr_vs_native" in ref else ""
+        if ref.get("psnr_ref") is not None:
+            agree += f"; vs the {steps}-step reference: PSNR {_db(ref['psnr_ref'], 1)}"
         lines.append(
             f"- uncached, {ref['pipeline']} pipeline: denoise {_f(ref['denoise_s'], 3)} s, end-to-end "
             f"{_f(ref['e2e_s'], 3)} s per image ({ref['image_tokens']} image + {ref['text_tokens']} text tokens){agree}"
@@ -100,7 +187,14 @@ def _schedule_section(
     if not (ours or cd):
         return lines + ["", "No cells finished yet."]
 
-    lines += ["", f"![fidelity vs compute]({PLOTS_DIR}/fidelity_{slug}.png)", "", "### Goal check", ""]
+    lines += ["", f"![fidelity vs compute]({PLOTS_DIR}/fidelity_{slug}.png)"]
+    entries = [e for e in comparisons if e["schedule"] == slug]
+    if entries:
+        lines += ["", "### dicache vs the four same-compute baselines", ""]
+        lines += [f"![PSNR vs compute, one line per method]({PLOTS_DIR}/baselines_{slug}.png)"]
+        for entry in entries:
+            lines += [""] + comparison_lines(entry)
+    lines += ["", "### Goal check", ""]
     rows = goal_check(ours, cd, fewer, schedule["steps"])
     met = sum(r["met"] for r in rows)
     lines.append(
@@ -124,12 +218,12 @@ def _schedule_section(
 
     lines += ["", "### Recommended settings", "", "The least-compute setting reaching each mean-PSNR target.", ""]
     lines += _table(
-        ["target PSNR", "ours", "cache-dit", "fewer steps"],
-        [[f"≥ {t:g} dB"] + [_who(cheapest_reaching(g, t)) for g in (ours, cd, fewer)] for t in targets],
+        ["target PSNR", "ours", "cache-dit", "fewer steps", "Heun", "curved"],
+        [[f"≥ {t:g} dB"] + [_who(cheapest_reaching(g, t)) for g in (ours, cd, *solver_groups)] for t in targets],
     )
 
     lines += ["", "### Pareto front (all methods)", ""]
-    front = pareto_front([*ours, *cd, *fewer])
+    front = pareto_front([*ours, *cd, *solver_runs])
     lines += _table(
         ["method", "setting", "compute", "PSNR dB", "SSIM", "rel-L2"],
         [
@@ -146,10 +240,12 @@ def _schedule_section(
     )
 
     lines += ["", "### All settings, by compute fraction", ""]
+    has_ref = any(r.get("psnr_ref") is not None for r in [*ours, *cd, *solver_runs])
     header = ["method", "setting", "compute", "FLOPs", "denoise s", "speedup", "e2e s", "PSNR dB", "PSNR min", "SSIM"]
     if any(r.get("ms_ssim") is not None for r in [*ours, *cd]):
         header.append("MS-SSIM")
-    header += ["rel-L2", "fewer steps: steps, PSNR", "Δ PSNR dB", "grid"]
+    header += ["rel-L2"] + (["PSNR ref dB", "rel-L2 ref"] if has_ref else [])
+    header += ["fewer steps: steps, PSNR", "Δ PSNR dB", "grid"]
     rows = []
     for r in sorted([*ours, *cd], key=lambda r: (r["compute_fraction"], -r["psnr"])):
         base = by_key.get(r.get("baseline_key", ""))
@@ -168,14 +264,37 @@ def _schedule_section(
         if "MS-SSIM" in header:
             row.append(_f(r.get("ms_ssim"), 4))
         delta = None if base is None or base["psnr"] >= PSNR_CAP_DB else r["psnr"] - base["psnr"]
+        row.append(_f(r["rel_l2"], 4))
+        if has_ref:
+            row += [_p(r.get("psnr_ref")), _f(r.get("rel_l2_ref"), 4)]
         row += [
-            _f(r["rel_l2"], 4),
             "–" if base is None else f"{base['steps']}, {_p(base['psnr'])}",
             "–" if delta is None else f"{delta:+.2f}",
             f"[png]({r['grid']})" if r.get("grid") else "–",
         ]
         rows.append(row)
     lines += _table(header, rows)
+
+    if solver_runs:
+        lines += ["", "### Baseline runs (no cache)", ""]
+        header = ["method", "setting", "compute", "FLOPs", "denoise s", "PSNR dB", "SSIM", "rel-L2"]
+        header += ["PSNR ref dB", "rel-L2 ref"] if has_ref else []
+        rows = []
+        for r in sorted(solver_runs, key=lambda r: (r["method"], r["compute_fraction"])):
+            row = [
+                METHOD_NAMES[r["method"]],
+                r["setting"],
+                f"{r['compute_fraction']:.3f}",
+                _f(r["flops_ratio"], 3),
+                _f(r["denoise_s"], 3),
+                _p(r["psnr"]),
+                _f(r["ssim"], 4),
+                _f(r["rel_l2"], 4),
+            ]
+            if has_ref:
+                row += [_p(r.get("psnr_ref")), _f(r.get("rel_l2_ref"), 4)]
+            rows.append(row)
+        lines += _table(header, rows)
     return lines
 
 
@@ -195,8 +314,10 @@ def render_summary(results: dict[str, Any], command: str | None = None, notes: l
     every compute budget) and the SGLang-default setting side by side."""
     meta = results["meta"]
     by_key = {r["key"]: r for r in results["records"]}
+    comparisons = compare.compare(results)
+    title = "ours vs the same-compute baselines" if comparisons else "ours vs cache-dit vs fewer steps"
     lines = [
-        f"## dicache sweep: ours vs cache-dit vs fewer steps ({meta['date']})",
+        f"## dicache sweep: {title} ({meta['date']})",
         "",
         f"- command: `{command}`" if command else "- command: `dicache sweep`",
         f"- machine: {meta['machine']}; versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v),
@@ -205,11 +326,15 @@ def render_summary(results: dict[str, Any], command: str | None = None, notes: l
         "settings per method; PSNR (dB) against the uncached run of the same pipeline, mean over the samples",
     ]
     lines += [f"- note: {n}" for n in [*(notes or []), *meta.get("notes", [])]]
+    if comparisons:
+        lines += ["", BASELINES_TEXT]
     for schedule in meta["schedules"]:
         groups = schedule_records(results, schedule["slug"])
         ours, cd, fewer = groups["ours"], groups["cache-dit"], groups["fewer-steps"]
         rows = goal_check(ours, cd, fewer, schedule["steps"])
         met = sum(r["met"] for r in rows)
+        for entry in (e for e in comparisons if e["schedule"] == schedule["slug"]):
+            lines += [""] + comparison_lines(entry | {"measure": f"{schedule['name']}: {entry['measure']}"}, "###")
         lines += ["", f"### {schedule['name']}: goal met at {met} of {len(rows)} compute budgets", ""]
         lines += _table(
             ["compute ≤", "ours (best)", "cache-dit (best)", "fewer steps", "met"],

@@ -1,9 +1,14 @@
-"""Run a sweep: references, cached cells (ours, cache-dit), the same-compute fewer-steps baseline; resumable.
+"""Run a sweep: references, cached cells (ours, cache-dit), the same-compute baselines; resumable.
 
-For every schedule: the uncached reference of each (prompt, seed) on each pipeline (cached under `refs/`), then every
-cell of every method, each measured against the reference of its own pipeline, and for each cell the fewer-steps
-baseline at `round(steps × compute fraction)` steps on the native pipeline (no cache). Every finished cell is appended
-to `results.jsonl` at once; a rerun with the same model, schedule, settings, samples and size skips it.
+For every schedule: the uncached reference of each (prompt, seed) on each pipeline (cached under `refs/`), the
+high-accuracy reference (uncached Euler with `reference_steps` steps at the schedule's guidance; cached under `refs/`
+once per prompt, seed, guidance and variant, so 28 and 50 steps share it), then every cell of every method, each
+measured against the reference of its own pipeline (`psnr`, `ssim`, `rel_l2`) and against the high-accuracy one
+(`psnr_ref`, `rel_l2_ref`: independent of the sampler under test). Baselines (native pipeline, no cache): fewer-steps
+Euler at `round(steps × compute fraction)` of each cell, and Euler, Heun and the `curved` schedule at each of
+`compute_targets` (`solvers.counts_for`: the counts just below and just above the target). Every finished record is
+appended to `results.jsonl` at once; a rerun with the same model, schedule, settings, samples, size and
+`reference_steps` skips it.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from typing import Any
 import torch
 
 from .. import __version__
+from . import solvers
 from .cachedit import unsupported_reason
+from .compare import compare
 from .flops import flops_ratio, krea2_call_flops
 from .metrics import ms_ssim, psnr, relative_l2, ssim
-from .runners import Sample
+from .runners import Sample, branches
 from .spec import Cell, Schedule, SweepSpec, SweepSpecError, stable_hash
 from .store import ResultStore, model_fingerprint
 
@@ -76,7 +83,8 @@ class Sweep:
         self._order: list[str] = []
         self._bar: Any = None
         self._warm: set[str] = set()
-        for cell in spec.cells:
+        self._hirefs: list[dict[str, Any]] | None = None
+        for cell in dict.fromkeys(c for m in spec.methods for c in spec.method_cells(m)):
             try:
                 cell.config.check_block_split(native.num_blocks)
             except Exception as exc:
@@ -87,28 +95,46 @@ class Sweep:
         base = {"model": self.model_id, "size": [self.height, self.width], "v": RESULTS_VERSION}
         return stable_hash({**base, **parts})
 
+    def _measured_key(self, **parts: Any) -> str:
+        """A record measured against the references: its key also names the high-accuracy reference's steps."""
+        return self._key(**parts, reference_steps=self.spec.reference_steps)
+
     def _samples_id(self) -> str:
         return stable_hash([list(s) for s in self.spec.samples])
 
     def ref_key(self, pipeline: str, schedule: Schedule, prompt: str, seed: int) -> str:
         return self._key(kind="ref", pipeline=pipeline, schedule=schedule.to_dict(), prompt=prompt, seed=seed)
 
+    def hiref_key(self, schedule: Schedule, prompt: str, seed: int) -> str:
+        """The high-accuracy reference of one sample: independent of the schedule's step count."""
+        guidance = {"guidance_scale": schedule.guidance_scale, "variant": schedule.variant}
+        steps = self.spec.reference_steps
+        return self._key(kind="hiref", steps=steps, guidance=guidance, prompt=prompt, seed=seed)
+
     def reference_key(self, pipeline: str, schedule: Schedule) -> str:
-        return self._key(kind="reference", pipeline=pipeline, schedule=schedule.to_dict(), samples=self._samples_id())
+        return self._measured_key(
+            kind="reference", pipeline=pipeline, schedule=schedule.to_dict(), samples=self._samples_id()
+        )
 
     def cell_key(self, method: str, schedule: Schedule, cell: Cell) -> str:
-        return self._key(
+        return self._measured_key(
             kind="cell", method=method, schedule=schedule.to_dict(), config=cell.canonical(), samples=self._samples_id()
         )
 
     def baseline_key(self, schedule: Schedule, steps: int) -> str:
-        return self._key(kind="baseline", schedule=schedule.to_dict(), steps=steps, samples=self._samples_id())
+        return self._measured_key(kind="baseline", schedule=schedule.to_dict(), steps=steps, samples=self._samples_id())
+
+    def solver_key(self, kind: str, schedule: Schedule, count: int) -> str:
+        return self._measured_key(
+            kind="solver", solver=kind, schedule=schedule.to_dict(), count=count, samples=self._samples_id()
+        )
 
     # ------------------------------------------------------------------ planning
     def planned_generations(self) -> int:
-        """Generations still to run (baselines excluded: they depend on the cells' compute fractions)."""
+        """Generations still to run (fewer-steps Euler excluded: it depends on the cells' compute fractions)."""
         n = len(self.spec.samples)
         total = 0
+        hirefs = set()
         for schedule in self.spec.schedules:
             for pipeline in self._pipelines():
                 if self.reference_key(pipeline, schedule) not in self.store:
@@ -116,16 +142,44 @@ class Sweep:
                         self.store.load_ref(self.ref_key(pipeline, schedule, p, s)) is None
                         for p, s in self.spec.samples
                     )
+            if self.spec.reference_steps:
+                hirefs |= {self.hiref_key(schedule, p, s) for p, s in self.spec.samples}
             for method, cell in self._cells():
                 if self._supported(method, cell) and self.cell_key(method, schedule, cell) not in self.store:
                     total += n
-        return total
+            for kind, count in self._solver_runs(schedule):
+                if self.solver_key(kind, schedule, count) not in self.store and not self._is_reference(
+                    kind, schedule, count
+                ):
+                    total += n
+        return total + sum(not self.store.ref_path(key).is_file() for key in hirefs)
+
+    def _solver_runs(self, schedule: Schedule) -> list[tuple[str, int]]:
+        """(kind, count) of the Heun and curved baselines at the compute targets (Euler runs via `_baseline`)."""
+        runs = []
+        for kind in self.spec.baselines:
+            if kind == "euler":
+                continue
+            for target in self.spec.compute_targets:
+                runs += [(kind, c) for c in solvers.counts_for(kind, schedule.steps, target)]
+        return list(dict.fromkeys(runs))
+
+    def _euler_targets(self, schedule: Schedule) -> list[int]:
+        if "euler" not in self.spec.baselines:
+            return []
+        counts = [c for t in self.spec.compute_targets for c in solvers.counts_for("euler", schedule.steps, t)]
+        return list(dict.fromkeys(counts))
+
+    @staticmethod
+    def _is_reference(kind: str, schedule: Schedule, count: int) -> bool:
+        """A curved run computing every step is the uncached run itself."""
+        return kind == "curved" and solvers.evaluations(kind, schedule.steps, count) >= schedule.steps
 
     def _pipelines(self) -> list[str]:
         return ["native"] + (["diffusers"] if self.cache_dit is not None else [])
 
     def _cells(self) -> list[tuple[str, Cell]]:
-        return [(m, c) for m in self.spec.methods for c in self.spec.cells]
+        return [(m, c) for m in self.spec.methods for c in self.spec.method_cells(m)]
 
     def _supported(self, method: str, cell: Cell) -> bool:
         return method != "cache-dit" or unsupported_reason(cell.config) is None
@@ -140,6 +194,8 @@ class Sweep:
 
         self._bar = tqdm(total=self.planned_generations(), unit="img", desc="sweep", disable=not self.progress)
         try:
+            for note in self.spec.extra.get("notes", []):
+                self._note(note)
             for method, cell in self._cells():
                 if not self._supported(method, cell):
                     self._note(f"{method}: {cell.label} skipped ({unsupported_reason(cell.config)})")
@@ -202,14 +258,35 @@ class Sweep:
                 self.store.save_ref(key, ref)
                 self._advance(f"reference {pipeline}")
             refs.append(ref)
-        key = self.reference_key(pipeline, schedule)
-        if key not in self.store:
-            self.store.add(self._reference_record(key, pipeline, schedule, refs))
-        self._order.append(key)
+        self._order.append(self.reference_key(pipeline, schedule))
         return refs
+
+    def high_references(self, schedule: Schedule) -> list[dict[str, Any]] | None:
+        """The high-accuracy reference of each (prompt, seed): uncached Euler with `reference_steps` steps at the
+        schedule's guidance and variant, loaded from `refs/` or generated and saved there (None when off)."""
+        steps = self.spec.reference_steps
+        if not steps:
+            return None
+        out = []
+        for prompt, seed in self.spec.samples:
+            key = self.hiref_key(schedule, prompt, seed)
+            ref = self.store.load_ref(key)
+            if ref is None:
+                self._warmup("native")
+                s = self.native.generate(prompt, seed, schedule, steps, self.height, self.width, None)
+                ref = {"image": s.image, "latents": s.latents, "denoise_s": s.denoise_s, "steps": steps}
+                self.store.save_ref(key, ref)
+                self._advance(f"{steps}-step reference")
+            out.append(ref)
+        return out
 
     def _run_schedule(self, schedule: Schedule) -> None:
         refs = {pipeline: self.references(pipeline, schedule) for pipeline in self._pipelines()}
+        self._hirefs = self.high_references(schedule)
+        for pipeline in self._pipelines():
+            key = self.reference_key(pipeline, schedule)
+            if key not in self.store:
+                self.store.add(self._reference_record(key, pipeline, schedule, refs[pipeline]))
         for method, cell in self._cells():
             if not self._supported(method, cell):
                 continue
@@ -224,21 +301,55 @@ class Sweep:
                 record["baseline_key"] = self.baseline_key(schedule, record["baseline_steps"])
                 self.store.add(record)
             self._order.append(key)
-            self._baseline(schedule, record["baseline_steps"], refs["native"])
+            if "euler" in self.spec.baselines:
+                self._baseline(schedule, record["baseline_steps"], refs["native"])
+        for steps in self._euler_targets(schedule):
+            self._baseline(schedule, steps, refs["native"])
+        for kind, count in self._solver_runs(schedule):
+            self._solver_baseline(schedule, kind, count, refs["native"])
 
     def _baseline(self, schedule: Schedule, steps: int, refs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Fewer-steps Euler at `steps` steps (the native pipeline's own sampler, no cache)."""
         key = self.baseline_key(schedule, steps)
         record = self.store.get(key)
         if record is None:
             if steps >= schedule.steps:
-                samples = [_sample_from_ref(r, self.native.num_blocks) for r in refs]
+                samples = [_sample_from_ref(r, self.native.num_blocks, schedule) for r in refs]
             else:
                 self._bar.total += len(self.spec.samples)
                 samples = self._generate("native", schedule, steps, None, f"fewer steps {steps}")
             record = self._record(key, "fewer-steps", "native", schedule, samples, refs, steps=steps)
-            record["compute_fraction"] = round(steps / schedule.steps, 6)  # the definition, not block counts
-            record["flops_ratio"] = round(steps / schedule.steps, 6)
+            record["setting"] = solvers.setting_label("euler", schedule.steps, steps)
+            record["evaluations"] = steps
             record["grid"] = self._save_grid(schedule, f"fewer-steps-{steps}", refs, samples)
+            self.store.add(record)
+        if key not in self._order:
+            self._order.append(key)
+        return record
+
+    def _solver_baseline(self, schedule: Schedule, kind: str, count: int, refs: list[dict]) -> dict[str, Any]:
+        """A Heun or curved baseline (`solvers`) with solver count `count`, no cache."""
+        key = self.solver_key(kind, schedule, count)
+        record = self.store.get(key)
+        if record is None:
+            label = solvers.setting_label(kind, schedule.steps, count)
+            if self._is_reference(kind, schedule, count):
+                samples = [_sample_from_ref(r, self.native.num_blocks, schedule) for r in refs]
+            else:
+                samples = []
+                for prompt, seed in self.spec.samples:
+                    samples.append(
+                        self.native.generate_baseline(prompt, seed, schedule, kind, count, self.height, self.width)
+                    )
+                    self._advance(label)
+            steps = count if kind == "heun" else schedule.steps
+            record = self._record(key, kind, "native", schedule, samples, refs, steps=steps)
+            record["setting"] = label
+            record["solver_count"] = count
+            record["evaluations"] = solvers.evaluations(kind, schedule.steps, count)
+            if kind == "curved":
+                record["computed_steps"] = solvers.curved_steps(schedule.steps, count)
+            record["grid"] = self._save_grid(schedule, f"{kind}-{count}", refs, samples)
             self.store.add(record)
         if key not in self._order:
             self._order.append(key)
@@ -248,8 +359,22 @@ class Sweep:
     def _flops_ratio(self, pipeline: str, schedule: Schedule, s: Sample) -> float:
         runner = self._runner(pipeline)
         call = krea2_call_flops(runner_config(runner), s.image_tokens, s.text_tokens)
-        text_runs = s.calls if runner.text_per_call else (2 if schedule.cfg else 1)
-        return flops_ratio(call, s.calls, s.blocks_run, text_runs)
+        full_calls = s.full_calls if s.full_calls is not None else s.calls
+        if runner.text_per_call:
+            return flops_ratio(call, s.calls, s.blocks_run, s.calls, full_calls, full_calls)
+        return flops_ratio(call, s.calls, s.blocks_run, branches(schedule), full_calls, branches(schedule))
+
+    def _against_hirefs(self, samples: list[Any]) -> dict[str, list[float]] | None:
+        """PSNR (images) and relative L2 (latents) of each sample against the high-accuracy reference."""
+        hirefs = self._hirefs
+        if not hirefs:
+            return None
+        images = torch.stack([s["image"] if isinstance(s, dict) else s.image for s in samples])
+        latents = torch.stack([s["latents"] if isinstance(s, dict) else s.latents for s in samples])
+        return {
+            "psnr_ref": psnr(images, torch.stack([h["image"] for h in hirefs])),
+            "rel_l2_ref": relative_l2(latents, torch.stack([h["latents"] for h in hirefs])),
+        }
 
     def _record(
         self,
@@ -268,6 +393,7 @@ class Sweep:
         ref_latents = torch.stack([r["latents"] for r in refs])
         p, q, l2 = psnr(images, ref_images), ssim(images, ref_images), relative_l2(latents, ref_latents)
         ms = ms_ssim(images, ref_images)
+        hi = self._against_hirefs(samples)
         per = []
         for i, ((prompt, seed), s) in enumerate(zip(self.spec.samples, samples)):
             per.append(
@@ -278,6 +404,8 @@ class Sweep:
                     "ssim": _round(q[i]),
                     "ms_ssim": None if ms is None else _round(ms[i]),
                     "rel_l2": _round(l2[i]),
+                    "psnr_ref": None if hi is None else _round(hi["psnr_ref"][i], 4),
+                    "rel_l2_ref": None if hi is None else _round(hi["rel_l2_ref"][i]),
                     "compute_fraction": _round(s.compute_fraction),
                     "flops_ratio": _round(self._flops_ratio(pipeline, schedule, s)),
                     "calls": s.calls,
@@ -306,6 +434,9 @@ class Sweep:
             "ssim": _round(_mean(q)),
             "ms_ssim": None if ms is None else _round(_mean(ms)),
             "rel_l2": _round(_mean(l2)),
+            "psnr_ref": None if hi is None else _round(_mean(hi["psnr_ref"]), 4),
+            "psnr_ref_min": None if hi is None else _round(min(hi["psnr_ref"]), 4),
+            "rel_l2_ref": None if hi is None else _round(_mean(hi["rel_l2_ref"])),
             "denoise_s": _round(denoise, 4),
             "e2e_s": _round(e2e, 4),
             "speedup_denoise": _round(ref_record.get("denoise_s", 0) / denoise if denoise > 0 else None, 3),
@@ -331,6 +462,11 @@ class Sweep:
             "image_tokens": int(refs[0]["image_tokens"]),
             "text_tokens": int(refs[0]["text_tokens"]),
         }
+        hi = self._against_hirefs(refs)
+        if hi is not None:  # how far the uncached n-step run itself is from the high-accuracy reference
+            record["psnr_ref"] = _round(_mean(hi["psnr_ref"]), 4)
+            record["psnr_ref_min"] = _round(min(hi["psnr_ref"]), 4)
+            record["rel_l2_ref"] = _round(_mean(hi["rel_l2_ref"]))
         if pipeline != "native":  # how close the two pipelines' uncached outputs are (same checkpoint, seed)
             native = [self.store.load_ref(self.ref_key("native", schedule, p, s)) for p, s in self.spec.samples]
             if all(n is not None for n in native):
@@ -347,16 +483,22 @@ class Sweep:
 
     # ------------------------------------------------------------------ results
     def results(self) -> dict[str, Any]:
-        """Everything this sweep produced so far, in plan order: meta + records."""
+        """Everything this sweep produced so far, in plan order: meta + records, and `comparison` (dicache vs the four
+        baselines per schedule, measure and compute bin: `compare.compare`)."""
         seen, records = set(), []
         for key in self._order:
             if key not in seen and key in self.store:
                 seen.add(key)
                 records.append(self.store.get(key))
-        return {"version": RESULTS_VERSION, "meta": self.meta(), "records": records}
+        results = {"version": RESULTS_VERSION, "meta": self.meta(), "records": records}
+        results["comparison"] = compare(results)
+        return results
 
     def meta(self) -> dict[str, Any]:
-        import diffusers
+        try:
+            import diffusers
+        except ImportError:  # optional: only cache-dit runs need it
+            diffusers = None
 
         return {
             "model": self.model_name,
@@ -367,7 +509,13 @@ class Sweep:
             "samples": [list(s) for s in self.spec.samples],
             "schedules": [s.to_dict() | {"name": s.name, "slug": s.slug} for s in self.spec.schedules],
             "methods": list(self.spec.methods),
+            "baselines": list(self.spec.baselines),
+            "reference_steps": self.spec.reference_steps,
+            "compute_targets": list(self.spec.compute_targets),
             "cells": [{"setting": c.label, "settings": c.overrides} for c in self.spec.cells],
+            "cachedit_cells": None
+            if self.spec.cachedit_cells is None
+            else [{"setting": c.label, "settings": c.overrides} for c in self.spec.cachedit_cells],
             "targets": list(self.spec.targets),
             "notes": list(self.notes),
             "versions": {
@@ -395,7 +543,7 @@ def machine_description() -> str:
     )
 
 
-def _sample_from_ref(ref: dict[str, Any], num_blocks: int) -> Sample:
+def _sample_from_ref(ref: dict[str, Any], num_blocks: int, schedule: Schedule) -> Sample:
     return Sample(
         image=ref["image"],
         latents=ref["latents"],
@@ -407,6 +555,7 @@ def _sample_from_ref(ref: dict[str, Any], num_blocks: int) -> Sample:
         num_blocks=num_blocks,
         image_tokens=ref["image_tokens"],
         text_tokens=ref["text_tokens"],
+        full_calls=schedule.steps * branches(schedule),
     )
 
 

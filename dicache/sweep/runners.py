@@ -22,8 +22,9 @@ class Sample:
 
     image: `(3, H, W)` float32 in [0, 1], CPU. latents: final packed latents `(N, C·p²)` float32, CPU.
     denoise_s: seconds from the first transformer call's start to the last one's end; total_s: the whole pipeline
-    call (text encoding, denoising, VAE decode). calls: transformer calls (steps × CFG branches); cached_calls: calls
-    whose middle blocks were skipped; blocks_run: transformer blocks evaluated over all calls.
+    call (text encoding, denoising, VAE decode). calls: transformer calls made; cached_calls: calls whose middle blocks
+    were skipped; blocks_run: transformer blocks evaluated over all calls; full_calls: calls of the uncached run of the
+    schedule (steps × CFG branches), the denominator of the compute fraction.
     """
 
     image: torch.Tensor
@@ -37,11 +38,26 @@ class Sample:
     image_tokens: int
     text_tokens: int
     cached_steps: dict[str, list[int]] = field(default_factory=dict)
+    full_calls: int | None = None
 
     @property
     def compute_fraction(self) -> float:
-        """Transformer blocks run / blocks a plain run of the same calls runs."""
-        return self.blocks_run / (self.calls * self.num_blocks) if self.calls else 1.0
+        """Transformer blocks run / blocks of the uncached run of the schedule (`full_calls` = its steps × CFG branches;
+        None: the calls made). Only blocks that ran count, so a call that runs no block (whole-step reuse, Fn = 0)
+        adds nothing, and fewer-steps or step-reuse baselines are in the same units."""
+        full = self.calls if self.full_calls is None else self.full_calls
+        return block_fraction(self.blocks_run, self.num_blocks, full)
+
+
+def block_fraction(blocks_run: int, num_blocks: int, full_calls: int) -> float:
+    """`blocks_run / (num_blocks × full_calls)`: compute against an uncached run of `full_calls` transformer calls
+    (steps × CFG branches); 1.0 when there are no calls."""
+    return blocks_run / (num_blocks * full_calls) if full_calls else 1.0
+
+
+def branches(schedule: Schedule) -> int:
+    """Transformer calls per step of an uncached, unbatched run: 2 with CFG, else 1."""
+    return 2 if schedule.cfg else 1
 
 
 class CallRecorder:
@@ -168,21 +184,60 @@ class NativeRunner:
             )
             total = time.perf_counter() - start
         num_blocks = self.num_blocks
-        calls, cached, blocks_run, cached_steps = rec.calls, 0, rec.calls * num_blocks, {}
+        cached, blocks_run, cached_steps = 0, rec.calls * num_blocks, {}
         if cache is not None:
             stats = dicache.stats(self.pipe)
-            calls, cached, blocks_run = stats.total_calls, stats.cached_calls, stats.blocks_run
+            cached, blocks_run = stats.cached_calls, stats.blocks_run
             cached_steps = {name: list(b.cached_steps) for name, b in stats.branches.items()}
         return Sample(
             image=out.images[0].detach().float().cpu(),
             latents=out.latents[0].detach().float().cpu(),
             denoise_s=rec.denoise_s,
             total_s=total,
-            calls=calls,
+            calls=rec.calls,
             cached_calls=cached,
             blocks_run=blocks_run,
             num_blocks=num_blocks,
             image_tokens=rec.image_tokens,
             text_tokens=rec.text_tokens,
             cached_steps=cached_steps,
+            full_calls=schedule.steps * branches(schedule),
+        )
+
+    def generate_baseline(
+        self, prompt: str, seed: int, schedule: Schedule, kind: str, count: int, height: int, width: int
+    ) -> Sample:
+        """One image of a same-compute baseline (`dicache.sweep.solvers`: `euler` / `heun` with `count` steps,
+        `curved` computing `curved_steps(schedule.steps, count)`), uncached, measured like `generate`."""
+        from . import solvers
+
+        self._configure(None)
+        with CallRecorder(self.pipe.transformer) as rec:
+            start = time.perf_counter()
+            run = solvers.sample(
+                self.pipe,
+                prompt,
+                seed,
+                kind=kind,
+                n=schedule.steps,
+                count=count,
+                guidance_scale=schedule.guidance_scale,
+                height=height,
+                width=width,
+                variant=schedule.variant,
+            )
+            image = self.pipe.decode(run.latents, height, width, "pt")[0]
+            total = time.perf_counter() - start
+        return Sample(
+            image=image.detach().float().cpu(),
+            latents=run.latents[0].detach().float().cpu(),
+            denoise_s=rec.denoise_s,
+            total_s=total,
+            calls=rec.calls,
+            cached_calls=0,
+            blocks_run=rec.calls * self.num_blocks,
+            num_blocks=self.num_blocks,
+            image_tokens=rec.image_tokens,
+            text_tokens=rec.text_tokens,
+            full_calls=schedule.steps * branches(schedule),
         )

@@ -20,7 +20,15 @@ from ..config import KNOBS_BY_KEY, CacheConfig
 from ..errors import ConfigError
 
 METHODS = ("ours", "cache-dit")
-"""Cached methods a sweep can run; the fewer-steps baseline always runs."""
+"""Cached methods a sweep can run (over the grid's cells; cache-dit over `cachedit_grid` when given)."""
+SOLVER_BASELINES = ("euler", "heun", "curved")
+"""Same-compute baselines without a cache (`dicache.sweep.solvers`): fewer-steps Euler, fewer-steps Heun, `curved`."""
+BASELINES = (*SOLVER_BASELINES, "cachedit")
+"""Names a sweep spec's `baselines` list takes; `cachedit` (or `cache-dit`) = the cache-dit method."""
+DEFAULT_REFERENCE_STEPS = 200
+"""Steps of the high-accuracy reference (uncached Euler, same prompt, seed and guidance) for `psnr_ref`."""
+DEFAULT_COMPUTE_TARGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+"""Compute fractions at which the baselines run (and the report's bins are centred)."""
 
 ALIASES = {
     "Fn": "Fn_compute_blocks",
@@ -33,7 +41,22 @@ ALIASES = {
     "SCM_POLICY": "scm_policy",
 }
 GRID_KEYS = tuple(k for k in KNOBS_BY_KEY if k != "enable_cache")
-FILE_KEYS = ("model", "prompts", "seeds", "num_prompts", "schedules", "height", "width", "methods", "targets", "grid")
+FILE_KEYS = (
+    "model",
+    "prompts",
+    "seeds",
+    "num_prompts",
+    "schedules",
+    "height",
+    "width",
+    "methods",
+    "targets",
+    "grid",
+    "baselines",
+    "reference_steps",
+    "compute_targets",
+    "cachedit_grid",
+)
 VARIANTS = ("turbo", "raw")
 
 
@@ -266,7 +289,13 @@ FALLBACK_PROMPTS = (
 @dataclass
 class SweepSpec:
     """Everything a sweep needs besides the model objects. `samples` are (prompt, seed) pairs; `model=None` is the
-    embedded checkpoint; `height`/`width` None: the pipeline's default size."""
+    embedded checkpoint; `height`/`width` None: the pipeline's default size.
+
+    `baselines`: the uncached same-compute baselines (`SOLVER_BASELINES`), run at each of `compute_targets` (the
+    Euler one also at each cell's compute); `reference_steps`: steps of the high-accuracy reference for the
+    sampler-independent measure (`psnr_ref`), None = off; `cachedit_cells`: the settings cache-dit runs (None: the
+    same `cells` as ours).
+    """
 
     samples: list[tuple[str, int]]
     schedules: list[Schedule]
@@ -277,6 +306,10 @@ class SweepSpec:
     width: int | None = None
     targets: tuple[float, ...] = DEFAULT_TARGETS
     extra: dict[str, Any] = field(default_factory=dict)
+    baselines: tuple[str, ...] = SOLVER_BASELINES
+    reference_steps: int | None = DEFAULT_REFERENCE_STEPS
+    compute_targets: tuple[float, ...] = DEFAULT_COMPUTE_TARGETS
+    cachedit_cells: list[Cell] | None = None
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -288,10 +321,51 @@ class SweepSpec:
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise SweepSpecError(f"methods {bad} are unknown; allowed: {', '.join(METHODS)}")
+        bad = [b for b in self.baselines if b not in SOLVER_BASELINES]
+        if bad:
+            raise SweepSpecError(f"baselines {bad} are unknown; allowed: {', '.join(BASELINES)}")
         for name in ("height", "width"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 16):
                 raise SweepSpecError(f"{name}={value!r} is invalid: must be an integer >= 16 (pixels)")
+        steps = self.reference_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise SweepSpecError(f"reference_steps={steps!r} is invalid: must be an integer >= 1 (or 0/null: off)")
+        for value in self.compute_targets:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+                raise SweepSpecError(f"compute_targets value {value!r} is invalid: must be a number in (0, 1]")
+        if self.cachedit_cells is not None and not self.cachedit_cells:
+            raise SweepSpecError("cachedit_grid has no cells; leave it out to run cache-dit on the grid's cells")
+
+    def method_cells(self, method: str) -> list[Cell]:
+        """The cells `method` runs: cache-dit's own when `cachedit_cells` is given, else the grid's."""
+        if method == "cache-dit" and self.cachedit_cells is not None:
+            return self.cachedit_cells
+        return self.cells
+
+
+def parse_baselines(values: Any) -> tuple[tuple[str, ...], bool]:
+    """A `baselines` list (`euler, heun, curved, cachedit`; `cache-dit` also accepted) as (solver baselines in
+    `SOLVER_BASELINES` order, whether cache-dit is asked for)."""
+    items = [values] if isinstance(values, str) else list(values or [])
+    names = []
+    for item in items:
+        name = str(item).strip().lower()
+        name = "cachedit" if name == "cache-dit" else name
+        if name not in BASELINES:
+            raise SweepSpecError(f"baseline {item!r} is unknown; allowed: {', '.join(BASELINES)}")
+        names.append(name)
+    return tuple(b for b in SOLVER_BASELINES if b in names), "cachedit" in names
+
+
+def parse_reference_steps(value: Any) -> int | None:
+    """`reference_steps`: an integer >= 1, or 0 / None / "off" for no high-accuracy reference."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("off", "none", "null", "")):
+        return None
+    steps = _as_int(value, "reference_steps")
+    if steps < 0:
+        raise SweepSpecError(f"reference_steps={value!r} is invalid: must be an integer >= 1 (or 0/null: off)")
+    return steps or None
 
 
 def read_grid_file(path: str | Path) -> dict[str, Any]:

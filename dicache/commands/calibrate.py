@@ -1,0 +1,236 @@
+"""`dicache calibrate`: measure cache-setting candidates on a model and write the cheapest one that meets a PSNR
+target (vs the uncached run) as a settings profile for `--profile` / `SGLANG_CACHE_DIT_PROFILE`.
+
+The procedure and the choice rule are in `dicache.calibration`. Exit status 0: the profile was written; 2: bad input,
+or no candidate met the target (the table is printed, nothing is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+HELP = (
+    "find the least-compute cache settings whose PSNR vs uncached meets a target on a few prompts, and write them "
+    "as a settings profile (for --profile / SGLANG_CACHE_DIT_PROFILE)"
+)
+DEFAULT_PROMPTS = 4
+DEFAULT_OUT = "dicache-profile.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "examples:\n"
+        "  dicache calibrate --out turbo.json --variant turbo                 # embedded model, 4 held-out prompts\n"
+        "  dicache calibrate --steps 28 --guidance 4.5 --target-psnr 40 --out raw28.json\n"
+        "  dicache calibrate --model DIR --device cuda --prompts prompts.txt --candidates mine.yaml\n"
+        "  dicache generate 'red apple' --profile turbo.json        # or SGLANG_CACHE_DIT_PROFILE=turbo.json\n"
+        "The profile holds the chosen settings (caching on) and how they were measured; calibrate with the steps,\n"
+        "guidance and size you will serve: the target is only checked there. SGLANG_CACHE_DIT_* variables still\n"
+        "override a profile's values when it is used; calibration itself ignores them (built-in defaults + candidate)."
+    )
+    parser.add_argument("--model", help="checkpoint folder or hub repo id (default: the embedded checkpoint)")
+    parser.add_argument(
+        "--variant",
+        "--preset",
+        choices=("turbo", "raw"),
+        default=None,
+        help="turbo: 8 steps, no CFG; raw: 50 steps, CFG 4.5 (default: by checkpoint)",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: by variant)")
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="CFG scale s in uncond + s*(cond - uncond); 1 = no CFG (default: by variant)",
+    )
+    parser.add_argument(
+        "--size", type=_size, default=None, help="image size: N (square) or WxH px (default: the checkpoint's)"
+    )
+    parser.add_argument(
+        "--prompts",
+        default=str(DEFAULT_PROMPTS),
+        metavar="N|FILE",
+        help=f"a count of the checkpoint's held-out prompts (with their seeds; default {DEFAULT_PROMPTS}), or a "
+        "prompt file: text (one a line, seed 0) or JSON (strings or {prompt, seed} objects)",
+    )
+    parser.add_argument(
+        "--target-psnr", type=float, default=35.0, help="PSNR in dB vs the uncached image (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--criterion",
+        choices=("min", "mean"),
+        default="min",
+        help="min: every prompt must meet the target (default, safe); mean: their average must",
+    )
+    parser.add_argument(
+        "--candidates",
+        metavar="FILE",
+        help="JSON/YAML list of override dicts to try (default: the built-in list, see --list-candidates)",
+    )
+    parser.add_argument("--list-candidates", action="store_true", help="print the built-in candidates as JSON; exit")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="profile to write (default: %(default)s; replaced)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype (default: pipeline's)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--no-early-stop", action="store_true", help="run every candidate on every prompt (fuller table, slower)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _size(text: str) -> tuple[int, int]:
+    """'N' -> (N, N); 'WxH' -> (W, H)."""
+    try:
+        parts = [int(p) for p in text.lower().replace("×", "x").split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"expected N or WIDTHxHEIGHT in px, e.g. 128 or 128x96, got {text!r}")
+    return parts[0], parts[1]
+
+
+def _heldout_file(model: str | None) -> Path:
+    if model is None:
+        from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT
+
+        return EMBEDDED_CHECKPOINT / "heldout_prompts.json"
+    return Path(model) / "heldout_prompts.json"
+
+
+def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
+    """(prompt, seed) pairs of `--prompts`: a count of the checkpoint's held-out prompts (built-in ones when it
+    has none), or a prompt file."""
+    from ..calibration import CalibrationError
+    from ..sweep.spec import FALLBACK_PROMPTS, make_samples, read_prompts
+
+    text = prompts.strip()
+    if text.isdigit():
+        count = int(text)
+        if count < 1:
+            raise CalibrationError(f"--prompts={prompts!r} is invalid: a count must be >= 1 (or give a prompt file)")
+        path = _heldout_file(model)
+        pairs = read_prompts(path, split="heldout") if path.is_file() else [(p, None) for p in FALLBACK_PROMPTS]
+        return make_samples(pairs, None, count)
+    if not Path(text).is_file():
+        raise CalibrationError(f"--prompts={prompts!r} is neither a count nor an existing prompt file")
+    return make_samples(read_prompts(text, split="heldout"), None)
+
+
+def _env_knobs() -> list[str]:
+    from ..config import KNOBS
+
+    return [k.env_name for k in KNOBS if k.env_name in os.environ and k.key != "enable_cache"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import __version__
+    from ..calibration import CANDIDATES, CalibrationError, TargetNotMet, calibrate, load_candidates
+
+    if args.list_candidates:
+        print(json.dumps(list(CANDIDATES), indent=2))
+        return 0
+    candidates = load_candidates(args.candidates) if args.candidates else list(CANDIDATES)
+    samples = resolve_samples(args.prompts, args.model)
+    if args.threads is not None and args.threads < 1:
+        raise CalibrationError(f"--threads={args.threads} is invalid: must be an integer >= 1")
+    if args.steps is not None and args.steps < 1:
+        raise CalibrationError(f"--steps={args.steps} is invalid: must be an integer >= 1")
+    if args.guidance is not None and not args.guidance >= 1.0:
+        raise CalibrationError(f"--guidance={args.guidance} is invalid: must be >= 1 (1 = no CFG)")
+
+    import torch
+
+    previous_threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        runner, meta = _load_runner(args)
+        print(
+            f"calibrating {meta['model_source']}: {meta['steps']} steps, guidance {meta['guidance_scale']:g}, "
+            f"{meta['width']}x{meta['height']} px, {len(samples)} prompt(s), {len(candidates)} candidate(s), "
+            f"target {args.criterion} PSNR >= {args.target_psnr:g} dB",
+            flush=True,
+        )
+        result = calibrate(
+            runner,
+            samples,
+            candidates,
+            target_psnr=args.target_psnr,
+            criterion=args.criterion,
+            early_stop=not args.no_early_stop,
+            progress=not args.no_progress,
+            on_reject=lambda r: print(f"skipping candidate #{r.index} {r.label}: {r.error}", file=sys.stderr),
+        )
+    finally:
+        torch.set_num_threads(previous_threads)
+    from ..calibration import calibration_record, format_table, profile_settings
+    from ..profiles import write_profile
+
+    print(format_table(result))
+    if result.chosen is None:
+        raise TargetNotMet(result.failure_message())
+    from datetime import datetime, timezone
+
+    record = calibration_record(
+        result,
+        **meta,
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        dicache_version=__version__,
+        torch_version=torch.__version__,
+    )
+    path = write_profile(args.out, profile_settings(result.chosen), record)
+    print(f"wrote {path}: use it with --profile {path} (dicache generate / serve / config) or SGLANG_CACHE_DIT_PROFILE")
+    if result.chosen.compute_fraction >= 1.0:
+        print(
+            "note: the chosen settings cache nothing at this schedule (compute 1.000): no candidate that saves compute "
+            "meets the target; try a lower --target-psnr, more steps, or other --candidates"
+        )
+    shadowed = _env_knobs()
+    if shadowed:
+        print(f"note: {', '.join(shadowed)} set in this environment would override the profile's values")
+    return 0
+
+
+def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The pipeline runner at the resolved schedule and size, and what to record about them."""
+    import torch
+
+    from ..calibration import CalibrationError, PipelineRunner
+    from ..models.krea2 import Krea2Pipeline
+    from ..models.krea2.pipeline import PRESETS
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    pipe = Krea2Pipeline.from_pretrained(args.model, dtype=dtype, device=device)
+    variant = args.variant or ("turbo" if pipe.is_distilled else "raw")
+    preset = PRESETS[variant]
+    steps = args.steps if args.steps is not None else preset.num_inference_steps
+    guidance = float(args.guidance if args.guidance is not None else preset.guidance_scale)
+    width, height = args.size if args.size else (pipe.default_size[1], pipe.default_size[0])
+    multiple = pipe.size_multiple
+    if width % multiple or height % multiple:
+        raise CalibrationError(f"--size={width}x{height} is invalid: each side must be a multiple of {multiple} px")
+    runner = PipelineRunner(pipe, steps, guidance, variant, height, width)
+    meta = {
+        "model": args.model,
+        "model_source": pipe.source,
+        "num_blocks": runner.num_blocks,
+        "variant": variant,
+        "steps": steps,
+        "guidance_scale": guidance,
+        "width": width,
+        "height": height,
+        "device": str(pipe.device),
+        "dtype": str(next(pipe.transformer.parameters()).dtype).removeprefix("torch."),
+    }
+    return runner, meta
