@@ -433,9 +433,11 @@ def format_table(calibration: Calibration) -> str:
     n = len(calibration.samples)
     header = ("#", "candidate", "compute", "psnr mean", "psnr min", "prompts", f"meets {target:g} dB ({criterion})")
 
-    def key(r: CandidateResult) -> tuple:
+    def key(r: CandidateResult) -> tuple:  # the choice's order: compute, then PSNR, then index
         rank = {"complete": 0, "stopped": 1}.get(r.status, 2)
-        return (rank, r.compute_fraction if r.compute_fraction is not None else math.inf, r.index)
+        compute = r.compute_fraction if r.compute_fraction is not None else math.inf
+        score = r.score(criterion)
+        return (rank, compute, -score if score is not None else 0.0, r.index)
 
     rows = [header]
     for r in sorted(calibration.candidates, key=key):

@@ -206,6 +206,7 @@ def test_store_survives_a_cut_line(tmp_path):
 # ---------------------------------------------------------------------------------------------------- end to end
 
 SIZE = 32
+REFERENCE_STEPS = 12
 CELLS = [
     {"RDT": 0},  # nothing cached: must reproduce the reference exactly
     {"W": 2, "RDT": 1e9, "MC": -1, "TS": 1},  # caches every step after warm-up
@@ -244,6 +245,9 @@ def swept(checkpoint, tmp_path_factory):
                 "height": SIZE,
                 "width": SIZE,
                 "methods": ["ours", "cache-dit"],
+                "baselines": ["euler", "heun", "curved", "cachedit"],
+                "compute_targets": [0.5],
+                "reference_steps": REFERENCE_STEPS,
             }
         )
     )
@@ -320,6 +324,35 @@ def test_sweep_measurements(swept):
         assert ours["compute_fraction"] == cd["compute_fraction"] < 1
 
 
+def test_sweep_runs_the_same_compute_baselines_and_the_high_accuracy_reference(swept):
+    from dicache.sweep import solvers
+
+    out, _ = swept
+    results = json.loads((out / "results.json").read_text())
+    records = results["records"]
+    for slug, steps in (("n6", 6), ("n4-cfg2.5", 4)):
+        mine = [r for r in records if r["schedule_slug"] == slug]
+        for kind, method in (("heun", "heun"), ("curved", "curved"), ("euler", "fewer-steps")):
+            runs = {r["setting"]: r for r in mine if r["method"] == method}
+            for count in solvers.counts_for(kind, steps, 0.5):
+                record = runs[solvers.setting_label(kind, steps, count)]
+                assert record["compute_fraction"] == pytest.approx(solvers.compute_fraction(kind, steps, count))
+                assert record["evaluations"] == solvers.evaluations(kind, steps, count)
+                assert 10 < record["psnr"] < metrics.PSNR_CAP_DB and (out / record["grid"]).is_file()
+        # every measured record also has the sampler-independent measure
+        assert all(r["psnr_ref"] is not None and r["rel_l2_ref"] is not None for r in mine)
+        native = next(r for r in mine if r["method"] == "uncached" and r["pipeline"] == "native")
+        assert 20 < native["psnr_ref"] < metrics.PSNR_CAP_DB  # n steps vs REFERENCE_STEPS steps: close, not equal
+    # one reference sample per pipeline, schedule and prompt, one high-accuracy one per guidance and prompt
+    assert len(list((out / "refs").glob("*.pt"))) == 2 * 2 * 2 + 2 * 2
+    entries = {(e["schedule"], e["metric"]) for e in results["comparison"]}
+    assert entries == {(s, m) for s in ("n6", "n4-cfg2.5") for m in ("psnr", "psnr_ref")}
+    report = (out / "report.md").read_text()
+    assert "### dicache vs the four same-compute baselines" in report
+    assert f"#### PSNR vs the {REFERENCE_STEPS}-step Euler reference" in report
+    assert (out / "plots" / "baselines_n6.png").is_file()
+
+
 def test_rerun_recomputes_nothing(swept):
     out, argv = swept
     before = (out / "results.jsonl").read_text()
@@ -348,7 +381,14 @@ def test_interrupted_sweep_resumes_where_it_stopped(checkpoint, tmp_path):
 
     cells = expand_grid(CELLS)
     spec = SweepSpec(
-        samples=[("a red apple", 0)], schedules=[Schedule(6)], cells=cells, methods=("ours",), height=SIZE, width=SIZE
+        samples=[("a red apple", 0)],
+        schedules=[Schedule(6)],
+        cells=cells,
+        methods=("ours",),
+        height=SIZE,
+        width=SIZE,
+        baselines=("euler",),
+        reference_steps=None,
     )
     pipe = NativeRunner.load(str(checkpoint)).pipe
     quiet = dict(progress=False, log=lambda _: None)

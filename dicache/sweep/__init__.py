@@ -1,9 +1,11 @@
-"""`dicache sweep`: speedup/quality sweeps of cache settings, side by side with cache-dit and the fewer-steps baseline.
+"""`dicache sweep`: speedup/quality sweeps of cache settings against the same-compute baselines (fewer-steps Euler,
+fewer-steps Heun, the curved static step-reuse schedule, cache-dit).
 
 Modules, one job each: `spec` (schedules, grid cells, grid files), `runners` / `cachedit` (generate one image with
-the native pipeline + dicache, or diffusers + cache-dit), `metrics` (PSNR, SSIM, relative L2), `flops` (FLOPs
-estimate), `store` (resumable output folder), `run` (the sweep loop), `analysis` (Pareto front, recommendations,
-goal check), `report` (Markdown), `plots` (matplotlib figures, image grids).
+the native pipeline + dicache or a baseline sampler, or diffusers + cache-dit), `solvers` (the uncached baseline
+samplers), `metrics` (PSNR, SSIM, relative L2), `flops` (FLOPs estimate), `store` (resumable output folder), `run`
+(the sweep loop), `analysis` (Pareto front, recommendations, goal check), `compare` (dicache vs the four baselines per
+compute bin and measure, the issue's targets), `report` (Markdown), `plots` (matplotlib figures, image grids).
 """
 
 from __future__ import annotations

@@ -29,6 +29,16 @@ INSTALL_HINT = (
 )
 
 
+NO_EQUIVALENT = (
+    "max_accumulated_diff",
+    "protect_sigma",
+    "taylorseer_damping",
+    "scm_uncond_fraction",
+    "cfg_delta_reuse",
+)
+"""dicache settings cache-dit has no counterpart of (a cell that changes one is not run on cache-dit)."""
+
+
 class CacheDitMissing(DicacheError, ImportError):
     """cache-dit (the optional benchmark dependency) is not importable."""
 
@@ -62,6 +72,10 @@ def unsupported_reason(config: CacheConfig) -> str | None:
         return "TaylorSeer distance in sigmas has no cache-dit equivalent"
     if config.Fn_compute_blocks < 1:
         return "cache-dit needs Fn_compute_blocks >= 1 (no whole-step reuse)"
+    defaults = CacheConfig.from_env({})
+    for key in NO_EQUIVALENT:
+        if hasattr(config, key) and getattr(config, key) != getattr(defaults, key):
+            return f"{key}={getattr(config, key)!r} has no cache-dit equivalent"
     return None
 
 

@@ -236,8 +236,16 @@ def _brief(record: Mapping[str, Any] | None, metric: str) -> dict[str, Any] | No
     }
 
 
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 4)
+
+
 def _plain_row(row: Mapping[str, Any], metric: str) -> dict[str, Any]:
-    return {**row, "ours": _brief(row["ours"], metric)}
+    plain = {**row, "ours": _brief(row["ours"], metric)}
+    for key in ("value", "margin", "best_value", "at_least_value", "margin_at_least", "compute"):
+        plain[key] = _r(plain[key])
+    plain["baselines"] = {m: {**v, "value": _r(v["value"])} for m, v in row["baselines"].items()}
+    return plain
 
 
 def _plain_target(target: Mapping[str, Any], metric: str) -> dict[str, Any]:

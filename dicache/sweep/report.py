@@ -20,7 +20,7 @@ REPORT_MD = "report.md"
 METHOD_NAMES = {
     "ours": "dicache (ours)",
     "cache-dit": "cache-dit",
-    "fewer-steps": "fewer steps",
+    "fewer-steps": "fewer steps, Euler",
     "heun": "fewer steps, Heun",
     "curved": "curved step reuse",
 }
@@ -323,7 +323,19 @@ def render_summary(results: dict[str, Any], command: str | None = None, notes: l
         f"- machine: {meta['machine']}; versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v),
         f"- model: {meta['model']} (fingerprint `{meta['model_id']}`, {meta['num_blocks']} blocks), "
         f"{meta['height']}×{meta['width']} px; {len(meta['samples'])} prompt/seed samples; {len(meta['cells'])} "
-        "settings per method; PSNR (dB) against the uncached run of the same pipeline, mean over the samples",
+        + (
+            "dicache settings"
+            + (f" and {len(meta['cachedit_cells'])} cache-dit settings" if meta.get("cachedit_cells") else "")
+            if comparisons
+            else "settings per method"
+        )
+        + "; PSNR (dB) against the uncached run of the same pipeline"
+        + (
+            f" and against the uncached {meta['reference_steps']}-step Euler run (PSNR ref)"
+            if meta.get("reference_steps")
+            else ""
+        )
+        + ", mean over the samples",
     ]
     lines += [f"- note: {n}" for n in [*(notes or []), *meta.get("notes", [])]]
     if comparisons:
@@ -335,7 +347,12 @@ def render_summary(results: dict[str, Any], command: str | None = None, notes: l
         met = sum(r["met"] for r in rows)
         for entry in (e for e in comparisons if e["schedule"] == schedule["slug"]):
             lines += [""] + comparison_lines(entry | {"measure": f"{schedule['name']}: {entry['measure']}"}, "###")
-        lines += ["", f"### {schedule['name']}: goal met at {met} of {len(rows)} compute budgets", ""]
+        lines += [
+            "",
+            f"### {schedule['name']}: ours vs cache-dit (same settings) and fewer steps: goal met at {met} of "
+            f"{len(rows)} compute budgets",
+            "",
+        ]
         lines += _table(
             ["compute ≤", "ours (best)", "cache-dit (best)", "fewer steps", "met"],
             [

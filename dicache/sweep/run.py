@@ -13,6 +13,7 @@ appended to `results.jsonl` at once; a rerun with the same model, schedule, sett
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -96,8 +97,11 @@ class Sweep:
         return stable_hash({**base, **parts})
 
     def _measured_key(self, **parts: Any) -> str:
-        """A record measured against the references: its key also names the high-accuracy reference's steps."""
-        return self._key(**parts, reference_steps=self.spec.reference_steps)
+        """A record measured against the references: its key also names the high-accuracy reference's steps (left
+        out when there is none, so that stores written before that reference existed still resume)."""
+        if self.spec.reference_steps:
+            parts["reference_steps"] = self.spec.reference_steps
+        return self._key(**parts)
 
     def _samples_id(self) -> str:
         return stable_hash([list(s) for s in self.spec.samples])
@@ -194,8 +198,9 @@ class Sweep:
 
         self._bar = tqdm(total=self.planned_generations(), unit="img", desc="sweep", disable=not self.progress)
         try:
-            for note in self.spec.extra.get("notes", []):
-                self._note(note)
+            for note in self.spec.extra.get("notes", []):  # said already by whoever built the spec: kept for the report
+                if note not in self.notes:
+                    self.notes.append(note)
             for method, cell in self._cells():
                 if not self._supported(method, cell):
                     self._note(f"{method}: {cell.label} skipped ({unsupported_reason(cell.config)})")
@@ -579,7 +584,10 @@ def run_sweep(
 ) -> dict[str, Any]:
     """Load the model(s) named by `spec` (both pipelines in `dtype` on `device`), run (or resume) the sweep into
     `out_dir`, write `results.json`, `report.md` and the plots; returns the results. cache-dit is loaded only when
-    `spec.methods` has it."""
+    `spec.methods` has it.
+
+    Nothing needs a network when the model is a local folder (the embedded checkpoint by default). float32 on CUDA
+    is true float32 (TF32 off for matmuls and cuDNN convolutions while the sweep runs), as on a CPU."""
     from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT
     from .cachedit import CacheDitRunner
     from .report import write_report
@@ -588,14 +596,28 @@ def run_sweep(
     name, model_id = model_identity(spec.model)
     # results depend on the numerics too: a sweep resumed in another dtype or on another device type starts afresh
     model_id = f"{model_id}|{str(dtype).removeprefix('torch.')}|{torch.device(device or 'cpu').type}"
-    native = NativeRunner.load(spec.model, dtype=dtype, device=device)
-    cache_dit = None
-    if "cache-dit" in spec.methods:
-        model_dir = Path(spec.model) if spec.model is not None else EMBEDDED_CHECKPOINT
-        if not model_dir.is_dir():
-            raise SweepSpecError(f"cache-dit runs diffusers' Krea2Pipeline from a local folder; {model_dir} is not one")
-        cache_dit = CacheDitRunner.load(str(model_dir), dtype=dtype, device=device)
-    sweep = Sweep(spec, out_dir, native, cache_dit, model_id=model_id, model_name=name, progress=progress, log=log)
-    results = sweep.run()
+    with _full_float32():
+        native = NativeRunner.load(spec.model, dtype=dtype, device=device)
+        cache_dit = None
+        if "cache-dit" in spec.methods:
+            model_dir = Path(spec.model) if spec.model is not None else EMBEDDED_CHECKPOINT
+            if not model_dir.is_dir():
+                raise SweepSpecError(
+                    f"cache-dit runs diffusers' Krea2Pipeline from a local folder; {model_dir} is not one"
+                )
+            cache_dit = CacheDitRunner.load(str(model_dir), dtype=dtype, device=device)
+        sweep = Sweep(spec, out_dir, native, cache_dit, model_id=model_id, model_name=name, progress=progress, log=log)
+        results = sweep.run()
     write_report(results, out_dir)
     return results
+
+
+@contextlib.contextmanager
+def _full_float32():
+    """TF32 off for CUDA matmuls and cuDNN convolutions inside; the previous flags restored after."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn

@@ -173,22 +173,75 @@ class Cell:
         return data
 
 
+_LABELLED = {
+    "enable_cache",
+    "Fn_compute_blocks",
+    "Bn_compute_blocks",
+    "max_warmup_steps",
+    "max_continuous_cached_steps",
+    "residual_diff_threshold",
+    "max_cached_steps",
+    "scm_preset",
+    "scm_compute_bins",
+    "scm_cache_bins",
+    "scm_policy",
+    "scm_compute_fraction",
+    "scm_curve",
+    "enable_taylorseer",
+    "taylorseer_order",
+    "taylorseer_distance",
+    "taylorseer_damping",
+    "max_accumulated_diff",
+    "protect_sigma",
+    "scm_uncond_fraction",
+    "cfg_delta_reuse",
+    "policy",
+}
+
+
 def cell_label(c: CacheConfig) -> str:
-    """A compact name, e.g. `F1B0 W4 MC3 R0.24 TS1` or `F1B0 W4 SCM fast/static`."""
+    """A compact name, e.g. `F1B0 W4 MC3 R0.24 TS1`, `F1B0 W4 SCM fast/static` or `F0B0 W0 SCM curved 0.4 γ1.5/static`;
+    any other setting that differs from its default is appended as `key=value`."""
     parts = [f"F{c.Fn_compute_blocks}B{c.Bn_compute_blocks}", f"W{c.max_warmup_steps}"]
     static_mask = c.has_step_mask and c.scm_policy == "static"
     if not static_mask:
         parts += [f"MC{c.max_continuous_cached_steps}", f"R{c.residual_diff_threshold:g}"]
     if c.max_cached_steps >= 0:
         parts.append(f"M{c.max_cached_steps}")
+    if _get(c, "max_accumulated_diff", 0.0) > 0:
+        parts.append(f"ACC{c.max_accumulated_diff:g}")
+    if _get(c, "protect_sigma", 1.0) < 1.0:
+        parts.append(f"σ>{c.protect_sigma:g}")
     if c.has_step_mask:
-        mask = c.scm_preset if c.scm_preset != "none" else "bins " + "-".join(map(str, c.scm_compute_bins or []))
+        if c.scm_preset == "curved":
+            mask = f"curved {c.scm_compute_fraction:g} γ{c.scm_curve:g}"
+        elif c.scm_preset != "none":
+            mask = c.scm_preset
+        else:
+            mask = "bins " + "-".join(map(str, c.scm_compute_bins or []))
         parts.append(f"SCM {mask}/{c.scm_policy}")
+    if _get(c, "scm_uncond_fraction", 1.0) < 1.0:
+        parts.append(f"U{c.scm_uncond_fraction:g}")
+    if _get(c, "cfg_delta_reuse", False):
+        parts.append("Δcfg")
     if c.enable_taylorseer:
-        parts.append(f"TS{c.taylorseer_order}" + ("σ" if c.taylorseer_distance == "sigma" else ""))
+        damping = _get(c, "taylorseer_damping", 1.0)
+        parts.append(
+            f"TS{c.taylorseer_order}"
+            + ("σ" if c.taylorseer_distance == "sigma" else "")
+            + (f" d{damping:g}" if damping < 1.0 else "")
+        )
     if c.policy != "dbcache":
         parts.append(f"policy {c.policy}")
+    defaults = CacheConfig.from_env({}).model_dump()
+    for key, value in c.model_dump().items():
+        if key not in _LABELLED and value != defaults.get(key):
+            parts.append(f"{key}={value}")
     return " ".join(parts)
+
+
+def _get(config: CacheConfig, key: str, default: Any) -> Any:
+    return getattr(config, key, default)
 
 
 def make_cell(values: Mapping[str, Any]) -> Cell:
