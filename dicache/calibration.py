@@ -38,7 +38,23 @@ from .config import KNOBS, KNOBS_BY_KEY, CacheConfig
 from .errors import ConfigError, DicacheError
 from .sweep.metrics import PSNR_CAP_DB, psnr
 
+_WHOLE_STEP_CURVED = {
+    "Fn_compute_blocks": 0,
+    "max_warmup_steps": 0,
+    "scm_preset": "curved",
+    "scm_policy": "static",
+    "enable_taylorseer": True,
+    "taylorseer_order": 1,
+    "taylorseer_distance": "sigma",
+    "taylorseer_damping": 0.5,
+}
+"""The recommended family (benchmarks/RESULTS.md, issue-11 section): whole-step reuse on the curved mask with damped
+TaylorSeer in sigma; `scm_compute_fraction` sets the budget, `scm_curve` where it is spent."""
+
 CANDIDATES: tuple[dict[str, Any], ...] = (
+    # Whole-step reuse on the curved mask (the recommendation), budget 0.3..0.8; curve 2.0 is better at 8 steps.
+    *({**_WHOLE_STEP_CURVED, "scm_compute_fraction": f, "scm_curve": 2.5} for f in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)),
+    *({**_WHOLE_STEP_CURVED, "scm_compute_fraction": f, "scm_curve": 2.0} for f in (0.5, 0.6, 0.7)),
     # Dynamic DBCache: cache when the first blocks' residual barely moved (SGLang default: RDT 0.24, W 4, MC 3).
     {"residual_diff_threshold": 0.04},
     {"residual_diff_threshold": 0.08},

@@ -76,18 +76,6 @@ KNOBS: tuple[Knob, ...] = (
         "an integer >= -1",
         "most cached steps per branch and request (-1: unlimited)",
     ),
-    Knob(
-        "max_accumulated_diff",
-        "MAX_ACC_DIFF",
-        "a number >= 0 (0: off)",
-        "error control: cache only while the sum of the diffs measured since the last computed step stays below it",
-    ),
-    Knob(
-        "protect_sigma",
-        "PROTECT_SIGMA",
-        "a number in [0, 1] (1: off)",
-        "noise-level warm-up: steps whose sigma is above it are always computed",
-    ),
     Knob("enable_taylorseer", "TAYLORSEER", "a boolean", "extrapolate the skipped residual with TaylorSeer"),
     Knob("taylorseer_order", "TS_ORDER", "1 or 2", "TaylorSeer order"),
     Knob(
@@ -138,19 +126,6 @@ KNOBS: tuple[Knob, ...] = (
         "SCM_POLICY",
         "'dynamic' or 'static'",
         "dynamic: the mask only forbids caching; static: cache wherever the mask says 0",
-    ),
-    Knob(
-        "scm_uncond_fraction",
-        "SCM_UNCOND_FRACTION",
-        "a number in (0, 1]",
-        "CFG: the uncond branch computes this share of the steps the mask computes (spread like the curved preset)",
-    ),
-    Knob(
-        "cfg_delta_reuse",
-        "CFG_DELTA_REUSE",
-        "a boolean",
-        "CFG: a cached uncond step on a step whose cond was computed is cond's fresh residual minus the last "
-        "measured (cond - uncond) residual difference",
     ),
     Knob(
         "policy",
@@ -261,8 +236,6 @@ class CacheConfig(BaseSettings):
     residual_diff_threshold: float = Field(0.24, ge=0.0, allow_inf_nan=False)
     max_continuous_cached_steps: int = Field(3, ge=-1)
     max_cached_steps: int = Field(-1, ge=-1)
-    max_accumulated_diff: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-    protect_sigma: float = Field(1.0, ge=0.0, le=1.0)
     enable_taylorseer: bool = False
     taylorseer_order: Literal[1, 2] = 1
     taylorseer_distance: Literal["step", "sigma"] = "step"
@@ -273,8 +246,6 @@ class CacheConfig(BaseSettings):
     scm_compute_bins: Annotated[list[Annotated[int, Field(ge=1)]] | None, NoDecode] = None
     scm_cache_bins: Annotated[list[Annotated[int, Field(ge=1)]] | None, NoDecode] = None
     scm_policy: Literal["dynamic", "static"] = "dynamic"
-    scm_uncond_fraction: float = Field(1.0, gt=0.0, le=1.0)
-    cfg_delta_reuse: bool = False
     policy: Literal["dbcache", "never", "always"] = "dbcache"
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)

@@ -116,7 +116,6 @@ class BlockStackRunner:
             return relative_change(residual(), branch.reference, layout)
 
         policy = request.policy
-        sigma = request.sigma_at(ctx.step, ctx.sigma if ctx.explicit else None)
         decision = policy.decide(
             StepContext(
                 step=ctx.step,
@@ -125,22 +124,16 @@ class BlockStackRunner:
                 continuous_cached=branch.continuous_cached,
                 has_residual=branch.has_residual,
                 has_reference=branch.reference is not None,
-                sigma=sigma,
-                branch=branch.name,
-                accumulated_diff=branch.accumulated_diff,
+                sigma=ctx.sigma,
             ),
             diff,
         )
         position = request.position(ctx.step, ctx.sigma) if config.enable_taylorseer else float(ctx.step)
         if decision.cache:
-            estimates = request.cfg_delta_estimate(branch, ctx.step, position)
-            if estimates is None:
-                estimates = [c.estimate(position) for c in branch.calibrators]
+            estimates = [c.estimate(position) for c in branch.calibrators]
             h = tuple(a + e for a, e in zip(hf, estimates))
             branch.cached_total += 1
             branch.continuous_cached += 1
-            if decision.diff is not None:
-                branch.accumulated_diff += decision.diff
         else:
             if getattr(policy, "uses_diff", True):
                 branch.reference = residual()
@@ -148,9 +141,7 @@ class BlockStackRunner:
             middle = tuple(torch.sub(a, b) for a, b in zip(h, hf))
             for calibrator, m in zip(branch.calibrators, middle):
                 calibrator.update(position, m)
-            request.record_computed(branch, ctx.step, middle)
             branch.continuous_cached = 0
-            branch.accumulated_diff = 0.0
         h = self._run(num_blocks - bn, num_blocks, h, rest, kw)
         branch.stats.record(ctx.step, decision.cache, decision.reason, decision.diff)
         return self.form.join(h)

@@ -39,11 +39,6 @@ class BranchState:
     reference: tuple[torch.Tensor, ...] | None = None
     cached_total: int = 0
     continuous_cached: int = 0
-    accumulated_diff: float = 0.0
-    """Sum of the diffs measured on cached steps since the last computed step (error control)."""
-    fresh: tuple[torch.Tensor, ...] | None = None
-    """CFG delta reuse, cond branch: the middle residual of its last computed step, at step `fresh_step`."""
-    fresh_step: int = -1
 
     @property
     def has_residual(self) -> bool:
@@ -51,10 +46,8 @@ class BranchState:
 
     def stored_tensors(self) -> int:
         """Residual-sized tensors held: Fn residual(s) plus the calibrators' terms."""
-        return (
-            (len(self.reference) if self.reference is not None else 0)
-            + (len(self.fresh) if self.fresh is not None else 0)
-            + sum(c.stored_tensors for c in self.calibrators)
+        return (len(self.reference) if self.reference is not None else 0) + sum(
+            c.stored_tensors for c in self.calibrators
         )
 
 
@@ -106,8 +99,7 @@ class RequestState:
     """Gives the current step's timestep key without reading the model's timestep tensor (no host sync)."""
     branches: dict[str, BranchState] = field(default_factory=dict)
     tracker: StepTracker = field(default_factory=StepTracker)
-    cfg_delta: tuple[torch.Tensor, ...] | None = None
-    """CFG delta reuse: cond − uncond middle residual at the last step where both branches were computed."""
+
     _policy: CachePolicy | None = None
 
     def __post_init__(self) -> None:
@@ -127,7 +119,6 @@ class RequestState:
         """Drop all branch state (a new generation began in the same scope); return the finished stats."""
         finished = self.stats
         self.branches = {}
-        self.cfg_delta = None
         self.tracker = StepTracker()
         self.stats = self._new_stats()
         return finished
@@ -158,57 +149,6 @@ class RequestState:
             self.branches[name] = state
         return state
 
-    def sigma_at(self, step: int, declared: float | None) -> float | None:
-        """The noise level of `step`: as the pipeline declared it, else from the request's sigmas, else None (a
-        timestep derived from a bare call is not taken for a sigma: its scale is the model's, e.g. 0..1000).
-
-        Raises `ConfigError` when a sigma-based decision (`protect_sigma` < 1) is configured and none is known."""
-        sigma = declared
-        if sigma is None and self.sigmas is not None and step < len(self.sigmas):
-            sigma = self.sigmas[step]
-        if sigma is None and self.config.protect_sigma < 1.0:
-            raise ConfigError(
-                f"protect_sigma={self.config.protect_sigma} needs the scheduler's sigmas, which this caller does not "
-                "provide; use max_warmup_steps instead"
-            )
-        return sigma
-
-    def record_computed(self, branch: BranchState, step: int, middle: tuple[torch.Tensor, ...]) -> None:
-        """CFG delta reuse bookkeeping after `branch` computed its middle residual `middle` at `step`."""
-        if not self.config.cfg_delta_reuse:
-            return
-        if branch.name == "cond":
-            branch.fresh, branch.fresh_step = middle, step
-        elif branch.name == "uncond":
-            cond = self.branches.get("cond")
-            if cond is not None and cond.fresh_step == step:
-                self.cfg_delta = tuple(
-                    _trailing(c, u.shape) - u[..., -_common(c, u) :, :] for c, u in zip(cond.fresh, middle)
-                )
-
-    def cfg_delta_estimate(self, branch: BranchState, step: int, position: float) -> list[torch.Tensor] | None:
-        """The uncond middle residual as cond's fresh one minus the last measured (cond − uncond) difference, when
-        delta reuse is on, `branch` is 'uncond', the cond branch computed this very step and a difference exists.
-
-        Branches whose sequences differ in length (different text lengths in a `[text; image]` joint sequence) are
-        aligned on their trailing tokens (dim −2: the image tokens); the uncond-only leading tokens keep the uncond
-        calibrator's own estimate at `position`.
-        """
-        if not self.config.cfg_delta_reuse or branch.name != "uncond" or self.cfg_delta is None:
-            return None
-        cond = self.branches.get("cond")
-        if cond is None or cond.fresh_step != step:
-            return None
-        estimates = []
-        for calibrator, fresh, delta in zip(branch.calibrators, cond.fresh, self.cfg_delta):
-            own = calibrator.estimate(position)
-            n = delta.shape[-2]
-            if own.shape == delta.shape:
-                estimates.append(_trailing(fresh, delta.shape) - delta)
-            else:
-                estimates.append(torch.cat([own[..., :-n, :], _trailing(fresh, delta.shape) - delta], dim=-2))
-        return estimates
-
     def position(self, step: int, sigma: float | None) -> float:
         """Where a step sits for TaylorSeer: its index, or its sigma when `taylorseer_distance == 'sigma'`."""
         if self.config.taylorseer_distance == "step":
@@ -221,14 +161,3 @@ class RequestState:
                 "use taylorseer_distance='step'"
             )
         return float(sigma)
-
-
-def _common(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Tokens (dim −2) two branch residuals share at their ends."""
-    return min(a.shape[-2], b.shape[-2])
-
-
-def _trailing(a: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The last tokens of `a` (dim −2), as many as the smaller of `a` and `shape` has."""
-    n = min(a.shape[-2], shape[-2])
-    return a[..., -n:, :]

@@ -129,58 +129,19 @@ def test_curved_mask_count_placement_and_design_formula():
     assert curved_mask(10, 1.0, 3.0) == [1] * 10
 
 
-def test_uncond_subset_is_nested_and_sized():
-    from dicache.policies import curved_mask, subset_mask
-
-    mask = curved_mask(28, 0.5, 2.5)
-    sub = subset_mask(mask, 0.6, 2.5)
-    assert all(s <= m for s, m in zip(sub, mask)), "the uncond branch computes only steps the cond branch computes"
-    assert sum(sub) == round(0.6 * sum(mask)) and sub[0] == sub[-1] == 1
-    assert subset_mask(mask, 1.0, 2.5) == mask
-
-
-def test_protect_sigma_computes_high_noise_steps_only():
-    p = DBCachePolicy(warmup=0, threshold=10.0, max_continuous=-1, protect_sigma=0.8)
-    hi = StepContext(5, 10, 0, 0, True, True, sigma=0.85)
-    lo = StepContext(5, 10, 0, 0, True, True, sigma=0.8)
-    assert p.decide(hi, never_called).reason == "protect_sigma"
-    assert p.decide(lo, const(0.0)).cache  # not above the bound: the normal rules decide
-    assert p.decide(StepContext(5, 10, 0, 0, True, True), const(0.0)).cache  # no sigma known: nothing to protect
-
-
-def test_accumulated_diff_bounds_the_drift_since_the_last_computation():
-    p = DBCachePolicy(warmup=0, threshold=0.2, max_continuous=-1, max_accumulated=0.3)
-
-    def at(acc):
-        return StepContext(5, 10, 1, 1, True, True, accumulated_diff=acc)
-
-    assert p.decide(at(0.0), const(0.15)).cache
-    d = p.decide(at(0.16), const(0.15))  # each diff below RDT, but together 0.31 >= 0.3
-    assert not d.cache and d.reason == "accumulated" and d.diff == 0.15
-    assert not DBCachePolicy(0, 0.2, -1).decide(at(0.16), const(0.25)).cache  # RDT still applies first
-
-
-def test_uncond_branch_uses_its_own_mask():
-    p = DBCachePolicy(0, 0.0, -1, mask=[1, 0, 1, 0], static_mask=True, uncond_mask=[1, 0, 0, 0])
-    cond = StepContext(2, 4, 0, 0, True, True, branch="cond")
-    uncond = StepContext(2, 4, 0, 0, True, True, branch="uncond")
-    assert not p.decide(cond, never_called).cache and p.decide(uncond, never_called).cache
-
-
-def test_make_policy_builds_curved_and_uncond_masks():
+def test_make_policy_builds_curved_masks():
     config = CacheConfig.from_env(
         {},
         scm_preset="curved",
         scm_compute_fraction=0.4,
         scm_curve=2.0,
         scm_policy="static",
-        scm_uncond_fraction=0.5,
     )
     p = make_policy(config, 20)
-    assert sum(p.mask) == 8 and sum(p.uncond_mask) == 4
+    assert sum(p.mask) == 8 and p.static_mask
     with pytest.raises(ConfigError, match="scm_compute_fraction.*0, 1"):
         CacheConfig.from_env({}, scm_compute_fraction=0)
     with pytest.raises(ConfigError, match="SGLANG_CACHE_DIT_SCM_CURVE='0.5'.*>= 1"):
         CacheConfig.from_env({"SGLANG_CACHE_DIT_SCM_CURVE": "0.5"})
-    with pytest.raises(ConfigError, match="SGLANG_CACHE_DIT_CFG_DELTA_REUSE='maybe'.*boolean"):
-        CacheConfig.from_env({"SGLANG_CACHE_DIT_CFG_DELTA_REUSE": "maybe"})
+    with pytest.raises(ConfigError, match="SGLANG_CACHE_DIT_TS_DAMPING='2'.*0, 1"):
+        CacheConfig.from_env({"SGLANG_CACHE_DIT_TS_DAMPING": "2"})

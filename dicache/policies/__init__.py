@@ -5,7 +5,7 @@ from __future__ import annotations
 from .base import CachePolicy, Decision, StepContext
 from .dbcache import DBCachePolicy
 from .simple import AlwaysCache, NeverCache
-from .step_mask import curved_mask, preset_mask, step_mask, subset_mask
+from .step_mask import curved_mask, preset_mask, step_mask
 
 __all__ = [
     "AlwaysCache",
@@ -18,7 +18,6 @@ __all__ = [
     "make_policy",
     "preset_mask",
     "step_mask",
-    "subset_mask",
 ]
 
 
@@ -29,9 +28,6 @@ def make_policy(config, num_steps: int | None) -> CachePolicy:
     if config.policy == "always":
         return AlwaysCache()
     mask = step_mask(config, num_steps)
-    uncond_mask = None
-    if mask is not None and config.scm_uncond_fraction < 1.0:
-        uncond_mask = subset_mask(mask, config.scm_uncond_fraction, config.scm_curve)
     return DBCachePolicy(
         warmup=config.max_warmup_steps,
         threshold=config.residual_diff_threshold,
@@ -39,7 +35,4 @@ def make_policy(config, num_steps: int | None) -> CachePolicy:
         max_cached=config.max_cached_steps,
         mask=mask,
         static_mask=config.scm_policy == "static",
-        uncond_mask=uncond_mask,
-        protect_sigma=config.protect_sigma,
-        max_accumulated=config.max_accumulated_diff,
     )

@@ -19,8 +19,6 @@ class StepContext:
         has_residual: a middle residual is stored for this branch (something to reuse).
         has_reference: an Fn residual from the last computed step is stored (something to diff against).
         sigma: the scheduler's noise level at this step, when the caller knows it.
-        branch: the CFG branch of this call ('cond', 'uncond', 'batched', …).
-        accumulated_diff: sum of the diffs measured on this branch's cached steps since its last computed step.
     """
 
     step: int
@@ -30,16 +28,13 @@ class StepContext:
     has_residual: bool
     has_reference: bool
     sigma: float | None = None
-    branch: str = "cond"
-    accumulated_diff: float = 0.0
 
 
 @dataclass(frozen=True)
 class Decision:
     """Compute the middle blocks (`cache=False`) or reuse them (`cache=True`), and why.
 
-    `reason` is one of: warmup, protect_sigma, mask, max_cached, max_continuous, threshold_off, no_residual, diff,
-    accumulated, policy.
+    `reason` is one of: warmup, mask, max_cached, max_continuous, threshold_off, no_residual, diff, policy.
     `diff` is the relative Fn-residual change when it was measured (rule 7), else None.
     """
 

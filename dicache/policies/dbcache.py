@@ -15,10 +15,6 @@ class DBCachePolicy:
         max_cached: most cached steps per branch and request (-1 unlimited).
         mask: step computation mask (1 compute, 0 may cache) or None.
         static_mask: with a mask, cache wherever it says 0 (compute only if nothing is stored yet).
-        uncond_mask: the mask of the 'uncond' branch when it computes fewer steps than the others (else `mask`).
-        protect_sigma: steps whose sigma is above it are computed (noise-level warm-up; >= 1 never protects).
-        max_accumulated: > 0: cache only while the diffs measured since the last computed step, this one included,
-            sum to less than it (bounds the accumulated drift, not only the latest one).
     """
 
     def __init__(
@@ -29,9 +25,6 @@ class DBCachePolicy:
         max_cached: int = -1,
         mask: list[int] | None = None,
         static_mask: bool = False,
-        uncond_mask: list[int] | None = None,
-        protect_sigma: float = 1.0,
-        max_accumulated: float = 0.0,
     ) -> None:
         self.warmup = warmup
         self.threshold = threshold
@@ -39,9 +32,6 @@ class DBCachePolicy:
         self.max_cached = max_cached
         self.mask = mask
         self.static_mask = static_mask
-        self.uncond_mask = uncond_mask
-        self.protect_sigma = protect_sigma
-        self.max_accumulated = max_accumulated
 
     @property
     def uses_diff(self) -> bool:
@@ -54,9 +44,7 @@ class DBCachePolicy:
         s = ctx.step
         if s < self.warmup:
             return compute("warmup")
-        if ctx.sigma is not None and ctx.sigma > self.protect_sigma:
-            return compute("protect_sigma")
-        mask = self.uncond_mask if (ctx.branch == "uncond" and self.uncond_mask is not None) else self.mask
+        mask = self.mask
         if mask is not None:
             if s >= len(mask) or mask[s] == 1:
                 return compute("mask")
@@ -71,6 +59,4 @@ class DBCachePolicy:
         if not (ctx.has_reference and ctx.has_residual):
             return compute("no_residual")
         value = diff()
-        if value < self.threshold and self.max_accumulated > 0 and ctx.accumulated_diff + value >= self.max_accumulated:
-            return compute("accumulated", value)
         return Decision(cache=value < self.threshold, reason="diff", diff=value)

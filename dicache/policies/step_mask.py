@@ -106,16 +106,6 @@ def curved_mask(num_steps: int, fraction: float, curve: float) -> list[int]:
     return [1 if i in chosen else 0 for i in range(num_steps)]
 
 
-def subset_mask(mask: list[int], fraction: float, curve: float) -> list[int]:
-    """The steps of `mask` a branch computing `fraction` of them computes: a curved choice among the computed steps
-    (their first and last kept). `fraction = 1` returns `mask` itself."""
-    computed = [i for i, m in enumerate(mask) if m]
-    if fraction >= 1.0 or len(computed) <= 2:
-        return list(mask)
-    keep = {computed[j] for j in curved_positions(len(computed), round(fraction * len(computed)), curve)}
-    return [1 if i in keep else 0 for i in range(len(mask))]
-
-
 def step_mask(config, num_steps: int | None) -> list[int] | None:
     """The mask a `CacheConfig` asks for at `num_steps`, or None when it sets no mask."""
     if not config.has_step_mask:

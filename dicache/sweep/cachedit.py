@@ -29,13 +29,7 @@ INSTALL_HINT = (
 )
 
 
-NO_EQUIVALENT = (
-    "max_accumulated_diff",
-    "protect_sigma",
-    "taylorseer_damping",
-    "scm_uncond_fraction",
-    "cfg_delta_reuse",
-)
+NO_EQUIVALENT = ("taylorseer_damping",)
 """dicache settings cache-dit has no counterpart of (a cell that changes one is not run on cache-dit)."""
 
 

@@ -191,10 +191,6 @@ _LABELLED = {
     "taylorseer_order",
     "taylorseer_distance",
     "taylorseer_damping",
-    "max_accumulated_diff",
-    "protect_sigma",
-    "scm_uncond_fraction",
-    "cfg_delta_reuse",
     "policy",
 }
 
@@ -208,10 +204,6 @@ def cell_label(c: CacheConfig) -> str:
         parts += [f"MC{c.max_continuous_cached_steps}", f"R{c.residual_diff_threshold:g}"]
     if c.max_cached_steps >= 0:
         parts.append(f"M{c.max_cached_steps}")
-    if _get(c, "max_accumulated_diff", 0.0) > 0:
-        parts.append(f"ACC{c.max_accumulated_diff:g}")
-    if _get(c, "protect_sigma", 1.0) < 1.0:
-        parts.append(f"σ>{c.protect_sigma:g}")
     if c.has_step_mask:
         if c.scm_preset == "curved":
             mask = f"curved {c.scm_compute_fraction:g} γ{c.scm_curve:g}"
@@ -220,10 +212,6 @@ def cell_label(c: CacheConfig) -> str:
         else:
             mask = "bins " + "-".join(map(str, c.scm_compute_bins or []))
         parts.append(f"SCM {mask}/{c.scm_policy}")
-    if _get(c, "scm_uncond_fraction", 1.0) < 1.0:
-        parts.append(f"U{c.scm_uncond_fraction:g}")
-    if _get(c, "cfg_delta_reuse", False):
-        parts.append("Δcfg")
     if c.enable_taylorseer:
         damping = _get(c, "taylorseer_damping", 1.0)
         parts.append(
