@@ -2,29 +2,14 @@
 
 import torch
 import torch._dynamo
+from tiny_krea2 import NATIVE_CONFIG
 from torch._dynamo.testing import CompileCounter
 
 import dicache
 from dicache.models.krea2 import Krea2Transformer
 from dicache.models.krea2.pipeline import Krea2Pipeline
 
-CONFIG = dict(
-    in_channels=16,
-    num_layers=4,
-    attention_head_dim=16,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    timestep_embed_dim=32,
-    text_hidden_dim=32,
-    num_text_layers=2,
-    text_num_attention_heads=2,
-    text_num_key_value_heads=2,
-    text_intermediate_size=64,
-    num_layerwise_text_blocks=1,
-    num_refiner_text_blocks=1,
-    axes_dims_rope=(4, 6, 6),
-)
+CONFIG = NATIVE_CONFIG
 
 
 def make_pipe():

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from tiny_krea2 import NATIVE_CONFIG
 
 from dicache.models.krea2 import Krea2Transformer
 from dicache.models.krea2.pipeline import Krea2Pipeline
@@ -92,23 +93,7 @@ def test_curved_schedule_and_counts_per_compute_target():
 
 # ---------------------------------------------------------------------------------------------------- a tiny pipeline
 
-CONFIG = dict(
-    in_channels=16,
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    timestep_embed_dim=32,
-    text_hidden_dim=32,
-    num_text_layers=2,
-    text_num_attention_heads=2,
-    text_num_key_value_heads=2,
-    text_intermediate_size=64,
-    num_layerwise_text_blocks=1,
-    num_refiner_text_blocks=1,
-    axes_dims_rope=(4, 6, 6),
-)
+CONFIG = dict(NATIVE_CONFIG, num_layers=2)
 SIZE = 64  # no VAE: 16 px per token side, 16 image tokens
 
 

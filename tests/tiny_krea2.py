@@ -21,6 +21,25 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 SELECT_LAYERS = (1, 2, 3)
 TEXT_DIM = 32
 
+NATIVE_CONFIG = dict(
+    in_channels=16,
+    num_layers=4,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    timestep_embed_dim=32,
+    text_hidden_dim=32,
+    num_text_layers=2,
+    text_num_attention_heads=2,
+    text_num_key_value_heads=2,
+    text_intermediate_size=64,
+    num_layerwise_text_blocks=1,
+    num_refiner_text_blocks=1,
+    axes_dims_rope=(4, 6, 6),
+)
+"""A tiny native `Krea2Transformer` config (4 blocks, GQA 2) for tests that build the model directly."""
+
 
 def tiny_tokenizer(directory: pathlib.Path):
     import transformers

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .generate import add_sampling_arguments
+
 HELP = (
     "find the least-compute cache settings whose PSNR vs uncached meets a target on a few prompts, and write them "
     "as a settings profile (for --profile / SGLANG_CACHE_DIT_PROFILE)"
@@ -34,21 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "guidance and size you will serve: the target is only checked there. SGLANG_CACHE_DIT_* variables still\n"
         "override a profile's values when it is used; calibration itself ignores them (built-in defaults + candidate)."
     )
-    parser.add_argument("--model", help="checkpoint folder or hub repo id (default: the embedded checkpoint)")
-    parser.add_argument(
-        "--variant",
-        "--preset",
-        choices=("turbo", "raw"),
-        default=None,
-        help="turbo: 8 steps, no CFG; raw: 50 steps, CFG 4.5 (default: by checkpoint)",
-    )
-    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: by variant)")
-    parser.add_argument(
-        "--guidance",
-        type=float,
-        default=None,
-        help="CFG scale s in uncond + s*(cond - uncond); 1 = no CFG (default: by variant)",
-    )
+    add_sampling_arguments(parser, "--preset")
     parser.add_argument(
         "--size", type=_size, default=None, help="image size: N (square) or WxH px (default: the checkpoint's)"
     )

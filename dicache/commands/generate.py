@@ -11,13 +11,15 @@ import time
 HELP = "generate images with Krea-2 (default: the embedded checkpoint) and print the cache statistics"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", nargs="+", help="one or more prompts")
+def add_sampling_arguments(parser: argparse.ArgumentParser, *variant_aliases: str) -> None:
+    """`--model`, `--variant` (plus `variant_aliases`), `--steps`, `--guidance`: what to sample with, shared by the
+    commands that run the pipeline (`generate`, `calibrate`)."""
     parser.add_argument(
         "--model", default=None, help="local diffusers-layout folder or hub repo id (default: embedded)"
     )
     parser.add_argument(
         "--variant",
+        *variant_aliases,
         choices=("turbo", "raw"),
         default=None,
         help="turbo: 8 steps, no CFG; raw: 50 steps, CFG 4.5 (default: by checkpoint)",
@@ -29,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="CFG scale s in uncond + s*(cond - uncond); 1 = no CFG (Krea's reference g = s - 1)",
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="+", help="one or more prompts")
+    add_sampling_arguments(parser)
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--height", type=int, default=None)

@@ -71,6 +71,23 @@ def _who(record: dict[str, Any] | None, metric: str = "psnr") -> str:
     return f"{record['setting']} ({record['compute_fraction']:.2f}, {_db(record[metric], 1)})"
 
 
+def _goal_table(rows: list[dict[str, Any]], names: list[str], miss: str) -> list[str]:
+    """The goal-check table: per compute budget, the best of ours / cache-dit / fewer steps and whether it is met."""
+    return _table(
+        ["compute ≤", *names, "fewer steps", "met"],
+        [
+            [
+                f"{r['budget']:.3f}",
+                _who(r["ours"]),
+                _who(r["cache_dit"]),
+                _who(r["fewer_steps"]),
+                "yes" if r["met"] else miss,
+            ]
+            for r in rows
+        ],
+    )
+
+
 def render_report(results: dict[str, Any]) -> str:
     """The report as Markdown text."""
     meta = results["meta"]
@@ -202,19 +219,7 @@ def _schedule_section(
         f"and > the best fewer-steps run (within the budget + half a step). **Met at {met} of {len(rows)} budgets.**"
     )
     lines.append("")
-    lines += _table(
-        ["compute ≤", "ours", "cache-dit", "fewer steps", "met"],
-        [
-            [
-                f"{r['budget']:.3f}",
-                _who(r["ours"]),
-                _who(r["cache_dit"]),
-                _who(r["fewer_steps"]),
-                "yes" if r["met"] else "**no**",
-            ]
-            for r in rows
-        ],
-    )
+    lines += _goal_table(rows, ["ours", "cache-dit"], miss="**no**")
 
     lines += ["", "### Recommended settings", "", "The least-compute setting reaching each mean-PSNR target.", ""]
     lines += _table(
@@ -353,19 +358,7 @@ def render_summary(results: dict[str, Any], command: str | None = None, notes: l
             f"{len(rows)} compute budgets",
             "",
         ]
-        lines += _table(
-            ["compute ≤", "ours (best)", "cache-dit (best)", "fewer steps", "met"],
-            [
-                [
-                    f"{r['budget']:.3f}",
-                    _who(r["ours"]),
-                    _who(r["cache_dit"]),
-                    _who(r["fewer_steps"]),
-                    "yes" if r["met"] else "no",
-                ]
-                for r in rows
-            ],
-        )
+        lines += _goal_table(rows, ["ours (best)", "cache-dit (best)"], miss="no")
         default = [r for r in (*ours, *cd) if r["setting"] == "F1B0 W4 MC3 R0.24"]
         if default:
             parts = []
