@@ -5,7 +5,8 @@ padded to 512 with 48 real tokens; denoising only (latent output, no text encode
 
 - forward: one full forward and one cached forward (Fn=1, Bn=0) of ours, the cached/full ratio; diffusers' forward.
 - masks: Turbo 8 steps (no CFG) and Raw 50 steps (CFG) under the step masks cache-dit's presets give
-  (slow/medium/fast/ultra), Fn=1 Bn=0 W=4 static, ours vs diffusers + cache-dit, same masks on both sides.
+  (slow/medium/fast/ultra), Fn=1 Bn=0 static, ours vs diffusers + cache-dit, same masks on both sides; W=0 so that the
+  mask alone decides and both sides compute the same steps.
 - sglang: the default settings' pattern when every allowed step is cached (Fn=1 Bn=0 W=4 MC=3, dynamic decisions
   with an always-passing threshold): Turbo 5 of 8 computed, Raw 15 of 50 per branch.
 - overhead: Turbo 8 plain vs hooks measuring the diff at every step with nothing cached.
@@ -35,14 +36,22 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_krea2_forward import TINY_CONFIG, block_flops, build_models, forward_flops  # noqa: E402
+from bench_krea2_forward import (  # noqa: E402
+    TINY_CONFIG,
+    block_flops,
+    build_models,
+    forward_flops,
+    text_path_flops,
+)
+from probe_forward_time import gpu_clock  # noqa: E402
 
 import dicache  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler  # noqa: E402
+from dicache.policies.step_mask import preset_mask  # noqa: E402
 
 SECTIONS = ("forward", "masks", "sglang", "overhead", "profile")
-# cache-dit 1.5.3's masks (cache_dit.steps_mask) for 8 and 50 steps, used when cache-dit is not importable
+# the step-mask presets; masks are cache-dit's (cache_dit.steps_mask) when it is importable, else ours (DESIGN §2)
 PRESETS = ("slow", "medium", "fast", "ultra")
 
 
@@ -98,7 +107,8 @@ class Bench:
         self.pe = torch.randn(shape, generator=gen, device=self.device).to(self.dtype)
         self.ne = torch.randn(shape, generator=gen, device=self.device).to(self.dtype)
         self.pm = self._mask(self.valid)
-        self.nm = self._mask(8 if not self.args.tiny else 6)
+        self.neg_valid = 8 if not self.args.tiny else 6
+        self.nm = self._mask(self.neg_valid)
         self.pipe = Krea2Pipeline(transformer=self.ours, scheduler=FlowMatchEulerScheduler())
         self.pipe.set_progress_bar_config(disable=True)
         self.dpipe = None
@@ -133,6 +143,29 @@ class Bench:
         m[:, : valid - 5] = True
         m[:, -5:] = True
         return m
+
+    def run_flops(self, st) -> float:
+        """FLOPs a run of ours executed, from its cache stats: per branch, full forwards on the computed steps,
+        Fn + Bn blocks (plus embeddings and output) on the cached ones, and the text path once."""
+        c, total = self.config, 0.0
+        for name, branch in st.branches.items():
+            text = self.neg_valid if name == "uncond" else self.valid
+            full = forward_flops(c, self.image_tokens, text, with_text_path=False)
+            skipped = (c["num_layers"] - st.fn_blocks - st.bn_blocks) * block_flops(c, self.image_tokens + text)
+            total += len(branch.computed_steps) * full + len(branch.cached_steps) * (full - skipped)
+            total += text_path_flops(c, text) * (2 if name == "batched" else 1)
+        return total
+
+    def plain_flops(self, steps: int, cfg: bool) -> float:
+        """FLOPs of an uncached run of ours: every step a full forward per branch, the text path once per branch."""
+        texts = (self.valid, self.neg_valid) if cfg else (self.valid,)
+        c = self.config
+        return sum(
+            steps * forward_flops(c, self.image_tokens, t, with_text_path=False) + text_path_flops(c, t) for t in texts
+        )
+
+    def tflops(self, flops: float, seconds: float) -> float:
+        return round(flops / seconds / 1e12, 1)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -205,8 +238,10 @@ class Bench:
         return self.args.reps or (3 if steps <= 8 else 1)
 
     def cachedit_mask(self, preset: str, steps: int) -> list[int]:
-        import cache_dit
-
+        try:
+            import cache_dit
+        except ImportError:
+            return preset_mask(preset, steps)
         return list(cache_dit.steps_mask(total_steps=steps, mask_policy=preset))
 
     @staticmethod
@@ -244,6 +279,7 @@ class Bench:
         dicache.disable(ours)
         with torch.no_grad():
             full = self.timed(lambda: ours(x, text, t, ids), 10)
+        clock = gpu_clock() if self.device.type == "cuda" else {}  # the state the timed forwards left
         cached = sorted(cached_times[3:])[len(cached_times[3:]) // 2]
         row = {
             "ours_full_s": full["s"],
@@ -251,6 +287,7 @@ class Bench:
             "cached_over_full": round(cached / full["s"], 4),
             "peak_GiB": full["peak_GiB"],
         }
+        row.update({k: v for k, v in clock.items() if k in ("sm_clock_MHz", "power_W", "power_limit_W")})
         flops = forward_flops(self.config, self.image_tokens, self.valid, with_text_path=False)
         row["ours_full_tflops"] = round(flops / full["s"] / 1e12, 1)
         row["floor_s"] = round(flops / self.args.peak_tflops / 1e12, 4)
@@ -267,6 +304,8 @@ class Bench:
             with torch.no_grad():
                 ref = self.timed(lambda: self.ref(**args), 5)
             row["diffusers_full_s"] = ref["s"]
+            padded = forward_flops(self.config, self.image_tokens, self.text_len, with_text_path=True)
+            row["diffusers_tflops_executed"] = self.tflops(padded, ref["s"])
             row["speedup_vs_diffusers"] = round(ref["s"] / full["s"], 3)
         self.results["sections"][f"forward{tag}"] = row
         print(f"forward{tag}: {row}", flush=True)
@@ -281,7 +320,7 @@ class Bench:
                     "scm_compute_bins": compute,
                     "scm_cache_bins": cache or [1],
                     "scm_policy": "static",
-                    "max_warmup_steps": 4,
+                    "max_warmup_steps": 0,  # the mask alone decides, on both sides: equal work
                     "max_continuous_cached_steps": -1,
                 }
                 row = {"steps": steps, "cfg": cfg, "preset": preset, "mask": "".join(map(str, mask))}
@@ -291,6 +330,7 @@ class Bench:
                 dicache.disable(self.pipe)
                 row.update(
                     ours_s=ours["s"],
+                    ours_tflops=self.tflops(self.run_flops(st), ours["s"]),
                     ours_peak_GiB=ours["peak_GiB"],
                     ours_compute=round(st.compute_fraction, 3),
                     ours_computed_calls=st.computed_calls,
@@ -300,6 +340,7 @@ class Bench:
                     ref = self._cachedit_time(steps, cfg, mask, tag)
                     row.update(
                         cachedit_s=ref["s"],
+                        cachedit_computed_calls=ref.get("computed_calls"),
                         cachedit_peak_GiB=ref["peak_GiB"],
                         cachedit_new_graphs=ref["new_graphs"],
                         speedup=round(ref["s"] / ours["s"], 3),
@@ -318,7 +359,7 @@ class Bench:
                 num_inference_steps=steps,
                 Fn_compute_blocks=1,
                 Bn_compute_blocks=0,
-                max_warmup_steps=4,
+                max_warmup_steps=0,
                 residual_diff_threshold=0.24,
                 max_continuous_cached_steps=-1,
                 steps_computation_mask=mask,
@@ -327,7 +368,12 @@ class Bench:
             ),
         )
         try:
-            return self.timed(self.ref_run(steps, cfg), self.reps(steps), warm_key=("cachedit", steps, cfg, tag))
+            timing = self.timed(self.ref_run(steps, cfg), self.reps(steps), warm_key=("cachedit", steps, cfg, tag))
+            stats = [s for s in cache_dit.summary(self.dpipe, logging=False) if s.cache_options]
+            if stats:  # steps cache-dit cached in the last run, per branch
+                cached = len(stats[0].cached_steps or []) + (len(stats[0].cfg_cached_steps or []) if cfg else 0)
+                timing["computed_calls"] = steps * (2 if cfg else 1) - cached
+            return timing
         finally:
             cache_dit.disable_cache(self.dpipe)
 
@@ -350,7 +396,9 @@ class Bench:
                 "steps": steps,
                 "cfg": cfg,
                 "plain_s": plain["s"],
+                "plain_tflops": self.tflops(self.plain_flops(steps, cfg), plain["s"]),
                 "cached_s": cached["s"],
+                "cached_tflops": self.tflops(self.run_flops(st), cached["s"]),
                 "computed_per_branch": {k: len(b.computed_steps) for k, b in st.branches.items()},
                 "sglang_seed_docs_s": sglang_s,
                 "peak_GiB": cached["peak_GiB"],
