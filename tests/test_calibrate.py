@@ -30,7 +30,7 @@ from dicache.errors import ConfigError
 from dicache.profiles import write_profile
 from dicache.sweep.metrics import psnr
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 SCHEDULE = ["--steps", "8", "--guidance", "4.5"]  # CFG: two branches per step, both counted
 SIZE = 64
@@ -42,15 +42,6 @@ TEST_CANDIDATES = [
     {"residual_diff_threshold": 0.04},
     {"Fn_compute_blocks": 10},
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One thread per op: on a small shared CPU this is faster and steadier than oversubscribed threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -2,24 +2,15 @@
 
 import torch
 import torch._dynamo
-from tiny_krea2 import NATIVE_CONFIG
+from tiny_krea2 import random_native_model
 from torch._dynamo.testing import CompileCounter
 
 import dicache
-from dicache.models.krea2 import Krea2Transformer
 from dicache.models.krea2.pipeline import Krea2Pipeline
-
-CONFIG = NATIVE_CONFIG
 
 
 def make_pipe():
-    torch.manual_seed(0)
-    model = Krea2Transformer(**CONFIG).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "scale_shift_table" in name or "norm" in name:
-                p.normal_(0, 0.2)
-    pipe = Krea2Pipeline(transformer=model)
+    pipe = Krea2Pipeline(transformer=random_native_model())
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import torch
-from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline, Krea2Transformer2DModel
+from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline
+from tiny_krea2 import tiny_transformer as shared_tiny_transformer
 from torch import nn
 
 import dicache
@@ -17,28 +18,9 @@ TEXT = dict(num_text_layers=3, text_hidden_dim=32)
 
 
 def tiny_transformer(seed=0):
+    """diffusers' tiny 6-block Krea-2 transformer (`tiny_krea2`), seeded."""
     torch.manual_seed(seed)
-    model = Krea2Transformer2DModel(
-        in_channels=64,
-        num_layers=6,
-        attention_head_dim=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        timestep_embed_dim=32,
-        text_num_attention_heads=2,
-        text_num_key_value_heads=2,
-        text_intermediate_size=64,
-        num_layerwise_text_blocks=1,
-        num_refiner_text_blocks=1,
-        axes_dims_rope=(4, 6, 6),
-        **TEXT,
-    )
-    with torch.no_grad():  # the zero-initialised tables would make every block an identity
-        for name, p in model.named_parameters():
-            if "scale_shift_table" in name or "norm" in name:
-                p.normal_(0, 0.3)
-    return model.eval()
+    return shared_tiny_transformer()
 
 
 def make_pipe(transformer, distilled):

@@ -23,13 +23,7 @@ from diffusers import Krea2Transformer2DModel  # noqa: E402
 TEXT_LAYERS, TEXT_DIM, IN_CHANNELS = 3, 32, 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny models: one intra-op thread is fastest and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_config(**overrides) -> dict:

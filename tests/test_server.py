@@ -30,7 +30,7 @@ from dicache.server import ServerSettings, create_app, load_backend
 from dicache.server.background import BackgroundServer
 from dicache.server.jobs import JobQueue, QueueFullError, ShuttingDownError
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
 GENERATIONS = "/v1/images/generations"
 ENV = {
@@ -66,14 +66,6 @@ CASES = {
         cache_dit_params={"max_cached_steps": 1, "max_warmup_steps": 1},
     ),
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,8 @@ import math
 
 import pytest
 import torch
-from tiny_krea2 import NATIVE_CONFIG
+from tiny_krea2 import NATIVE_CONFIG, random_native_model
 
-from dicache.models.krea2 import Krea2Transformer
 from dicache.models.krea2.pipeline import Krea2Pipeline
 from dicache.stats import RequestStats
 from dicache.sweep import compare, solvers
@@ -112,12 +111,8 @@ def pipe():
     any solver out of its asymptotic regime at affordable step counts."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = Krea2Transformer(**CONFIG).eval()
+    model = random_native_model(CONFIG)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "scale_shift_table" in name or "norm" in name:
-                p.normal_(0, 0.2)
         half = model.time_embed.embed_dim // 2
         fast = [k for k in range(half) if 1000 * math.exp(-k * math.log(1e4) / half) > 3]
         model.time_embed.linear_1.weight[:, fast] = 0

@@ -41,6 +41,25 @@ NATIVE_CONFIG = dict(
 """A tiny native `Krea2Transformer` config (4 blocks, GQA 2) for tests that build the model directly."""
 
 
+def random_native_model(config: dict = NATIVE_CONFIG, seed: int = 0, std: float = 0.2):
+    """A native `Krea2Transformer(**config)` in eval mode, seeded, with its zero-initialised modulation tables and norm
+    weights drawn from N(0, std) so that no block is an identity."""
+    from dicache.models.krea2 import Krea2Transformer
+
+    torch.manual_seed(seed)
+    model = Krea2Transformer(**config).eval()
+    randomise_tables_and_norms(model, std)
+    return model
+
+
+def randomise_tables_and_norms(model: torch.nn.Module, std: float) -> None:
+    """Draw the `scale_shift_table` and norm parameters of `model` from N(0, std) in place."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "scale_shift_table" in name or "norm" in name:
+                p.normal_(0, std)
+
+
 def tiny_tokenizer(directory: pathlib.Path):
     import transformers
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
@@ -111,10 +130,7 @@ def tiny_transformer(num_layers: int = 6):
         num_refiner_text_blocks=1,
         axes_dims_rope=(4, 6, 6),
     )
-    with torch.no_grad():  # randomise the zero-initialised tables and norms so blocks are not identities
-        for name, p in model.named_parameters():
-            if "scale_shift_table" in name or "norm" in name:
-                p.normal_(0, 0.3)
+    randomise_tables_and_norms(model, 0.3)  # zero-initialised, they would make every block an identity
     return model.eval()
 
 

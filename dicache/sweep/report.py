@@ -39,6 +39,17 @@ BASELINES_TEXT = (
 )
 
 
+def _run_cells(r: dict) -> list[str]:
+    """The leading cells every run row shares: method, setting, compute fraction, FLOPs ratio, denoise seconds."""
+    return [
+        METHOD_NAMES[r["method"]],
+        r["setting"],
+        f"{r['compute_fraction']:.3f}",
+        _f(r["flops_ratio"], 3),
+        _f(r["denoise_s"], 3),
+    ]
+
+
 def _f(value: Any, digits: int = 2, suffix: str = "") -> str:
     if value is None:
         return "–"
@@ -255,11 +266,7 @@ def _schedule_section(
     for r in sorted([*ours, *cd], key=lambda r: (r["compute_fraction"], -r["psnr"])):
         base = by_key.get(r.get("baseline_key", ""))
         row = [
-            METHOD_NAMES[r["method"]],
-            r["setting"],
-            f"{r['compute_fraction']:.3f}",
-            _f(r["flops_ratio"], 3),
-            _f(r["denoise_s"], 3),
+            *_run_cells(r),
             _f(r["speedup_denoise"], 2, "×"),
             _f(r["e2e_s"], 3),
             _p(r["psnr"]),
@@ -287,11 +294,7 @@ def _schedule_section(
         rows = []
         for r in sorted(solver_runs, key=lambda r: (r["method"], r["compute_fraction"])):
             row = [
-                METHOD_NAMES[r["method"]],
-                r["setting"],
-                f"{r['compute_fraction']:.3f}",
-                _f(r["flops_ratio"], 3),
-                _f(r["denoise_s"], 3),
+                *_run_cells(r),
                 _p(r["psnr"]),
                 _f(r["ssim"], 4),
                 _f(r["rel_l2"], 4),
