@@ -28,7 +28,6 @@ def test_masks_section_computes_exactly_the_mask(bench):
         branches = 2 if row["cfg"] else 1
         # W=0: the mask alone decides, so both implementations run the same steps (cache-dit follows its mask)
         assert row["ours_computed_calls"] == row["mask"].count("1") * branches, row
-        assert row["ours_tflops"] >= 0
 
 
 def test_run_flops_of_an_all_computed_run_equals_the_plain_count(bench):
