@@ -67,6 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="run the sections eager, with the transformer blocks compiled, or both",
     )
     p.add_argument("--no-diffusers", action="store_true")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "fp8"),
+        help="quantize our transformer (pipe.quantize, default exclusions) before compiling; diffusers stays bf16",
+    )
     p.add_argument("--raw-steps", type=int, default=50)
     p.add_argument("--turbo-steps", type=int, default=8)
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default: 3 for Turbo, 1 for Raw)")
@@ -111,6 +117,8 @@ class Bench:
         self.nm = self._mask(self.neg_valid)
         self.pipe = Krea2Pipeline(transformer=self.ours, scheduler=FlowMatchEulerScheduler())
         self.pipe.set_progress_bar_config(disable=True)
+        if self.args.quantization != "none":
+            self.pipe.quantize(self.args.quantization)  # what `--quantization fp8` does
         self.dpipe = None
         if self.ref is not None:
             from diffusers import FlowMatchEulerDiscreteScheduler
@@ -131,7 +139,7 @@ class Bench:
         self.results["setup"] = {
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.machine(),
             "torch": torch.__version__,
-            "dtype": str(self.dtype),
+            "dtype": str(self.dtype) + ("" if self.args.quantization == "none" else f" + {self.args.quantization}"),
             "size": self.size,
             "text_len": self.text_len,
             "valid_text": self.valid,
@@ -452,8 +460,7 @@ class Bench:
         import torch._dynamo
 
         start = time.perf_counter()
-        for block in self.ours.transformer_blocks:
-            block.compile(fullgraph=True)
+        self.pipe.compile()  # what `--compile` does
         if self.ref is not None:
             self.ref.compile_repeated_blocks(fullgraph=True)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..parallel import add_parallel_arguments
 
     add_parallel_arguments(parser)
+    from .speed import add_speed_arguments
+
+    add_speed_arguments(parser)
 
 
 def output_paths(out: str, count: int) -> list[pathlib.Path]:
@@ -77,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
     from dicache.parallel import parallelize_pipeline, setup_from_args
     from dicache.profiles import cache_config
 
+    from .speed import speed_spec
+
     config = cache_config(args.profile)  # defaults < profile (--profile wins over the variable) < environment
+    speed_spec(args)  # a bad --quantization-exclude stops here, before loading
     use_cache = config.enable_cache if args.cache == "env" else args.cache == "on"
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,8 +95,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline) -> int:
-    pipe = Krea2Pipeline.from_pretrained(args.model, device=ctx.device)
+    from .speed import apply_speed_options
+
+    pipe = Krea2Pipeline.from_pretrained(args.model, device=ctx.device, load_format=args.load_format)
     parallelize_pipeline(pipe, ctx)
+    apply_speed_options(pipe, args)
     if use_cache:
         dicache.enable(pipe, config)
     start = time.perf_counter()

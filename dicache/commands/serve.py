@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..parallel import add_parallel_arguments
 
     add_parallel_arguments(parser)
+    from .speed import add_speed_arguments
+
+    add_speed_arguments(parser)
     parser.add_argument(
         "--variant",
         choices=("turbo", "raw"),
@@ -123,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
     # defaults < profile (--profile wins over SGLANG_CACHE_DIT_PROFILE) < SGLANG_CACHE_DIT_*; a bad value or a
     # missing profile stops here, naming the variable or the option and path
     cache_config = read_cache_config(args.profile)
+    from .speed import apply_speed_options, speed_spec
+
+    speed_spec(args)  # a bad --quantization-exclude stops here, before loading
     print(cache_config.describe(), flush=True)
     from ..profiles import describe_profile
 
@@ -139,8 +145,12 @@ def run(args: argparse.Namespace) -> int:
         device=str(ctx.device),
         cache_config=cache_config,
         default_size=args.default_size,
+        load_format=args.load_format,
     )
     parallelize_pipeline(backend.pipe, ctx)
+    apply_speed_options(backend.pipe, args)
+    if args.compile:  # every rank warms up the same way, before serving, so the first request is not the slow one
+        print(f"warm-up (compile): {backend.warm_up()}", flush=True)
     backend = lockstep(backend, ctx)
     if backend is None:  # a follower rank: it replayed rank 0's requests until rank 0 closed
         ctx.shutdown()
