@@ -77,7 +77,14 @@ def sample(pipe: Krea2Pipeline, samples, steps: int, scale: float, variant: str,
 
 def section_fidelity(args, results: dict) -> list[dict]:
     samples = heldout()[: args.num_prompts]
-    configs: dict[str, tuple[QuantizationSpec | None, dict | None]] = {
+    configs: dict[str, tuple[QuantizationSpec | None, dict | None]] = {}
+    if args.exclude:  # one exclusion choice (the default's: QuantizationSpec()), alone and with the cache
+        spec = QuantizationSpec(exclude=tuple(args.exclude))
+        configs[f"fp8 excluding {' '.join(args.exclude)}"] = (spec, None)
+        configs[f"fp8 excluding {' '.join(args.exclude)} + cache curved 0.4"] = (spec, RECOMMENDED)
+        configs["cache curved 0.4 (bf16)"] = (None, RECOMMENDED)
+        return _fidelity_rows(args, results, samples, configs)
+    configs = {
         "fp8 all block linears": (QuantizationSpec(exclude=()), None),
         "cache curved 0.4 (bf16)": (None, RECOMMENDED),
         "fp8 all + cache curved 0.4": (QuantizationSpec(exclude=()), RECOMMENDED),
@@ -87,12 +94,10 @@ def section_fidelity(args, results: dict) -> list[dict]:
         configs[f"fp8 only {group}"] = (QuantizationSpec(exclude=others), None)
         configs[f"fp8 all but {group}"] = (QuantizationSpec(exclude=(group,)), None)
     configs["fp8 all but first+last block"] = (QuantizationSpec(exclude=("first_block", "last_block")), None)
-    if args.exclude:
-        configs[f"fp8 excluding {' '.join(args.exclude)}"] = (QuantizationSpec(exclude=tuple(args.exclude)), None)
-        configs[f"fp8 excluding {' '.join(args.exclude)} + cache curved 0.4"] = (
-            QuantizationSpec(exclude=tuple(args.exclude)),
-            RECOMMENDED,
-        )
+    return _fidelity_rows(args, results, samples, configs)
+
+
+def _fidelity_rows(args, results: dict, samples, configs: dict) -> list[dict]:
     base = Krea2Pipeline.from_pretrained(device="cuda")
     base.set_progress_bar_config(disable=True)
     refs = {name: sample(base, samples, *sched, None) for name, sched in SCHEDULES.items()}

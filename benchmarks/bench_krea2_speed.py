@@ -101,9 +101,12 @@ class Bench:
 
     # -------------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        from diffusers import Krea2Transformer2DModel
+        import inspect
 
-        config = self.config or {k: v for k, v in Krea2Transformer2DModel().config.items() if not k.startswith("_")}
+        from dicache.models.krea2 import Krea2Transformer
+
+        defaults = inspect.signature(Krea2Transformer.__init__).parameters.items()
+        config = self.config or {k: p.default for k, p in defaults if k != "self"}  # the released configuration
         self.config = config
         self.ours, self.ref, note = build_models(config, self.device, self.dtype, 0, not self.args.no_diffusers)
         if note:
