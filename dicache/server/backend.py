@@ -126,8 +126,8 @@ class PipelineBackend:
     def generate(self, spec: GenerationSpec, should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         start = time.perf_counter()
         token = _should_stop.set(should_stop)
-        _check_stop()  # abandoned while it waited for this worker
         try:
+            _check_stop()  # abandoned while it waited for this worker
             with torch.inference_mode(), dicache_api.request(self.pipe, config=spec.engine_overrides()):
                 output = self.pipe(
                     prompt=spec.prompt,
@@ -154,8 +154,8 @@ class PipelineBackend:
         return GenerationResult(b64, digests, stats, time.perf_counter() - start, pipeline_s, flops)
 
     def estimate_flops(self, spec: GenerationSpec, stats: RequestStats | None) -> float | None:
-        """FLOPs of the transformer work `stats` records (`dicache.sweep.flops`); None if the model has no
-        Krea-2 config or text encoder to count with."""
+        """FLOPs of the transformer work `stats` records (`dicache.sweep.flops`), of the whole model (all ranks
+        together when it is split over GPUs); None if the model has no Krea-2 config or text encoder to count with."""
         config = getattr(getattr(self.pipe, "transformer", None), "config", None)
         encoder = getattr(self.pipe, "text_encoder", None)
         if stats is None or config is None or encoder is None or not hasattr(encoder, "num_valid_tokens"):
