@@ -1,7 +1,13 @@
 """Fixtures shared by the test modules."""
 
-import pytest
-import torch
+import os
+
+# MKL's float results may depend on buffer alignment; under concurrent requests the allocator hands out other
+# addresses, so the bitwise-equality tests ask MKL for results independent of alignment (before torch loads MKL).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="module")
