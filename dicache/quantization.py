@@ -169,13 +169,3 @@ def quantize_transformer(model: nn.Module, spec: QuantizationSpec | str) -> list
     if device.type == "cuda":  # the bf16 weights just replaced stay reserved by the caching allocator otherwise
         torch.cuda.empty_cache()
     return sorted(names)
-
-
-def linear_weight_bytes(model: nn.Module) -> int:
-    """Bytes held by `model`'s parameters and buffers as stored (FP8 weights count one byte an element)."""
-    total = 0
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        inner = [getattr(tensor, name) for name in getattr(tensor, "__tensor_flatten__", lambda: ([], None))()[0]]
-        parts = inner or [tensor]
-        total += sum(p.numel() * p.element_size() for p in parts)
-    return total
