@@ -105,9 +105,10 @@ def test_slots_hold_the_largest_streamed_block_and_one_streamed_block_saves_noth
 
 def test_a_budget_nothing_fits_names_what_was_needed_and_what_was_available():
     with pytest.raises(MemoryBudgetError) as err:
-        plan_memory(needs(), LAYERWISE, 200, budget_source="--gpu-memory-budget 0")
+        plan_memory(needs(shape="64x64, 2 rows"), LAYERWISE, 200, budget_source="--gpu-memory-budget 0")
     text = str(err.value)
-    assert "GiB needed" in text and "GiB available (--gpu-memory-budget 0)" in text
+    assert "0.29 KiB needed" in text and "0.20 KiB available (--gpu-memory-budget 0)" in text
+    assert "denoise phase 50 B at 64x64, 2 rows" in text
     assert "every block streamed through 2 slot(s)" in text and "--text-encoder-cpu-offload" in text
 
 

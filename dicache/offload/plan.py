@@ -154,6 +154,14 @@ class OffloadSettings:
         )
 
 
+def format_bytes(count: int) -> str:
+    """`count` bytes in GiB, or MiB / KiB / B when small (messages about tiny models stay readable)."""
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size // 10:
+            return f"{count / size:.2f} {unit}"
+    return f"{count} B"
+
+
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"--{name.replace('_', '-')}={value!r} is invalid: must be true or false")
@@ -191,17 +199,17 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """One paragraph for logs: where the blocks are and the planned peak against the budget."""
-        budget = "unbounded" if self.budget_bytes is None else f"{self.budget_bytes / GiB:.2f} GiB"
+        budget = "unbounded" if self.budget_bytes is None else format_bytes(self.budget_bytes)
         source = f" ({self.budget_source})" if self.budget_source else ""
         lines = [
             f"memory plan: transformer {self.dit_mode}; {len(self.resident)} blocks resident, "
-            f"{len(self.streamed)} streamed through {self.num_slots} slot(s) of {self.slot_bytes / GiB:.3f} GiB; "
-            f"planned peak {self.peak_bytes / GiB:.2f} GiB of {budget}{source}"
+            f"{len(self.streamed)} streamed through {self.num_slots} slot(s) of {format_bytes(self.slot_bytes)}; "
+            f"planned peak {format_bytes(self.peak_bytes)} of {budget}{source}"
         ]
         if self.streamed:
             lines.append(f"  streamed blocks: {list(self.streamed)}")
-        detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in {**self.parts, **self.phases}.items() if v)
-        lines.append(f"  GiB: {detail}, reserve {self.reserve_bytes / GiB:.2f}")
+        detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in {**self.parts, **self.phases}.items() if v)
+        lines.append(f"  {detail}, reserve {format_bytes(self.reserve_bytes)}")
         return "\n".join(lines)
 
 
@@ -220,7 +228,7 @@ def plan_memory(
         plan = _evaluate(needs, settings, budget_bytes, budget_source, mode, tuple(range(num_blocks)), 0)
         if budget_bytes is not None and plan.peak_bytes > budget_bytes:
             hint = "" if mode == "cpu" else "; --dit-layerwise-offload streams the blocks that do not fit"
-            raise MemoryBudgetError(_too_small(plan, budget_bytes, budget_source, hint))
+            raise MemoryBudgetError(_too_small(plan, budget_bytes, budget_source, hint, needs.shape))
         return plan
     prefetch = prefetch_blocks(settings.dit_offload_prefetch_size, num_blocks)
     last = None
@@ -235,7 +243,7 @@ def plan_memory(
         f"{settings.dit_offload_prefetch_size:g}); lower the image size or batch, lower {PREFETCH_FLAG}, offload the "
         "text encoder / VAE (--text-encoder-cpu-offload, --vae-cpu-offload) or quantize the transformer"
     )
-    raise MemoryBudgetError(_too_small(last, budget_bytes, budget_source, hint))
+    raise MemoryBudgetError(_too_small(last, budget_bytes, budget_source, hint, needs.shape))
 
 
 def _evaluate(
@@ -280,12 +288,14 @@ def _evaluate(
     )
 
 
-def _too_small(plan: MemoryPlan, budget_bytes: int, source: str, hint: str) -> str:
+def _too_small(plan: MemoryPlan, budget_bytes: int, source: str, hint: str, shape: str) -> str:
     parts = {k: v for k, v in plan.parts.items() if v and k != "streamed_blocks"}
     phase, phase_bytes = max(plan.phases.items(), key=lambda kv: kv[1])
-    detail = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.2f}" for k, v in parts.items())
+    detail = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in parts.items())
+    at = f" at {shape}" if shape else ""
+    origin = f" ({source})" if source else ""
     return (
-        f"the GPU memory budget is too small: {plan.peak_bytes / GiB:.2f} GiB needed ({detail}, {phase} phase "
-        f"{phase_bytes / GiB:.2f}, reserve {plan.reserve_bytes / GiB:.2f}), {budget_bytes / GiB:.2f} GiB available"
-        f"{f' ({source})' if source else ''}{hint}"
+        f"the GPU memory budget is too small: {format_bytes(plan.peak_bytes)} needed ({detail}, {phase} phase "
+        f"{format_bytes(phase_bytes)}{at}, reserve {format_bytes(plan.reserve_bytes)}), "
+        f"{format_bytes(budget_bytes)} available{origin}{hint}"
     )
