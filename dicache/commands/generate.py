@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..parallel import add_parallel_arguments
 
     add_parallel_arguments(parser)
+    from ..offload.cli import add_offload_arguments
+
+    add_offload_arguments(parser)
 
 
 def output_paths(out: str, count: int) -> list[pathlib.Path]:
@@ -89,7 +92,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline) -> int:
-    pipe = Krea2Pipeline.from_pretrained(args.model, device=ctx.device)
+    from dicache.offload.cli import cfg_of, describe, offload_options
+
+    offload = offload_options(  # {} unless a memory option is given; the plan covers this command's request
+        args,
+        max_height=args.height,
+        max_width=args.width,
+        max_images=len(args.prompt) * args.num_images,
+        cfg=cfg_of(args.guidance, args.variant),
+        parallel=ctx.enabled,
+        cache_config=config,
+    )
+    pipe = Krea2Pipeline.from_pretrained(args.model, device=ctx.device, **offload)
+    if describe(pipe):
+        print(describe(pipe))
     parallelize_pipeline(pipe, ctx)
     if use_cache:
         dicache.enable(pipe, config)

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..parallel import add_parallel_arguments
 
     add_parallel_arguments(parser)
+    from ..offload.cli import add_offload_arguments
+
+    add_offload_arguments(parser)
     parser.add_argument(
         "--variant",
         choices=("turbo", "raw"),
@@ -132,6 +135,18 @@ def run(args: argparse.Namespace) -> int:
     from ..parallel import lockstep, parallelize_pipeline, setup_from_args
 
     ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
+    from ..offload.cli import describe, offload_options
+
+    offload = offload_options(  # the plan covers the largest request the server accepts
+        args,
+        max_height=args.max_side,
+        max_width=args.max_side,
+        max_images=args.max_n,
+        cfg=True,
+        size_source=" (--max-side, --max-n)",
+        parallel=ctx.enabled,
+        cache_config=cache_config,
+    )
     backend = load_backend(
         args.model,
         args.variant,
@@ -139,7 +154,10 @@ def run(args: argparse.Namespace) -> int:
         device=str(ctx.device),
         cache_config=cache_config,
         default_size=args.default_size,
+        offload=offload,
     )
+    if describe(backend.pipe):
+        print(describe(backend.pipe), flush=True)
     parallelize_pipeline(backend.pipe, ctx)
     backend = lockstep(backend, ctx)
     if backend is None:  # a follower rank: it replayed rank 0's requests until rank 0 closed

@@ -107,6 +107,7 @@ def enable_pipeline_offload(
     always_run: Sequence[int] | None = None,
     reserve_bytes: int | None = None,
     size_source: str = "",
+    cache_config: Any = None,
 ) -> PipelineOffload:
     """Plan and install offload on a native Krea-2 pipeline (see the module docstring).
 
@@ -115,6 +116,7 @@ def enable_pipeline_offload(
     plan must hold. always_run: blocks every call runs (default: the cache settings' Fn/Bn blocks, from the enabled
     cache or the environment). reserve_bytes: kept free for allocator slack and workspaces (default: on CUDA
     max(0.5 GiB, 2 % of the budget), else 0). size_source: where the size bounds came from, for messages.
+    cache_config: the cache settings requests will use (default: the enabled cache's, else the environment's).
     Raises `MemoryBudgetError` when nothing fits, `ConfigError` for bad values.
     """
     if getattr(pipe, "offload", None) is not None:
@@ -129,7 +131,7 @@ def enable_pipeline_offload(
     pipe.latent_grid(height, width)  # a clear error for sizes off the multiple
     cfg = (not pipe.is_distilled) if cfg is None else bool(cfg)
     cfg_batched = settings.dit_layerwise_offload
-    config = _cache_config(pipe)
+    config = cache_config if cache_config is not None else _cache_config(pipe)
     blocks = transformer.transformer_blocks
     if always_run is None:
         always_run = always_run_blocks(config.Fn_compute_blocks, config.Bn_compute_blocks, len(blocks))

@@ -130,7 +130,7 @@ class Krea2Pipeline:
 
         The offload options (SGLang's names, see `enable_offload`) load the weights into host memory first and then
         place them as the memory plan says; `offload_limits` passes `enable_offload`'s size bounds (max_height,
-        max_width, max_images, cfg, size_source).
+        max_width, max_images, cfg, size_source, cache_config).
         """
         if path_or_repo_id is None:
             path_or_repo_id = EMBEDDED_CHECKPOINT
@@ -199,6 +199,7 @@ class Krea2Pipeline:
         max_images: int = 1,
         cfg: bool | None = None,
         size_source: str = "",
+        cache_config: Any = None,
     ):
         """Fit the pipeline in a GPU memory budget, with SGLang's option names and meanings.
 
@@ -213,6 +214,8 @@ class Krea2Pipeline:
         device: where to compute (default CUDA if available). max_height, max_width, max_images (images per call),
             cfg: the largest request to plan for (defaults: the default size, 1 image, CFG unless distilled); larger
             requests are refused before they start.
+        cache_config: the cache settings requests will use (its Fn/Bn blocks are kept resident first; default: the
+            enabled cache's, else the environment's).
 
         Call it after any quantization. Returns the memory plan; raises `MemoryBudgetError` (naming what was
         needed and what was available) when nothing fits. Output images stay bitwise equal to the resident run
@@ -231,7 +234,15 @@ class Krea2Pipeline:
             gpu_memory_budget=gpu_memory_budget,
         )
         handle = enable_pipeline_offload(
-            self, settings, device, max_height, max_width, max_images, cfg, size_source=size_source
+            self,
+            settings,
+            device,
+            max_height,
+            max_width,
+            max_images,
+            cfg,
+            size_source=size_source,
+            cache_config=cache_config,
         )
         return handle.plan
 
