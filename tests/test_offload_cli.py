@@ -99,10 +99,12 @@ def test_generate_refuses_bad_memory_options_before_running(tiny_dir, tmp_path, 
     assert not (tmp_path / "x.png").exists()
 
 
-def test_offload_and_model_parallelism_are_refused_together():
+def test_offload_with_model_parallelism_or_concurrent_workers_is_refused():
     args = build_parser().parse_args(["generate", "x", "--dit-layerwise-offload"])
     with pytest.raises(ConfigError, match="cannot be combined with --tp-size / --ulysses-degree"):
         offload_options(args, parallel=True)
+    with pytest.raises(ConfigError, match="--workers 2 is invalid with the memory options"):
+        offload_options(args, workers=2)
     assert cfg_of(None, None) is None and cfg_of(1.0, "raw") is False and cfg_of(None, "raw") is True
 
 

@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         size_source=" (--max-side, --max-n)",
         parallel=ctx.enabled,
         cache_config=cache_config,
+        workers=args.workers,
     )
     backend = load_backend(
         args.model,

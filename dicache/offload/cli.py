@@ -118,12 +118,14 @@ def offload_options(
     size_source: str = "",
     parallel: bool = False,
     cache_config: Any = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Keyword arguments for `Krea2Pipeline.from_pretrained` from the options: {} when none asks for offload.
 
     max_height / max_width / max_images / cfg: the largest request to plan for (None: the pipeline's defaults);
     size_source: which options set them, for the out-of-memory message. parallel: the model is split over processes
-    (not supported together with offload). cache_config: the cache settings requests will use.
+    (not supported together with offload). cache_config: the cache settings requests will use. workers: requests
+    run at once (the plan holds one: more is an error).
     """
     settings = settings_from_args(args)
     if not settings.any:
@@ -132,6 +134,11 @@ def offload_options(
         raise ConfigError(
             "the memory options (--dit-layerwise-offload, --dit-cpu-offload, --text-encoder-cpu-offload, "
             "--vae-cpu-offload, --gpu-memory-budget) cannot be combined with --tp-size / --ulysses-degree > 1"
+        )
+    if workers > 1:
+        raise ConfigError(
+            f"--workers {workers} is invalid with the memory options: an offloaded pipeline's memory plan holds one "
+            "request at a time; use --workers 1"
         )
     limits = dict(
         max_height=max_height,
