@@ -335,8 +335,9 @@ class OffloadBench:
         return cap - self.args.context_gib, f"{cap:g} GiB card"
 
     def apply_cap(self, gib: float) -> dict:
-        """Cap the allocator at `gib` and check an allocation just over the cap fails."""
-        if not self.cuda:
+        """Cap the allocator at `gib` and check an allocation just over the cap fails (tiny: no cap, the budget alone
+        drives the plan)."""
+        if not self.cuda or self.args.tiny:
             return {}
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory

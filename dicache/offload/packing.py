@@ -156,7 +156,23 @@ def _register(buffer: torch.Tensor) -> bool:
         return False
     if code == 0:
         _REGISTERED.add(buffer.data_ptr())
+    else:
+        _clear_cuda_error()
     return code == 0
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a refused registration, so that the next kernel launch check does
+    not report it (best effort: the runtime library PyTorch already loaded)."""
+    import ctypes
+    import os
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 def _registered(buffer: torch.Tensor) -> bool:
