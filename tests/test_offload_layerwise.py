@@ -202,3 +202,35 @@ def test_a_budget_that_cannot_fit_fails_at_load_time_with_what_was_needed():
     with pytest.raises(MemoryBudgetError, match=r"needed \(transformer outside blocks .* available \(--gpu-memory"):
         pipe.enable_offload(dit_layerwise_offload=True, gpu_memory_budget=1e-6, device="cpu", max_height=SIZE)
     assert pipe.offload is None
+
+
+def test_fp8_weights_stream_as_their_inner_tensors_and_stay_bitwise_equal():
+    """Quantized weights (torchao tensor subclasses) are packed as their FP8 data and scales: fewer bytes per block,
+    and the streamed model computes exactly what the resident quantized model computes."""
+    pytest.importorskip("torchao")
+    from torch import nn
+    from torchao.quantization import Float8Tensor, PerRow
+
+    def quantized_pipe():
+        pipe = make_pipe()
+        full = {name: m for name, m in pipe.transformer.named_modules() if isinstance(m, nn.Linear)}
+        for name, linear in full.items():
+            if name.startswith("transformer_blocks.") and ".ff." in name:
+                weight = Float8Tensor.from_hp(linear.weight.detach(), granularity=PerRow())
+                linear.weight = nn.Parameter(weight, requires_grad=False)
+        return pipe
+
+    bf = make_pipe()
+    plain_bytes = memory_needs(bf, SIZE, SIZE, 1, True, True, CacheConfig.from_env({})).block_bytes[0]
+    ref = generate(quantized_pipe(), cfg_batched=True)
+    pipe = quantized_pipe()
+    needs = memory_needs(pipe, SIZE, SIZE, 1, True, True, CacheConfig.from_env({}))
+    assert needs.block_bytes[0] < plain_bytes  # the feed-forward weights take one byte an element, not four
+    budget = needs.other_dit_bytes + 3 * max(needs.block_bytes) + needs.dit_activation_bytes + needs.cache_bytes
+    plan = pipe.enable_offload(
+        dit_layerwise_offload=True, gpu_memory_budget=budget / GiB, device="cpu", max_height=SIZE, max_width=SIZE
+    )
+    assert len(plan.streamed) == 5
+    assert torch.equal(generate(pipe), ref)
+    assert isinstance(pipe.transformer.transformer_blocks[3].ff.up.weight, Float8Tensor)
+    check_calls(pipe)

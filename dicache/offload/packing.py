@@ -1,10 +1,11 @@
 """A module's weights packed into one flat byte buffer, and pointing the module at any copy of that buffer.
 
 `PackedWeights(module)` finds every plain tensor behind the module's parameters and buffers (tensor subclasses that
-wrap plain tensors, e.g. quantized weights, are unwrapped), lays them out at 512-byte aligned offsets with their own
-strides, and copies them once into a host buffer (page-locked when asked, without the power-of-two rounding of
-PyTorch's pinned allocator). `point_to(buffer)` makes the module's tensors views of `buffer`, the host one or a device
-copy of it; one `copy_` of the whole buffer then moves the module.
+wrap plain tensors, such as torchao's FP8 weights, are flattened into their inner tensors and rebuilt around the
+views), lays them out at 512-byte aligned offsets with their own strides, and copies them once into a host buffer
+(page-locked when asked, without the power-of-two rounding of PyTorch's pinned allocator). `point_to(buffer)` makes
+the module's tensors views of `buffer`, the host one or a device copy of it: one `copy_` of the whole buffer then
+moves the module.
 """
 
 from __future__ import annotations
@@ -19,15 +20,26 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 ALIGN = 512
 
+Rebuild = Callable[[list[torch.Tensor]], torch.Tensor]
+
 
 @dataclass(frozen=True)
-class _Leaf:
-    assign: Callable[[torch.Tensor], None]
+class _Place:
+    """Where one plain tensor sits in the packed buffer."""
+
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     nbytes: int
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One parameter or buffer: its plain tensors' places and how to put it back together from views of them."""
+
+    places: tuple[_Place, ...]
+    assign: Callable[[list[torch.Tensor]], None]
 
 
 def _span_bytes(t: torch.Tensor) -> int:
@@ -36,58 +48,70 @@ def _span_bytes(t: torch.Tensor) -> int:
     return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def _plain_tensors(tensor: torch.Tensor, assign: Callable[[torch.Tensor], None], out: list) -> None:
-    if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        for name in names:
+def _flatten(tensor: torch.Tensor) -> tuple[list[torch.Tensor], Rebuild]:
+    """The plain tensors behind `tensor` and the function that rebuilds an equal tensor from replacements of them."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor], lambda views: views[0]
+    names, context = tensor.__tensor_flatten__()
+    parts = [_flatten(getattr(tensor, name)) for name in names]
+    size, stride, cls = tensor.size(), tensor.stride(), type(tensor)
 
-            def set_inner(value: torch.Tensor, owner=tensor, name=name) -> None:
-                setattr(owner, name, value)
+    def rebuild(views: list[torch.Tensor]) -> torch.Tensor:
+        inner, start = {}, 0
+        for name, (plain, rebuild_inner) in zip(names, parts):
+            inner[name] = rebuild_inner(views[start : start + len(plain)])
+            start += len(plain)
+        return cls.__tensor_unflatten__(inner, context, size, stride)
 
-            _plain_tensors(getattr(tensor, name), set_inner, out)
-    else:
-        out.append((tensor, assign))
+    return [p for plain, _ in parts for p in plain], rebuild
 
 
-def module_tensors(module: nn.Module) -> list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]]:
-    """Every plain tensor of `module`'s parameters and buffers, with a function that replaces it in place."""
+def module_tensors(module: nn.Module) -> list[tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], None]]]:
+    """Each parameter and buffer of `module`: its plain tensors and a function that replaces it in the module by the
+    tensor rebuilt from replacements of them (a plain parameter keeps its identity: only its `.data` changes)."""
     found: list = []
     seen: set[int] = set()
     for sub in module.modules():
-        for param in sub._parameters.values():
+        for key, param in sub._parameters.items():
             if param is None or id(param) in seen:
                 continue
             seen.add(id(param))
+            plain, rebuild = _flatten(param)
             if is_traceable_wrapper_subclass(param):
-                _plain_tensors(param, None, found)
+
+                def assign(views, owner=sub, key=key, rebuild=rebuild, grad=param.requires_grad) -> None:
+                    owner._parameters[key] = nn.Parameter(rebuild(views), requires_grad=grad)
+
             else:
 
-                def set_param(value: torch.Tensor, p=param) -> None:
-                    p.data = value
+                def assign(views, p=param) -> None:
+                    p.data = views[0]
 
-                found.append((param, set_param))
-        for name, buffer in sub._buffers.items():
+            found.append((plain, assign))
+        for key, buffer in sub._buffers.items():
             if buffer is None or id(buffer) in seen:
                 continue
             seen.add(id(buffer))
+            plain, rebuild = _flatten(buffer)
 
-            def set_buffer(value: torch.Tensor, owner=sub, key=name) -> None:
-                owner._buffers[key] = value
+            def assign_buffer(views, owner=sub, key=key, rebuild=rebuild) -> None:
+                owner._buffers[key] = rebuild(views)
 
-            _plain_tensors(buffer, set_buffer, found)
+            found.append((plain, assign_buffer))
     return found
 
 
 def module_bytes(module: nn.Module) -> int:
     """Bytes of the plain tensors behind `module`'s parameters and buffers (as stored, after any quantization)."""
-    return sum(_span_bytes(t) for t, _ in module_tensors(module))
+    return sum(_span_bytes(t) for plain, _ in module_tensors(module) for t in plain)
 
 
 def packed_bytes(module: nn.Module) -> int:
-    """Size of `module`'s packed buffer (each tensor at a 512-byte aligned offset)."""
+    """Size of `module`'s packed buffer (each plain tensor at a 512-byte aligned offset)."""
     total = 0
-    for tensor, _ in module_tensors(module):
-        total = -(-total // ALIGN) * ALIGN + _span_bytes(tensor)
+    for plain, _ in module_tensors(module):
+        for tensor in plain:
+            total = -(-total // ALIGN) * ALIGN + _span_bytes(tensor)
     return total
 
 
@@ -100,20 +124,21 @@ class PackedWeights:
     """
 
     def __init__(self, module: nn.Module, pin: bool = False) -> None:
-        leaves, offset, sources = [], 0, []
-        for tensor, assign in module_tensors(module):
-            if assign is None:  # a parameter that is itself a wrapper subclass: its inner tensors carry the setters
-                continue
-            offset = -(-offset // ALIGN) * ALIGN
-            nbytes = _span_bytes(tensor)
-            leaves.append(_Leaf(assign, offset, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), nbytes))
-            sources.append(tensor)
-            offset += nbytes
-        self.leaves: list[_Leaf] = leaves
+        entries, sources, offset = [], [], 0
+        for plain, assign in module_tensors(module):
+            places = []
+            for tensor in plain:
+                offset = -(-offset // ALIGN) * ALIGN
+                nbytes = _span_bytes(tensor)
+                places.append(_Place(offset, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), nbytes))
+                sources.append(tensor)
+                offset += nbytes
+            entries.append(_Entry(tuple(places), assign))
+        self.entries: list[_Entry] = entries
         self.nbytes = offset
         self.host = torch.empty(offset, dtype=torch.uint8)
-        for leaf, tensor in zip(leaves, sources):
-            self.view(self.host, leaf).copy_(tensor)
+        for place, tensor in zip((p for e in entries for p in e.places), sources):
+            self.view(self.host, place).copy_(tensor)
         self.pinned = False
         if pin and torch.cuda.is_available() and offset:
             self.pinned = _register(self.host)
@@ -123,16 +148,16 @@ class PackedWeights:
         self.point_to(self.host)
 
     @staticmethod
-    def view(buffer: torch.Tensor, leaf: _Leaf) -> torch.Tensor:
-        region = buffer[leaf.offset : leaf.offset + leaf.nbytes]
-        if not leaf.shape:
-            return region.view(leaf.dtype).view(())
-        return region.view(leaf.dtype).as_strided(leaf.shape, leaf.stride)
+    def view(buffer: torch.Tensor, place: _Place) -> torch.Tensor:
+        region = buffer[place.offset : place.offset + place.nbytes]
+        if not place.shape:
+            return region.view(place.dtype).view(())
+        return region.view(place.dtype).as_strided(place.shape, place.stride)
 
     def point_to(self, buffer: torch.Tensor) -> None:
         """Make the module's tensors views of `buffer` (`uint8`, at least `nbytes` long, any device)."""
-        for leaf in self.leaves:
-            leaf.assign(self.view(buffer, leaf))
+        for entry in self.entries:
+            entry.assign([self.view(buffer, place) for place in entry.places])
 
     def release(self) -> None:
         """Unpin the host buffer (the module keeps pointing at it, now pageable)."""
