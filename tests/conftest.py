@@ -11,3 +11,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA device: skipped elsewhere (run them on the GPU machine: `pytest -m gpu`)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

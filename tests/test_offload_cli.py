@@ -151,3 +151,8 @@ def test_embedded_checkpoint_with_every_offload_is_bitwise_equal_to_resident():
     assert np.array_equal(whole("a red apple", cfg_batched=True, **kw).images, expected)
     assert not whole.offload.components.on_device("transformer")  # back on the host after denoising
     assert whole.transformer.img_in.weight.device == torch.device("cpu")
+
+
+def test_fp8_with_offload_quantizes_before_planning_and_names_what_is_missing_here(tiny_dir, tmp_path, capsys):
+    code = main(generate_args(tiny_dir, tmp_path / "q.png", "--dit-layerwise-offload", "--quantization", "fp8"))
+    assert code == 2 and "quantization='fp8' needs an NVIDIA GPU" in capsys.readouterr().err

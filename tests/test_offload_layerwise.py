@@ -234,3 +234,24 @@ def test_fp8_weights_stream_as_their_inner_tensors_and_stay_bitwise_equal():
     assert torch.equal(generate(pipe), ref)
     assert isinstance(pipe.transformer.transformer_blocks[3].ff.up.weight, Float8Tensor)
     check_calls(pipe)
+
+
+def test_quantization_with_offload_goes_block_by_block_through_the_device(monkeypatch):
+    """FP8 is made on the GPU, where the bf16 transformer need not fit: each block is quantized there on its own."""
+    from dicache import quantization
+    from dicache.offload.pipeline import quantize_through_device
+
+    pipe = make_pipe()
+    expected = quantization.selected_linears(pipe.transformer, quantization.QuantizationSpec())
+    calls = []
+
+    def fake_quantize(model, spec):  # records what each call would quantize, and where the model is
+        names = quantization.selected_linears(model, spec)
+        calls.append(names)
+        return names
+
+    monkeypatch.setattr(quantization, "quantize_transformer", fake_quantize)
+    assert quantize_through_device(pipe, "fp8", "cpu") == sorted(expected)
+    assert len(calls) == NUM_BLOCKS and [n for names in calls for n in names] == expected
+    assert all({name.split(".")[1] for name in names} == {str(i)} for i, names in enumerate(calls))
+    assert pipe.transformer.quantization == quantization.QuantizationSpec()

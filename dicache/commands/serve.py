@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..parallel import add_parallel_arguments
 
     add_parallel_arguments(parser)
+    from .speed import add_speed_arguments
+
+    add_speed_arguments(parser)
     from ..offload.cli import add_offload_arguments
 
     add_offload_arguments(parser)
@@ -126,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     # defaults < profile (--profile wins over SGLANG_CACHE_DIT_PROFILE) < SGLANG_CACHE_DIT_*; a bad value or a
     # missing profile stops here, naming the variable or the option and path
     cache_config = read_cache_config(args.profile)
+    from .speed import apply_speed_options, speed_spec
+
+    speed_spec(args)  # a bad --quantization-exclude stops here, before loading
     print(cache_config.describe(), flush=True)
     from ..profiles import describe_profile
 
@@ -148,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
         cache_config=cache_config,
         workers=args.workers,
     )
+    # with offload, loading quantizes, plans and places, then compiles, in that order
+    speed = dict(quantization=speed_spec(args), compile=args.compile) if offload else {}
     backend = load_backend(
         args.model,
         args.variant,
@@ -155,11 +163,16 @@ def run(args: argparse.Namespace) -> int:
         device=str(ctx.device),
         cache_config=cache_config,
         default_size=args.default_size,
-        offload=offload,
+        load_format=args.load_format,
+        offload={**offload, **speed},
     )
     if describe(backend.pipe):
         print(describe(backend.pipe), flush=True)
     parallelize_pipeline(backend.pipe, ctx)
+    if not offload:
+        apply_speed_options(backend.pipe, args)
+    if args.compile:  # every rank warms up the same way, before serving, so the first request is not the slow one
+        print(f"warm-up (compile): {backend.warm_up()}", flush=True)
     backend = lockstep(backend, ctx)
     if backend is None:  # a follower rank: it replayed rank 0's requests until rank 0 closed
         ctx.shutdown()

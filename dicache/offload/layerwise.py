@@ -83,7 +83,7 @@ class LayerwiseOffloader:
         self.resident = frozenset(int(i) for i in resident)
         self.streamed = tuple(i for i in range(len(blocks)) if i not in self.resident)
         self.cuda = self.device.type == "cuda"
-        _move_all_but(model, blocks, set(self.streamed), self.device)
+        move_all_but(model, blocks, set(self.streamed), self.device)
         self.packed = {i: PackedWeights(blocks[i], pin=pin_memory and self.cuda) for i in self.streamed}
         slot_bytes = max((p.nbytes for p in self.packed.values()), default=0)
         count = num_slots if self.streamed else 0
@@ -207,8 +207,8 @@ class LayerwiseOffloader:
         self.slots = []
 
 
-def _move_all_but(model: nn.Module, blocks: nn.ModuleList, streamed: set[int], device: torch.device) -> None:
-    """Move `model`'s parameters and buffers to `device`, except the streamed blocks' (packed on the host next)."""
+def move_all_but(model: nn.Module, blocks: nn.ModuleList, streamed: set[int], device: torch.device) -> None:
+    """Move `model`'s parameters and buffers to `device`, except those of the blocks listed in `streamed`."""
     skip = {id(blocks[i]) for i in streamed}
 
     def move(module: nn.Module) -> None:

@@ -29,7 +29,7 @@ from .estimate import (
     text_encoder_activation_bytes,
     vae_decode_bytes,
 )
-from .layerwise import LayerwiseOffloader
+from .layerwise import LayerwiseOffloader, move_all_but
 from .packing import module_bytes, packed_bytes
 from .plan import BUDGET_FLAG, GiB, MemoryNeeds, MemoryPlan, OffloadSettings, plan_memory
 
@@ -188,6 +188,34 @@ def enable_pipeline_offload(
 
     handle._undo.insert(0, take_off)
     return handle
+
+
+def quantize_through_device(pipe: Any, quantization: Any, device: torch.device | str | None = None) -> list[str]:
+    """Quantize a transformer held in host memory one block at a time on `device` (FP8 is made on the GPU, and the
+    bf16 transformer need not fit there whole): the parts outside the blocks go to `device`, then each block goes
+    there, is quantized, and returns to the host. Returns the quantized linears (as `Krea2Pipeline.quantize`)."""
+    from ..quantization import QuantizationSpec, parse_quantization, quantize_transformer, selected_linears
+
+    spec = parse_quantization(quantization) if isinstance(quantization, str) else quantization
+    if spec is None:
+        return []
+    device = torch.device(device) if device is not None else _default_device()
+    transformer = pipe.transformer
+    blocks = transformer.transformer_blocks
+    names = selected_linears(transformer, spec)
+    move_all_but(transformer, blocks, set(range(len(blocks))), device)
+    done: list[str] = []
+    groups = [[n for n in names if n.startswith(f"transformer_blocks.{i}.")] for i in range(len(blocks))]
+    for block, group in zip(blocks, groups):
+        if group:
+            block.to(device)
+            done += quantize_transformer(transformer, QuantizationSpec(spec.method, include=tuple(group), exclude=()))
+            block.to("cpu")
+    outside = [n for n in names if not n.startswith("transformer_blocks.")]
+    if outside:
+        done += quantize_transformer(transformer, QuantizationSpec(spec.method, include=tuple(outside), exclude=()))
+    transformer.quantization = spec
+    return sorted(done)
 
 
 def _default_device() -> torch.device:

@@ -117,8 +117,49 @@ class PipelineBackend:
             b64.append(base64.b64encode(encode_png(image)).decode("ascii"))
         return GenerationResult(b64, digests, stats, time.perf_counter() - start)
 
+    def warm_up(self, steps: int = 6) -> dict[str, Any]:
+        """Compile-time warm-up before serving: at the default size, one uncached and one cached generation of
+        each variant, with prompts of two lengths, so that every graph a request can need (computed and cached
+        steps, cond and uncond, a symbolic text length) is built before the first request. Returns what ran:
+        generations, seconds and graphs compiled."""
+        from ..models.krea2.pipeline import PRESETS
+
+        start = time.perf_counter()
+        graphs = _compiled_graphs()
+        runs = 0
+        prompts = ("warm-up", "a longer warm-up prompt, so that the text length differs from the first one")
+        for variant, preset in PRESETS.items():
+            for prompt, enable_cache in zip(prompts, (False, True)):
+                spec = GenerationSpec(
+                    prompt=prompt,
+                    negative_prompt=None,
+                    n=1,
+                    width=self.defaults.width,
+                    height=self.defaults.height,
+                    num_inference_steps=steps,
+                    guidance_scale=float(preset.guidance_scale),
+                    seed=0,
+                    enable_cache=enable_cache,
+                    cache_overrides={"max_warmup_steps": 1} if enable_cache else {},
+                    variant=variant,
+                )
+                self.generate(spec)
+                runs += 1
+        return {
+            "generations": runs,
+            "seconds": round(time.perf_counter() - start, 2),
+            "graphs_compiled": _compiled_graphs() - graphs,
+        }
+
     def close(self) -> None:
         dicache_api.disable(self.pipe)
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (dynamo's counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def variant_defaults(pipe: Any, variant: str | None = None, default_size: tuple[int, int] | None = None) -> Defaults:
@@ -151,6 +192,7 @@ def load_backend(
     cache_config: CacheConfig | None = None,
     default_size: tuple[int, int] | None = None,
     profile: str | None = None,
+    load_format: str = "auto",
     offload: dict | None = None,
 ) -> PipelineBackend:
     """Load the native Krea-2 pipeline (`model` None: the embedded checkpoint; device None: cuda if available) and
@@ -173,5 +215,5 @@ def load_backend(
         cache_config = read_cache_config(profile)
     config = cache_config
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    pipe = Krea2Pipeline.from_pretrained(model, dtype=dtype, device=device, **(offload or {}))
+    pipe = Krea2Pipeline.from_pretrained(model, dtype=dtype, device=device, load_format=load_format, **(offload or {}))
     return PipelineBackend(pipe, config, variant_defaults(pipe, variant, default_size))

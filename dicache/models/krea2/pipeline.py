@@ -32,7 +32,14 @@ from dicache.models.krea2.scheduler import TURBO_MU, FlowMatchEulerScheduler
 from dicache.models.krea2.text import Krea2TextEncoder
 from dicache.models.krea2.transformer import Krea2Transformer, TextConditioning
 from dicache.models.krea2.vae import QwenImageVAEDecoder
-from dicache.models.loading import CheckpointError, default_dtype, read_json, resolve_component_dir
+from dicache.models.loading import (
+    CheckpointError,
+    check_load_format,
+    default_dtype,
+    read_json,
+    resolve_component_dir,
+)
+from dicache.quantization import QuantizationSpec, parse_quantization, quantize_transformer
 
 EMBEDDED_CHECKPOINT = pathlib.Path(__file__).resolve().parents[2] / "assets" / "krea2-tiny"
 """The small trained Krea-2-architecture checkpoint shipped with dicache (the default model)."""
@@ -112,6 +119,9 @@ class Krea2Pipeline:
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         *,
+        quantization: str | QuantizationSpec | None = None,
+        compile: bool = False,
+        load_format: str = "auto",
         dit_layerwise_offload: bool = False,
         dit_offload_prefetch_size: float = 0.0,
         dit_cpu_offload: bool = False,
@@ -127,6 +137,9 @@ class Krea2Pipeline:
         Reads `model_index.json` (is_distilled, patch_size, text-encoder taps) and each component's folder; an
         optional `dicache.json` beside it gives the default image size and sample prompts. dtype: bf16 on CUDA,
         fp32 on CPU by default. Components missing from the folder (no text encoder, no VAE) are left out.
+        `load_format="dummy"` draws random weights from the component configs (no weight files read; for speed
+        and memory measurements). `quantization="fp8"` and `compile=True` apply `quantize` and `compile` after
+        loading (for a model split over GPUs, call them yourself after `dicache.parallel.parallelize_pipeline`).
 
         The offload options (SGLang's names, see `enable_offload`) load the weights into host memory first and then
         place them as the memory plan says; `offload_limits` passes `enable_offload`'s size bounds (max_height,
@@ -152,18 +165,21 @@ class Krea2Pipeline:
         target, device = device, (torch.device("cpu") if offload.any else device)  # offload: load on the host
         root = resolve_component_dir(path_or_repo_id, None, **hub_kwargs)
         index = read_json(root, "model_index.json")
+        check_load_format(load_format)
         transformer = Krea2Transformer.from_pretrained(
-            path_or_repo_id, subfolder="transformer", dtype=dtype, device=device, **hub_kwargs
+            path_or_repo_id, subfolder="transformer", dtype=dtype, device=device, load_format=load_format, **hub_kwargs
         )
         scheduler = FlowMatchEulerScheduler.from_pretrained(path_or_repo_id, subfolder="scheduler", **hub_kwargs)
         vae = None
         if _component_listed(index, "vae"):
             vae = QwenImageVAEDecoder.from_pretrained(
-                path_or_repo_id, subfolder="vae", dtype=dtype, device=device, **hub_kwargs
+                path_or_repo_id, subfolder="vae", dtype=dtype, device=device, load_format=load_format, **hub_kwargs
             )
         text_encoder = None
         if _component_listed(index, "text_encoder") and _component_listed(index, "tokenizer"):
-            text_encoder = Krea2TextEncoder.from_pretrained(path_or_repo_id, dtype=dtype, device=device, **hub_kwargs)
+            text_encoder = Krea2TextEncoder.from_pretrained(
+                path_or_repo_id, dtype=dtype, device=device, load_format=load_format, **hub_kwargs
+            )
         extras = _read_optional_json(root / "dicache.json")
         size = extras.get("default_size", [1024, 1024])
         pipe = cls(
@@ -177,10 +193,35 @@ class Krea2Pipeline:
             sample_prompts=extras.get("sample_prompts"),
         )
         pipe.source = str(path_or_repo_id)
-        # Quantization (if any) must come before this: the memory plan reads the weights' actual bytes.
+        # order: quantize (the memory plan reads the weights' actual bytes), plan and place, compile
         if offload.any:
+            if quantization is not None:
+                from dicache.offload.pipeline import quantize_through_device
+
+                quantize_through_device(pipe, quantization, target)
             pipe.enable_offload(**offload.__dict__, device=target, **(offload_limits or {}))
+        elif quantization is not None:
+            pipe.quantize(quantization)
+        if compile:
+            pipe.compile()
         return pipe
+
+    # ------------------------------------------------------------------ speed
+    def quantize(self, quantization: str | QuantizationSpec) -> list[str]:
+        """Quantise the transformer in place (`"fp8"` or a `QuantizationSpec`); returns the quantised linears.
+
+        Raises `QuantizationError` where FP8 cannot run (CPU, GPU below compute capability 8.9, no torchao).
+        """
+        spec = parse_quantization(quantization) if isinstance(quantization, str) else quantization
+        if spec is None:
+            return []
+        return quantize_transformer(self.transformer, spec)
+
+    def compile(self, *, dynamic: bool | None = None, backend: str = "inductor") -> Krea2Pipeline:
+        """`torch.compile` the transformer blocks (see `Krea2Transformer.compile_blocks`); the first call at a new
+        shape compiles (tens of seconds at full size), later calls reuse the graphs. Returns self."""
+        self.transformer.compile_blocks(dynamic=dynamic, backend=backend)
+        return self
 
     # ------------------------------------------------------------------ memory
     def enable_offload(
