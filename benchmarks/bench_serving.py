@@ -281,6 +281,7 @@ def run(args) -> dict:
                     "peak_GB_after_warmup": memory.peak_gb,
                 }
                 print(f"server {quantization}: ready in {ready_s:.1f} s: {command}", flush=True)
+                memory.reset()  # from here on: the serving-time peak (loading and warm-up reported above)
                 warmed = set()
                 for variant, cache, concurrency, requests in plan(args):
                     if variant not in warmed:  # one untimed request of each variant

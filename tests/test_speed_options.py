@@ -27,13 +27,16 @@ def block_linears(model):
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("transformer_")]
 
 
-def test_default_fp8_selection_is_every_block_linear_and_nothing_else():
+def test_default_fp8_selection_is_the_block_linears_but_the_attention_projections():
     from tiny_krea2 import random_native_model
 
     model = random_native_model()
+    assert selected_linears(model, QuantizationSpec(exclude=())) == block_linears(model)
+    assert len(block_linears(model)) == 4 * 8  # 4 blocks x (q, k, v, gate, out, ff gate, ff up, ff down)
     chosen = selected_linears(model, QuantizationSpec())
-    assert chosen == block_linears(model)
-    assert len(chosen) == 4 * 8  # 4 blocks x (q, k, v, gate, out, ff gate, ff up, ff down)
+    kept = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"}
+    assert chosen == [n for n in block_linears(model) if n.split(".", 2)[2] not in kept]
+    assert len(chosen) == 4 * 4
 
 
 def test_exclusions_by_group_and_glob():
