@@ -24,9 +24,10 @@ ratio to the resident time of the same workload and cache, whether the final lat
 resident run's, and the time modelled at 25 GB/s (PCIe 4): ours replays its recorded copy/compute trace with copies at
 that rate and each block taking its resident time; diffusers' rows take max(measured time, bytes / 25 GB/s).
 
-    python benchmarks/bench_offload.py --results benchmarks/RESULTS.md             # H200, ≈ 5-6 minutes
-    python benchmarks/bench_offload.py --runs resident,ours --caps 24              # a subset
-    python benchmarks/bench_offload.py --tiny --device cpu                         # logic check, seconds
+    python benchmarks/bench_offload.py --tiny --device cuda                        # CUDA preflight, seconds
+    python benchmarks/bench_offload.py --results benchmarks/RESULTS.md             # H200, ≈ 5-6 minutes, eager
+    python benchmarks/bench_offload.py --runs resident,ours --caps 24 --compile    # a subset, blocks compiled
+    python benchmarks/bench_offload.py --tiny --device cpu                         # logic check
 
 Writes $OUT/bench_offload.json (or --out).
 """
