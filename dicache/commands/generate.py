@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .speed import add_speed_arguments
 
     add_speed_arguments(parser)
+    from ..offload.cli import add_offload_arguments
+
+    add_offload_arguments(parser)
 
 
 def output_paths(out: str, count: int) -> list[pathlib.Path]:
@@ -95,11 +98,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline) -> int:
-    from .speed import apply_speed_options
+    from dicache.offload.cli import cfg_of, describe, offload_options
 
-    pipe = Krea2Pipeline.from_pretrained(args.model, device=ctx.device, load_format=args.load_format)
+    from .speed import apply_speed_options, speed_spec
+
+    offload = offload_options(  # {} unless a memory option is given; the plan covers this command's request
+        args,
+        max_height=args.height,
+        max_width=args.width,
+        max_images=len(args.prompt) * args.num_images,
+        cfg=cfg_of(args.guidance, args.variant),
+        parallel=ctx.enabled,
+        cache_config=config,
+    )
+    # with offload, loading quantizes, plans and places, then compiles, in that order
+    speed = dict(quantization=speed_spec(args), compile=args.compile) if offload else {}
+    pipe = Krea2Pipeline.from_pretrained(
+        args.model, device=ctx.device, load_format=args.load_format, **offload, **speed
+    )
+    if describe(pipe):
+        print(describe(pipe))
     parallelize_pipeline(pipe, ctx)
-    apply_speed_options(pipe, args)
+    if not offload:
+        apply_speed_options(pipe, args)
     if use_cache:
         dicache.enable(pipe, config)
     start = time.perf_counter()

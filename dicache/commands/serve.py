@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .speed import add_speed_arguments
 
     add_speed_arguments(parser)
+    from ..offload.cli import add_offload_arguments
+
+    add_offload_arguments(parser)
     parser.add_argument(
         "--variant",
         choices=("turbo", "raw"),
@@ -234,6 +237,21 @@ def run(args: argparse.Namespace) -> int:
     from ..parallel import lockstep, parallelize_pipeline, setup_from_args
 
     ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
+    from ..offload.cli import describe, offload_options
+
+    offload = offload_options(  # the plan covers the largest request the server accepts
+        args,
+        max_height=args.max_side,
+        max_width=args.max_side,
+        max_images=args.max_n,
+        cfg=True,
+        size_source=" (--max-side, --max-n)",
+        parallel=ctx.enabled,
+        cache_config=cache_config,
+        workers=args.workers,
+    )
+    # with offload, loading quantizes, plans and places, then compiles, in that order
+    speed = dict(quantization=speed_spec(args), compile=args.compile) if offload else {}
     backend = load_backend(
         args.model,
         args.variant,
@@ -242,9 +260,13 @@ def run(args: argparse.Namespace) -> int:
         cache_config=cache_config,
         default_size=args.default_size,
         load_format=args.load_format,
+        offload={**offload, **speed},
     )
+    if describe(backend.pipe):
+        print(describe(backend.pipe), flush=True)
     parallelize_pipeline(backend.pipe, ctx)
-    apply_speed_options(backend.pipe, args)
+    if not offload:
+        apply_speed_options(backend.pipe, args)
     if args.compile:  # every rank warms up the same way, before serving, so the first request is not the slow one
         print(f"warm-up (compile): {backend.warm_up()}", flush=True)
     backend = lockstep(backend, ctx)
