@@ -1,14 +1,17 @@
-"""`dicache serve --ray` for real: a local Ray cluster (2 CPUs, loopback), 2 CPU replicas of the embedded checkpoint.
+"""`dicache serve --ray` for real: the command started as a user would, on a local Ray cluster (loopback), with 2
+CPU replicas of the embedded checkpoint.
 
 - a request gives the same image bytes (and cache statistics) through Ray Serve as through a live single-process
-  server of the same pipeline and settings;
+  server of the same pipeline and settings; bad requests get the same 400s;
 - under a concurrent load both replicas serve, and one scrape of `/metrics` counts each replica's generations;
 - a replica killed mid-load: its in-flight requests get a clear OpenAI-shaped 503 (code `replica_unavailable`,
   Retry-After), the other replica's succeed, Serve starts a replacement that then serves, and every request ends
   within its client timeout;
 - a replica holding its model over 2 processes (Ulysses 2, gloo, a placement group of 2 CPU bundles) gives the
-  single-process bytes and cache decisions too.
+  single-process bytes and cache decisions too;
+- SIGTERM stops the command with exit status 0.
 
+The test process joins the command's cluster as a second Ray driver to kill a replica and deploy the split one.
 Skipped when Ray is not installed (`pip install 'dicache[ray]'`; the test extra installs it).
 """
 
@@ -17,7 +20,11 @@ from __future__ import annotations
 import collections
 import os
 import pathlib
+import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,13 +33,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import pipeline_source, wait_until
 
+# Ray reads its authentication mode once, when imported; a driver joining a cluster by address must say "token"
+# itself (the command's local cluster turns token authentication on, Ray's default, and writes ~/.ray/auth_token).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
+from dicache.commands.serve import settings_from_args  # noqa: E402
+from dicache.commands.serve_ray import parse_serve_argv  # noqa: E402
 from dicache.config import CacheConfig  # noqa: E402
-from dicache.server import ServerSettings, create_app, load_backend  # noqa: E402
+from dicache.server import create_app, load_backend  # noqa: E402
 from dicache.server.background import BackgroundServer  # noqa: E402
-from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH  # noqa: E402
 from dicache.server.ray_serve import (  # noqa: E402
     APP_NAME,
     DEPLOYMENT_NAME,
@@ -46,11 +57,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(420), pytest.mark.usefixtures
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GENERATIONS = "/v1/images/generations"
-CACHE = CacheConfig.from_env(
-    {"SGLANG_CACHE_DIT_ENABLED": "true", "SGLANG_CACHE_DIT_WARMUP": "2", "SGLANG_CACHE_DIT_RDT": "0.5"}
-)
-SETTINGS = ServerSettings(max_side=64, max_n=2, max_steps=40, max_queue=8, request_timeout_s=120)
+CACHE_ENV = {"SGLANG_CACHE_DIT_ENABLED": "true", "SGLANG_CACHE_DIT_WARMUP": "2", "SGLANG_CACHE_DIT_RDT": "0.5"}
+CACHE = CacheConfig.from_env(CACHE_ENV)
+SETTINGS_FLAGS = ["--max-side", "64", "--max-n", "2", "--max-steps", "40", "--max-queue", "8", "--timeout", "120"]
+SETTINGS = settings_from_args(parse_serve_argv(SETTINGS_FLAGS))  # what the command's replicas serve with
 CLIENT_TIMEOUT = 120.0
+START_TIMEOUT = 300.0
 BODIES = {
     "turbo": dict(prompt="a red fox", size="64x64", num_inference_steps=6, guidance_scale=1.0, seed=1),
     "cfg_overrides": dict(
@@ -72,36 +84,71 @@ def model_source(tmp_path_factory):
     return pipeline_source(tmp_path_factory.mktemp("krea2"))
 
 
+class Command:
+    """`dicache serve --ray ...` running in a subprocess, its output in a file."""
+
+    def __init__(self, args: list[str], log: pathlib.Path, env: dict[str, str]) -> None:
+        self.log = log
+        with open(log, "wb") as out:
+            cmd = [sys.executable, "-m", "dicache.cli", "serve", "--ray", *args]
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = re.search(pattern, self.output())
+            if found:
+                return found
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {pattern!r} from dicache serve --ray; output:\n{self.output()[-4000:]}")
+            time.sleep(0.25)
+
+    def stop(self, timeout: float = 90.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+            raise
+
+
 @pytest.fixture(scope="module")
-def cluster():
-    """A local 2-CPU Ray cluster with Serve's proxy on a loopback port (our proxy middleware installed)."""
+def command(model_source, tmp_path_factory):
+    """`dicache serve --ray --replicas 2` on CPU (1 CPU and 1 torch thread per replica); this process joins its Ray
+    cluster as a driver."""
+    port = _free_port()
     env = {
-        CALLBACK_ENV: CALLBACK_PATH,
+        **{k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_CACHE_DIT_", "RAY_ADDRESS"))},
+        **CACHE_ENV,
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_memory_monitor_refresh_ms": "0",  # never let Ray's OOM killer pick a replica on a small CI box
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "RAY_AUTH_MODE": "token",  # Ray's default for a local cluster, said explicitly: this process joins with it
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),  # this checkout
     }
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in env.items():
-            mp.setenv(name, value)  # Ray's processes inherit them: the replicas import this checkout
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    port = _free_port()
+    args = ["--replicas", "2", "--device", "cpu", "--torch-threads", "1", "--port", str(port), *SETTINGS_FLAGS]
+    if model_source is not None:
+        args += ["--model", model_source]
+    cmd = Command(args, tmp_path_factory.mktemp("ray") / "serve.log", env)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": CLIENT_TIMEOUT})
-        yield f"http://127.0.0.1:{port}"
+        address = cmd.wait_for(r"Ray cluster at (\S+)", START_TIMEOUT).group(1)
+        cmd.wait_for(r"dicache on Ray Serve: 2 replica\(s\) at ", START_TIMEOUT)
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+        cmd.url = f"http://127.0.0.1:{port}"
+        yield cmd
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
+        cmd.stop()
 
 
 @pytest.fixture(scope="module")
-def ray_url(cluster, model_source):
-    """Two CPU replicas (1 CPU each) of the same app as the single-process server."""
-    spec = ReplicaSpec(
-        settings=SETTINGS, model=model_source, device="cpu", cache_config=CACHE, torch_threads=1, metrics_period_s=0.5
-    )
-    serve.run(build_application(spec, RayServeOptions(replicas=2)), name=APP_NAME, route_prefix="/")
-    return cluster
+def ray_url(command):
+    return command.url
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +264,7 @@ def test_a_replica_killed_mid_load_fails_only_its_requests_and_comes_back(ray_ur
 
 
 # ---------------------------------------------------------------------------------------------- model groups
-def test_ulysses_group_replica_gives_the_single_process_bytes(cluster, ray_url, single_url, model_source):
+def test_ulysses_group_replica_gives_the_single_process_bytes(ray_url, single_url, model_source):
     """Last: it replaces the 2-replica app (the cluster has 2 CPUs) with one replica split over 2 processes."""
     serve.delete(APP_NAME)
     spec = ReplicaSpec(
@@ -226,7 +273,7 @@ def test_ulysses_group_replica_gives_the_single_process_bytes(cluster, ray_url, 
     serve.run(build_application(spec, RayServeOptions(replicas=1)), name="dicache-sp", route_prefix="/")
     try:
         for case in ("turbo", "cfg_overrides"):
-            ours, theirs = _post(cluster, BODIES[case]), _post(single_url, BODIES[case])
+            ours, theirs = _post(ray_url, BODIES[case]), _post(single_url, BODIES[case])
             assert ours.status_code == theirs.status_code == 200, ours.text[:300]
             assert [d["b64_json"] for d in ours.json()["data"]] == [d["b64_json"] for d in theirs.json()["data"]]
             for branch, stats in theirs.json()["cache_stats"]["branches"].items():  # same cache decisions; the
@@ -237,3 +284,11 @@ def test_ulysses_group_replica_gives_the_single_process_bytes(cluster, ray_url, 
                 )
     finally:
         serve.delete("dicache-sp")
+
+
+def test_sigterm_stops_the_command_with_status_0(command):
+    ray.shutdown()  # this process leaves the cluster first: the command owns it
+    assert command.stop() == 0, command.output()[-4000:]
+    assert "stopping: every replica finishes its requests first" in command.output()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(command.url + "/health", timeout=5)

@@ -139,9 +139,10 @@ def run_ray(args: argparse.Namespace) -> int:
         os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address is None:
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        context = ray.init(include_dashboard=False, logging_level=logging.WARNING)
     else:
-        ray.init(address=address, logging_level=logging.WARNING)
+        context = ray.init(address=address, logging_level=logging.WARNING)
+    print(f"Ray cluster at {context.address_info.get('gcs_address') or address}", flush=True)
     try:
         options = serve_options_from_args(args, spec, cluster_gpus=ray.cluster_resources().get("GPU", 0))
         serve.start(
