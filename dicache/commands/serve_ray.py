@@ -57,7 +57,7 @@ def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
     """`dicache serve` options (as for the command line) -> the parsed namespace; a bad one raises ConfigError."""
     from .serve import add_arguments
 
-    parser = _RaisingParser(prog="dicache serve", add_help=False)
+    parser = _RaisingParser(prog="dicache serve", add_help=False, allow_abbrev=False)
     add_arguments(parser)
     return parser.parse_args(argv)
 
