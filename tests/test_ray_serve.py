@@ -164,14 +164,14 @@ def _post(url: str, body: dict, timeout: float = CLIENT_TIMEOUT) -> httpx.Respon
     return httpx.post(url + GENERATIONS, json=body, timeout=timeout)
 
 
-def _replica_counts(url: str) -> dict[str, float]:
-    """`dicache_generations_total{outcome="ok"}` per replica, from one scrape of /metrics."""
+def _replica_counts(url: str, outcome: str = "ok") -> dict[str, float]:
+    """`dicache_generations_total{outcome=...}` per replica, from one scrape of /metrics."""
     text = httpx.get(url + "/metrics", timeout=30).text
     return {
         s.labels["replica"]: s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == "dicache_generations_total" and s.labels.get("outcome") == "ok"
+        if s.name == "dicache_generations_total" and s.labels.get("outcome") == outcome
     }
 
 
@@ -228,6 +228,21 @@ def test_both_replicas_serve_a_concurrent_load_and_metrics_count_each(ray_url):
         return all(after.get(r, 0) - before.get(r, 0) == n for r, n in served.items())
 
     wait_until(counted, timeout=20, what=f"/metrics to count {dict(served)} generations per replica")
+
+
+def test_a_client_that_goes_away_stops_its_generation(ray_url):
+    """Serve cancels the replica's handler when the client disconnects; the generation must stop, not run on."""
+    time.sleep(1.5)
+    before = sum(_replica_counts(ray_url, "stopped").values())
+    # 80 uncached transformer calls: several seconds on one CPU thread
+    long = dict(BODIES["turbo"], seed=77, num_inference_steps=40, guidance_scale=4.5, enable_cache=False)
+    with pytest.raises(httpx.TimeoutException):
+        _post(ray_url, long, timeout=1.5)
+    wait_until(
+        lambda: sum(_replica_counts(ray_url, "stopped").values()) == before + 1,
+        timeout=30,
+        what="the abandoned generation to be counted as stopped",
+    )
 
 
 def test_a_replica_killed_mid_load_fails_only_its_requests_and_comes_back(ray_url):
