@@ -268,3 +268,12 @@ def test_app_answers_and_serve_endpoints_pass_unchanged():
 def test_replica_header_on_every_answer():
     status, headers, body = _run(ReplicaHeaderMiddleware(_answering(200, b"ok!!"), replica="abc123"))
     assert (status, headers[REPLICA_HEADER], body) == (200, "abc123", b"ok!!")
+
+
+def test_serve_ray_rejects_bad_options_before_starting_a_cluster(capsys):
+    ray = pytest.importorskip("ray")
+    assert cli_main(["serve", "--ray", "--tp-size", "2", "--gpus-per-replica", "1", "--device", "cuda"]) == 2
+    assert "--gpus-per-replica=1 is invalid with --tp-size 2 × --ulysses-degree 1" in capsys.readouterr().err
+    assert cli_main(["serve", "--ray", "--replicas", "3", "--max-replicas", "2"]) == 2
+    assert "--replicas=3 is invalid with autoscaling" in capsys.readouterr().err
+    assert not ray.is_initialized()

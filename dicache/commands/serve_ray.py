@@ -130,7 +130,7 @@ def run_ray(args: argparse.Namespace) -> int:
     if profile:
         print(profile, flush=True)
     spec = replica_spec_from_args(args, cache_config)
-    serve_options_from_args(args, spec, cluster_gpus=0)  # check the options before starting anything
+    ray_serve.deployment_options(spec, serve_options_from_args(args, spec, cluster_gpus=0))  # check before starting
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port={args.port} is invalid: must be between 1 and 65535")
 

@@ -7,6 +7,11 @@ Modules: `settings` (limits), `schemas` (request/response bodies), `generation` 
 `backend` (runs a spec on the cache-enabled pipeline), `jobs` (bounded queue + worker threads), `metrics`
 (Prometheus), `body_limit` (413 on oversize bodies), `errors` (OpenAI-shaped errors), `app` (the endpoints),
 `background` (run the app on loopback in a thread, for tests and benchmarks).
+
+On Ray Serve (the optional `dicache[ray]` extra; nothing here imports Ray otherwise): `ray_serve` (replicas of this
+app, the `serve run` / KubeRay application builder), `ray_group` (a replica split over tp × ulysses processes),
+`ray_metrics` + `metrics_merge` (`/metrics` aggregated across replicas), `ray_proxy` (Serve's own errors in the
+OpenAI shape).
 """
 
 from __future__ import annotations
