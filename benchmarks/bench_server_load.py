@@ -12,6 +12,11 @@ the machine's load hits both alike; figures pool the rounds. Prints a table and 
     python benchmarks/bench_server_load.py --model /path/to/krea2 --requests 48 --concurrency 8
     python benchmarks/bench_server_load.py --tiny-random    # a tiny random Krea-2 (tests/tiny_krea2.py), no checkpoint
     SGLANG_CACHE_DIT_RDT=0.4 python benchmarks/bench_server_load.py --no-results
+    python benchmarks/bench_server_load.py --ray-replicas 1 2 --device cpu   # Ray Serve: throughput vs replica count
+
+With `--ray-replicas N ...` the same load runs against `dicache serve --ray --replicas N` (a subprocess starting a
+local Ray cluster on this machine; one CPU per replica, and one torch thread on CPU) for each N in turn, so the table
+shows throughput against replica count.
 
 Latency is measured by the client (send to last byte, queueing included); throughput = requests / wall time of the
 passes.
@@ -25,7 +30,12 @@ import json
 import os
 import pathlib
 import platform
+import re
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--api-key", default=os.environ.get("DICACHE_API_KEY"), help="the --url server's key (default: DICACHE_API_KEY)"
     )
+    p.add_argument(
+        "--ray-replicas",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="run the load against `dicache serve --ray --replicas N` for each N (e.g. 1 2): throughput vs replicas",
+    )
     p.add_argument("--requests", type=int, default=24, help=f"measured requests per pass (<= {MAX_REQUESTS})")
     p.add_argument("--concurrency", type=int, default=4, help="client threads")
     p.add_argument("--rounds", type=int, default=2, help="alternating (no cache, cache) pass pairs, pooled")
@@ -74,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--rounds={args.rounds} must be between 1 and 10, with requests x rounds <= {MAX_REQUESTS}")
     if not 1 <= args.concurrency <= 64:
         p.error(f"--concurrency={args.concurrency} must be between 1 and 64")
+    if args.ray_replicas is not None and (args.url is not None or not all(1 <= n <= 64 for n in args.ray_replicas)):
+        p.error(f"--ray-replicas={args.ray_replicas} must be counts between 1 and 64, without --url")
     if args.url is not None and urlparse(args.url).hostname not in LOOPBACK:
         p.error(f"--url={args.url!r}: this benchmark only targets loopback addresses ({', '.join(LOOPBACK[:3])})")
     return args
@@ -175,7 +195,9 @@ def machine() -> str:
     return f"{platform.system()} {cpu}, {os.cpu_count()} CPUs{load}, {gpu}, torch {torch.__version__}"
 
 
-def append_results(path: pathlib.Path, args: argparse.Namespace, argv: list[str], rows: dict, info: dict) -> None:
+def append_results(
+    path: pathlib.Path, args: argparse.Namespace, argv: list[str], rows: dict, info: dict, summary: list[str]
+) -> None:
     header = "# Benchmark results\n"
     text = path.read_text() if path.exists() else header
     if not text.startswith("#"):
@@ -193,16 +215,135 @@ def append_results(path: pathlib.Path, args: argparse.Namespace, argv: list[str]
         "",
         table(rows),
         "",
-        f"Throughput with caching: x{rows['cache']['throughput_rps'] / rows['no cache']['throughput_rps']:.2f}.",
+        *summary,
         "",
     ]
     path.write_text(text.rstrip("\n") + "\n" + "\n".join(section))
+
+
+def run_load(url: str, args: argparse.Namespace, cache_params: dict | None, key: str | None = None) -> dict[str, dict]:
+    """Warm up, then alternate uncached and cached passes `args.rounds` times; the pooled rows."""
+    warm = request_bodies(args, 2, offset=10_000)
+    run_pass(url, warm, 2, True, cache_params, key)  # warm-up (not measured)
+    bodies = request_bodies(args, args.requests)
+    passes: dict[str, list[dict]] = {"no cache": [], "cache": []}
+    for _ in range(args.rounds):
+        passes["no cache"].append(run_pass(url, bodies, args.concurrency, False, None, key))
+        passes["cache"].append(run_pass(url, bodies, args.concurrency, True, cache_params, key))
+    return {name: summarise(p) for name, p in passes.items()}
+
+
+def cache_description(url: str, cache_params: dict | None, key: str | None = None) -> str:
+    """The server's cache settings (from `/v1/server_info`, behind the API key) and what the cached pass adds."""
+    cache = httpx.get(url + "/v1/server_info", headers=auth_headers(key)).json().get("cache") or {}
+    settings, sources = cache.get("settings") or {}, cache.get("sources") or {}
+    base = {k: v for k, v in settings.items() if sources.get(k, "default") != "default"}
+    server_cache = f"SGLANG_CACHE_DIT_* / profile values {base}" if base else "SGLang defaults (F1 B0 W4 MC3 RDT 0.24)"
+    return f"{server_cache}; the cached pass adds cache_dit_params {cache_params or '{}'}"
+
+
+class RayCommand:
+    """`dicache serve --ray --replicas N` in a subprocess on a free loopback port; `stop()` sends SIGTERM."""
+
+    START_TIMEOUT_S = 600
+
+    def __init__(self, replicas: int, args: argparse.Namespace, model: str | None) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        side = max(int(v) for v in args.size.lower().split("x"))
+        cmd = [sys.executable, "-m", "dicache.cli", "serve", "--ray", "--replicas", str(replicas)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--cpus-per-replica", "1"]
+        cmd += [
+            "--max-queue",
+            str(max(16, args.concurrency)),
+            "--max-side",
+            str(max(side, 2048)),
+            "--max-steps",
+            "1000",
+        ]
+        device = args.device or "cpu"
+        cmd += ["--device", device] + (["--torch-threads", "1"] if device == "cpu" else [])
+        cmd += ["--model", model] if model else []
+        root = pathlib.Path(__file__).resolve().parents[1]
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+        self.log = pathlib.Path(tempfile.mkstemp(prefix="dicache-ray-", suffix=".log")[1])
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        while not re.search(r"dicache on Ray Serve: .* at http", self.log.read_text(errors="replace")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"dicache serve --ray did not start; see {self.log}")
+            time.sleep(0.5)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def main_ray(args: argparse.Namespace, argv: list[str], cache_params: dict | None) -> int:
+    """Throughput against replica count: the load once per `--ray-replicas` value."""
+    model = args.model
+    if args.tiny_random:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+        from tiny_krea2 import build_tiny_pipeline
+
+        model = tempfile.mkdtemp(prefix="dicache-tiny-krea2-")
+        build_tiny_pipeline(pathlib.Path(model), distilled=True, seed=0)
+    rows: dict[str, dict] = {}
+    for replicas in args.ray_replicas:
+        server = RayCommand(replicas, args, model)
+        try:
+            cache = cache_description(server.url, cache_params)
+            for name, row in run_load(server.url, args, cache_params).items():
+                rows[f"{replicas} replica(s), {name}"] = row
+        finally:
+            server.stop()
+    print(table(rows))
+    first = args.ray_replicas[0]
+
+    def rate(n: int, mode: str) -> float:
+        return rows[f"{n} replica(s), {mode}"]["throughput_rps"]
+
+    summary = [
+        f"Throughput against replicas ({mode}): "
+        + ", ".join(
+            f"{n}: {rate(n, mode):.3f} req/s (x{rate(n, mode) / rate(first, mode):.2f})" for n in args.ray_replicas
+        )
+        + "."
+        for mode in ("no cache", "cache")
+    ]
+    print("\n".join(summary))
+    if not args.no_results:
+        device = args.device or "cpu"
+        per_replica = "1 CPU and 1 torch thread" if device == "cpu" else "1 GPU"
+        info = {
+            "model": "tiny random Krea-2 (tests/tiny_krea2.py, 6 blocks, seed 0)"
+            if args.tiny_random
+            else args.model or "embedded checkpoint",
+            "server": f"`dicache serve --ray --replicas N` for N in {args.ray_replicas} (local Ray cluster, "
+            f"{per_replica} per replica, 1 worker each, device {device})",
+            "cache": cache,
+        }
+        append_results(pathlib.Path(args.results), args, argv, rows, info, summary)
+        print(f"appended to {args.results}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     cache_params = json.loads(args.cache_params) if args.cache_params else None
+    if args.ray_replicas is not None:
+        return main_ray(args, argv, cache_params)
     server = None
     if args.url is None:
         import torch
@@ -214,8 +355,6 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.torch_threads)
         model = args.model
         if args.tiny_random:
-            import tempfile
-
             sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
             from tiny_krea2 import build_tiny_pipeline
 
@@ -240,20 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         models = httpx.get(url + "/v1/models", headers=auth_headers(args.api_key)).json()
         info = {"model": models["data"][0]["id"], "server": f"external {url}"}
     key = args.api_key if args.url is not None else None
-    server_info = httpx.get(url + "/v1/server_info", headers=auth_headers(key)).json()
-    cache_info = server_info["cache"]
-    base = {k: v for k, v in cache_info["settings"].items() if cache_info["sources"][k] != "default"}
-    server_cache = f"SGLANG_CACHE_DIT_* / profile values {base}" if base else "SGLang defaults (F1 B0 W4 MC3 RDT 0.24)"
-    info["cache"] = f"{server_cache}; the cached pass adds cache_dit_params {cache_params or '{}'}"
+    info["cache"] = cache_description(url, cache_params, key)
     try:
-        warm = request_bodies(args, 2, offset=10_000)
-        run_pass(url, warm, 2, True, cache_params, key)  # warm-up (not measured)
-        bodies = request_bodies(args, args.requests)
-        passes: dict[str, list[dict]] = {"no cache": [], "cache": []}
-        for _ in range(args.rounds):
-            passes["no cache"].append(run_pass(url, bodies, args.concurrency, False, None, key))
-            passes["cache"].append(run_pass(url, bodies, args.concurrency, True, cache_params, key))
-        rows = {name: summarise(p) for name, p in passes.items()}
+        rows = run_load(url, args, cache_params, key)
     finally:
         if server is not None:
             server.stop()
@@ -261,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print(f"throughput with caching: x{speedup:.2f}")
     if not args.no_results:
-        append_results(pathlib.Path(args.results), args, argv, rows, info)
+        summary = [f"Throughput with caching: x{speedup:.2f}."]
+        append_results(pathlib.Path(args.results), args, argv, rows, info, summary)
         print(f"appended to {args.results}")
     return 0
 

@@ -109,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_network_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    from .serve_ray import add_ray_arguments
+
+    add_ray_arguments(parser)
 
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
@@ -201,6 +204,10 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray:
+        from .serve_ray import run_ray
+
+        return run_ray(args)
     import logging
 
     from ..errors import DicacheError

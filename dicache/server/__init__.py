@@ -9,6 +9,11 @@ between blocks), `jobs` (bounded queue + worker threads), `metrics` (Prometheus)
 (graceful shutdown), `body_limit` (413 / 408 on oversize or slow bodies), `errors` (OpenAI-shaped errors), `app`
 (the endpoints), `runner` (uvicorn with connection limits and SIGTERM -> drain -> exit 0), `background` (the runner
 on loopback in a thread, for tests and benchmarks).
+
+On Ray Serve (the optional `dicache[ray]` extra; nothing here imports Ray otherwise): `ray_serve` (replicas of this
+app, the `serve run` / KubeRay application builder), `ray_group` (a replica split over tp × ulysses processes),
+`ray_metrics` + `metrics_merge` (`/metrics` aggregated across replicas), `ray_proxy` (Serve's own errors in the
+OpenAI shape).
 """
 
 from __future__ import annotations

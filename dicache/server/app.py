@@ -368,6 +368,10 @@ async def _await_job(queue: JobQueue, job: Job, request: Request, deadline: floa
         done, _ = await asyncio.wait(
             {result, watcher}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
         )
+    except asyncio.CancelledError:  # the handler was cancelled (Ray Serve does it when the client leaves)
+        result.add_done_callback(_consume)
+        queue.cancel(job)  # drop it if waiting, stop it if generating
+        raise
     finally:
         watcher.cancel()
     if result in done:

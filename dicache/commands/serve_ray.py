@@ -1,0 +1,187 @@
+"""`dicache serve --ray`: the same server as N Ray Serve replicas behind one endpoint (`dicache.server.ray_serve`).
+
+Without `--ray-address` it starts a local Ray cluster; with one (or RAY_ADDRESS) it deploys onto that cluster. It
+then runs until SIGINT / SIGTERM, and on exit deletes the application (each replica finishes its requests first).
+Nothing here imports Ray unless `--ray` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..errors import ConfigError, DicacheError
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "Ray Serve (--ray)",
+        "serve N replicas of this server behind one endpoint on a Ray cluster (needs `pip install 'dicache[ray]'`); "
+        "--tp-size / --ulysses-degree then split each replica's model over that many GPUs (no torchrun)",
+    )
+    group.add_argument("--ray", action="store_true", help="serve with Ray Serve instead of one process")
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster to deploy onto, e.g. ray://head:10001 or auto (default: RAY_ADDRESS, else start a local one)",
+    )
+    group.add_argument("--replicas", type=int, default=1, help="replicas (with autoscaling: the initial count) (1)")
+    group.add_argument(
+        "--min-replicas", type=int, default=None, help="autoscaling: fewest replicas, 0 allowed (default: 1)"
+    )
+    group.add_argument(
+        "--max-replicas", type=int, default=None, help="autoscaling: most replicas; giving it turns autoscaling on"
+    )
+    group.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=None,
+        help="autoscaling: requests in progress or queued per replica to aim at (default: --workers)",
+    )
+    group.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs each replica reserves (default: 1)")
+    group.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        default=None,
+        help="GPUs each replica reserves, fractions allowed; with --tp-size × --ulysses-degree = N it must be N "
+        "(default: 0 with --device cpu, else 1 per rank if the cluster has GPUs, else 0)",
+    )
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"dicache serve: {message}")
+
+
+def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
+    """`dicache serve` options (as for the command line) -> the parsed namespace; a bad one raises ConfigError."""
+    from .serve import add_arguments
+
+    parser = _RaisingParser(prog="dicache serve", add_help=False, allow_abbrev=False)
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> Any:
+    from ..offload.cli import settings_from_args as offload_settings
+    from ..server.ray_serve import ReplicaSpec
+    from .serve import settings_from_args
+    from .speed import speed_spec
+
+    if offload_settings(args).any:
+        raise ConfigError(
+            "dicache serve --ray: the memory options (--dit-layerwise-offload, --dit-cpu-offload, "
+            "--text-encoder-cpu-offload, --vae-cpu-offload, --gpu-memory-budget) are not supported on Ray replicas; "
+            "run the single-process server for them"
+        )
+    return ReplicaSpec(
+        load_format=args.load_format,
+        quantization=speed_spec(args),
+        compile=args.compile,
+        settings=settings_from_args(args),
+        model=args.model,
+        variant=args.variant,
+        dtype=args.dtype,
+        device=args.device,
+        default_size=args.default_size,
+        cache_config=cache_config,
+        torch_threads=args.torch_threads,
+        tp_size=args.tp_size,
+        ulysses_degree=args.ulysses_degree,
+    )
+
+
+def serve_options_from_args(args: argparse.Namespace, spec: Any, cluster_gpus: float | None = None) -> Any:
+    """`RayServeOptions` from the options; `cluster_gpus` (the cluster's GPU count, when known) picks the default
+    of --gpus-per-replica."""
+    from ..parallel import check_degrees
+    from ..server.ray_serve import RayServeOptions
+
+    world = args.tp_size * args.ulysses_degree
+    check_degrees(world, args.tp_size, args.ulysses_degree)  # each an integer >= 1
+    gpus = args.gpus_per_replica
+    if gpus is None:
+        if spec.device is not None:
+            gpus = float(world) if spec.device.startswith("cuda") else 0.0
+        else:
+            gpus = float(world) if cluster_gpus else 0.0
+    return RayServeOptions(
+        replicas=args.replicas,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests,
+        cpus_per_replica=args.cpus_per_replica,
+        gpus_per_replica=gpus,
+    )
+
+
+def run_ray(args: argparse.Namespace) -> int:
+    import contextlib
+    import logging
+    import os
+    import signal
+    import threading
+
+    try:
+        import ray
+        from ray import serve
+
+        from ..server import ray_serve
+        from ..server.ray_metrics import NAMESPACE, board_name
+        from ..server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
+    except ModuleNotFoundError as exc:
+        raise DicacheError(f"dicache serve --ray needs the ray extra: pip install 'dicache[ray]' ({exc})") from None
+    from ..profiles import cache_config as read_cache_config
+    from ..profiles import describe_profile
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cache_config = read_cache_config(args.profile)
+    print(cache_config.describe(), flush=True)
+    profile = describe_profile(cache_config)
+    if profile:
+        print(profile, flush=True)
+    spec = replica_spec_from_args(args, cache_config)
+    ray_serve.deployment_options(spec, serve_options_from_args(args, spec, cluster_gpus=0))  # check before starting
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port={args.port} is invalid: must be between 1 and 65535")
+
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    if address is None:  # a local cluster inherits this environment: its proxy answers Serve's errors our way
+        os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address is None:
+        context = ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    else:
+        context = ray.init(address=address, logging_level=logging.WARNING)
+    print(f"Ray cluster at {context.address_info.get('gcs_address') or address}", flush=True)
+    try:
+        options = serve_options_from_args(args, spec, cluster_gpus=ray.cluster_resources().get("GPU", 0))
+        serve.start(
+            http_options={
+                "host": args.host,
+                "port": args.port,
+                # backstop for time spent in Serve's own queue; the app's own timeout answers first
+                "request_timeout_s": spec.settings.request_timeout_s + ray_serve.SHUTDOWN_MARGIN_S,
+            }
+        )
+        serve.run(ray_serve.build_application(spec, options), name=ray_serve.APP_NAME, route_prefix="/", blocking=False)
+        what = (
+            f"{options.replicas} replica(s)"
+            if not options.autoscaling
+            else f"{options.replicas} replica(s), autoscaling {options.min_replicas or 1}..{options.max_replicas}"
+        )
+        print(f"dicache on Ray Serve: {what} at http://{args.host}:{args.port} (Ctrl-C or SIGTERM stops)", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            pass
+        print("stopping: every replica finishes its requests first", flush=True)
+        serve.delete(ray_serve.APP_NAME)
+    finally:
+        with contextlib.suppress(ValueError):  # ValueError: no replica got as far as creating the metrics board
+            ray.kill(ray.get_actor(board_name(ray_serve.APP_NAME), namespace=NAMESPACE))
+        if address is None:
+            serve.shutdown()
+        ray.shutdown()
+    return 0

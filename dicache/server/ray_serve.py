@@ -1,0 +1,322 @@
+"""The `dicache serve` app on Ray Serve: N replicas of the same OpenAI-compatible server behind one endpoint.
+
+Each replica is a Ray actor that loads its own pipeline (`ReplicaSpec.load_backend`) and serves the unchanged
+single-process app, `create_app(backend, settings)`, through `serve.ingress`: endpoints, request validation, limits,
+middleware and the error contract are the single-process server's. What Ray adds:
+
+- replicas: a fixed count, or autoscaling between min and max on ongoing requests per replica (`RayServeOptions`);
+- resources: `cpus_per_replica` and `gpus_per_replica` (fractions allowed: 0.5 puts two replicas on one GPU); a
+  replica with `tp_size × ulysses_degree` > 1 holds one model over that many processes, one GPU each, through a
+  STRICT_PACK placement group (`ray_group`);
+- routing: Serve's proxy sends a replica at most `workers + max_queue` requests at a time and holds up to
+  `max_queue` more itself; its own failures (a replica that died mid-request, a full router queue, its timeout)
+  are answered in the OpenAI error shape by `ray_proxy.ServeErrorsMiddleware`;
+- `X-Dicache-Replica: <replica id>` on every answer says which replica served it;
+- `/metrics` is aggregated across replicas: one scrape returns every live replica's series, labelled
+  `replica="<id>"` (`ray_metrics`);
+- health: Serve calls `check_health` every 10 s; a replica whose model group lost a rank is replaced.
+
+Entry points: `dicache serve --ray --replicas N` (`dicache.commands.serve_ray`), or the application builder
+`dicache.server.ray_serve:app_builder` for `serve run` / `serve deploy` / KubeRay's `serveConfigV2`, whose args
+are `dicache serve` options (`{"replicas": 2, "max_queue": 8}` means `--replicas 2 --max-queue 8`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import CacheConfig
+from ..errors import ConfigError
+from .settings import ServerSettings
+
+log = logging.getLogger("dicache.server.ray")
+
+APP_NAME = "dicache"
+DEPLOYMENT_NAME = "DicacheServer"
+REPLICA_HEADER = "x-dicache-replica"
+SHUTDOWN_MARGIN_S = 10.0
+"""Seconds Serve waits for a stopping replica beyond the longest request (`request_timeout_s`)."""
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica loads and serves (sent to the replicas by pickling).
+
+    `cache_config` None: each replica reads `SGLANG_CACHE_DIT_*` over `profile` from its own environment.
+    `device` None: cuda when the replica has GPUs, else cpu.
+    """
+
+    settings: ServerSettings = field(default_factory=ServerSettings)
+    model: str | None = None
+    variant: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    default_size: tuple[int, int] | None = None
+    cache_config: CacheConfig | None = None
+    profile: str | None = None
+    torch_threads: int | None = None
+    tp_size: int = 1
+    ulysses_degree: int = 1
+    metrics_period_s: float = 2.0
+    load_format: str = "auto"
+    quantization: Any = None  # a validated `QuantizationSpec` (`--quantization fp8`) or None
+    compile: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.ulysses_degree
+
+    def load_backend(self, device: str | None = None) -> Any:
+        from .backend import load_backend
+
+        if self.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
+        return load_backend(
+            self.model,
+            self.variant,
+            dtype=self.dtype,
+            device=device or self.device,
+            cache_config=self.cache_config,
+            profile=None if self.cache_config is not None else self.profile,
+            default_size=self.default_size,
+            load_format=self.load_format,
+        )
+
+    def apply_speed(self, backend: Any) -> Any:
+        """`--quantization` then `--compile` on a loaded (and, for a group, split) backend, as `dicache serve` does;
+        with `--compile` the replica warms up before it reports healthy. Returns the backend."""
+        if self.quantization is not None:
+            backend.pipe.quantize(self.quantization)
+        if self.compile:
+            backend.pipe.compile()
+            log.info("replica warm-up (compile): %s", backend.warm_up())
+        return backend
+
+
+@dataclass(frozen=True)
+class RayServeOptions:
+    """Replica count, autoscaling and resources of the deployment. Errors name the `dicache serve` option.
+
+    `max_replicas` None: a fixed `replicas`. Else Serve autoscales between `min_replicas` and `max_replicas`
+    (starting at `replicas`), aiming at `target_ongoing_requests` per replica (None: the replica's `workers`).
+    `gpus_per_replica` counts every rank of a tp × ulysses replica: it must then be 0 (CPU) or tp × ulysses.
+    """
+
+    replicas: int = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_int("--replicas", self.replicas, 1)
+        if self.min_replicas is not None:
+            _check_int("--min-replicas", self.min_replicas, 0)
+            if self.max_replicas is None:
+                raise ConfigError("--min-replicas needs --max-replicas (autoscaling between the two)")
+        if self.max_replicas is not None:
+            _check_int("--max-replicas", self.max_replicas, 1)
+            low = 1 if self.min_replicas is None else self.min_replicas
+            if not low <= self.replicas <= self.max_replicas:
+                raise ConfigError(
+                    f"--replicas={self.replicas} is invalid with autoscaling: the initial replica count must be "
+                    f"between --min-replicas={low} and --max-replicas={self.max_replicas}"
+                )
+        elif self.target_ongoing_requests is not None:
+            raise ConfigError("--target-ongoing-requests needs --max-replicas (it steers autoscaling)")
+        if self.target_ongoing_requests is not None:
+            _check_number("--target-ongoing-requests", self.target_ongoing_requests, above=0)
+        _check_number("--cpus-per-replica", self.cpus_per_replica, above=0)
+        _check_number("--gpus-per-replica", self.gpus_per_replica, at_least=0)
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas is not None
+
+
+def _check_int(flag: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{flag}={value!r} is invalid: must be an integer >= {low}")
+
+
+def _check_number(flag: str, value: Any, above: float | None = None, at_least: float | None = None) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and above is not None:
+        ok = value > above
+    if ok and at_least is not None:
+        ok = value >= at_least
+    if not ok:
+        bound = f"> {above:g}" if above is not None else f">= {at_least:g}"
+        raise ConfigError(f"{flag}={value!r} is invalid: must be a finite number {bound}")
+
+
+def gpus_per_rank(spec: ReplicaSpec, options: RayServeOptions) -> float:
+    """GPUs each model rank reserves; checks that the GPU count fits the replica's tp × ulysses group."""
+    world = spec.world_size
+    gpus = options.gpus_per_replica
+    if world > 1 and gpus not in (0, world):
+        raise ConfigError(
+            f"--gpus-per-replica={gpus:g} is invalid with --tp-size {spec.tp_size} × --ulysses-degree "
+            f"{spec.ulysses_degree}: each of the {world} ranks takes one whole GPU, so it must be {world} "
+            "(or 0 to run the group on CPUs)"
+        )
+    if gpus and spec.device is not None and not spec.device.startswith("cuda"):
+        raise ConfigError(f"--gpus-per-replica={gpus:g} needs a CUDA device, but --device={spec.device!r}")
+    return gpus / world if world > 1 else gpus
+
+
+def deployment_options(spec: ReplicaSpec, options: RayServeOptions) -> dict[str, Any]:
+    """The keyword arguments of `serve.deployment(...)` for `spec` and `options` (pure: no Ray needed)."""
+    settings = spec.settings
+    per_rank = gpus_per_rank(spec, options)
+    actor: dict[str, Any] = {"num_cpus": options.cpus_per_replica}
+    if per_rank:
+        actor["num_gpus"] = per_rank
+    config: dict[str, Any] = {
+        "name": DEPLOYMENT_NAME,
+        "ray_actor_options": actor,
+        # a replica never holds more than it can queue; the rest waits in Serve's router (then 429)
+        "max_ongoing_requests": settings.workers + settings.max_queue,
+        "max_queued_requests": max(1, settings.max_queue),
+        # a stopping replica (scale-down, node drain, redeploy) finishes its longest request first
+        "graceful_shutdown_timeout_s": settings.request_timeout_s + SHUTDOWN_MARGIN_S,
+        "graceful_shutdown_wait_loop_s": 1.0,
+    }
+    if spec.world_size > 1:
+        from .ray_group import placement_bundles
+
+        config["placement_group_bundles"] = placement_bundles(spec.world_size, options.cpus_per_replica, per_rank)
+        config["placement_group_strategy"] = "STRICT_PACK"
+    if options.autoscaling:
+        config["autoscaling_config"] = {
+            "min_replicas": 1 if options.min_replicas is None else options.min_replicas,
+            "max_replicas": options.max_replicas,
+            "initial_replicas": options.replicas,
+            "target_ongoing_requests": options.target_ongoing_requests or float(settings.workers),
+        }
+    else:
+        config["num_replicas"] = options.replicas
+    return config
+
+
+class ReplicaHeaderMiddleware:
+    """Pure ASGI middleware: `X-Dicache-Replica: <replica id>` on every HTTP answer."""
+
+    def __init__(self, app: Any, replica: str) -> None:
+        self.app, self.header = app, (REPLICA_HEADER.encode(), replica.encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def tagged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
+class DicacheReplica:
+    """One replica: loads the pipeline (or its tp × ulysses group), then serves `create_app` (see the module doc)."""
+
+    def __init__(self, spec: ReplicaSpec, gpus_per_rank: float = 0.0) -> None:
+        from ray import serve
+
+        from .ray_metrics import ClusterMetrics
+
+        context = serve.get_replica_context()
+        self.replica = context.replica_id.unique_id
+        self.spec = spec
+        device = spec.device or ("cuda" if gpus_per_rank else "cpu")
+        if spec.world_size > 1:
+            from .ray_group import load_group_backend
+
+            self.backend = load_group_backend(
+                _with_device(spec, device), spec.tp_size, spec.ulysses_degree, gpus_per_rank
+            )
+        else:
+            self.backend = spec.apply_speed(spec.load_backend(device=device))
+        self.metrics = ClusterMetrics(self.replica, context.app_name, period_s=spec.metrics_period_s)
+        self.metrics.start()
+        log.info("replica %s (pid %d) loaded the pipeline on %s", self.replica, os.getpid(), device)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from . import create_app
+
+        app = create_app(self.backend, self.spec.settings, metrics=self.metrics)
+        app.add_middleware(ReplicaHeaderMiddleware, replica=self.replica)
+        return app
+
+    def check_health(self) -> None:
+        check = getattr(self.backend, "check", None)
+        if check is not None:
+            check()
+
+    def __del__(self) -> None:
+        # Serve ran the app's shutdown (the queue drained) before this
+        metrics, backend = getattr(self, "metrics", None), getattr(self, "backend", None)
+        if metrics is not None:
+            metrics.stop()
+        if backend is not None:
+            backend.close()
+
+
+def _with_device(spec: ReplicaSpec, device: str) -> ReplicaSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, device=device)
+
+
+def build_application(spec: ReplicaSpec, options: RayServeOptions) -> Any:
+    """The Serve application (`serve.run(build_application(...), route_prefix="/")`)."""
+    from ray import serve
+
+    config = deployment_options(spec, options)
+    ingress = serve.ingress()(DicacheReplica)
+    deployment = serve.deployment(ingress, **config)
+    return deployment.bind(spec, gpus_per_rank(spec, options))
+
+
+# ---------------------------------------------------------------------- the application builder (serve run / KubeRay)
+def args_to_argv(args: dict[str, Any]) -> list[str]:
+    """Builder args -> `dicache serve` options: `{"max_queue": 8, "ray": True}` -> `["--max-queue", "8", "--ray"]`.
+
+    True is a bare flag, False / None leave the option out, a list repeats the option's values.
+    """
+    argv: list[str] = []
+    for key, value in args.items():
+        flag = "--" + str(key).replace("_", "-").lstrip("-")
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """Serve application builder: `serve run dicache.server.ray_serve:app_builder replicas=2 device=cpu`, or
+    `import_path: dicache.server.ray_serve:app_builder` + `args:` in a Serve config / KubeRay `serveConfigV2`.
+
+    `args` are `dicache serve` options without the dashes (see `args_to_argv`); cache settings are read here from
+    `SGLANG_CACHE_DIT_*` over `profile`, once, and sent to every replica. A bad option fails the deployment with
+    the same message as the command line.
+    """
+    from ..commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
+    from ..profiles import cache_config as read_cache_config
+
+    parsed = parse_serve_argv(args_to_argv(dict(args or {})))
+    spec = replica_spec_from_args(parsed, read_cache_config(parsed.profile))
+    return build_application(spec, serve_options_from_args(parsed, spec))

@@ -1,0 +1,159 @@
+"""deploy/: the Kubernetes manifests against the Kubernetes schemas (offline, `kubernetes-validate`, strict: an
+unknown or misspelt field fails), and against the server they run (its options, timeouts, ports and pins).
+
+- deploy/kubernetes/dicache-server.yaml: Deployment + Service of the single-process server;
+- deploy/kuberay/dicache-rayservice.yaml: KubeRay RayService (a custom resource: its head and worker pod templates
+  are validated as core PodTemplates; its serveConfigV2 is built with the same option parser as `dicache serve`).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import pathlib
+import re
+import shlex
+
+import pytest
+import yaml
+
+kv = pytest.importorskip("kubernetes_validate")
+
+from dicache.commands.serve import settings_from_args  # noqa: E402
+from dicache.commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args  # noqa: E402
+from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH  # noqa: E402
+from dicache.server.ray_serve import args_to_argv, deployment_options  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+SERVER = DEPLOY / "kubernetes" / "dicache-server.yaml"
+RAYSERVICE = DEPLOY / "kuberay" / "dicache-rayservice.yaml"
+VERSIONS = ("1.30", kv.utils.latest_version())  # oldest Kubernetes we aim at, newest the package knows
+
+
+def _docs(path: pathlib.Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _kind(docs: list[dict], kind: str) -> dict:
+    (doc,) = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+def _pod_template(template: dict, name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": template}
+
+
+def _ray_templates() -> dict[str, dict]:
+    cluster = yaml.safe_load(RAYSERVICE.read_text())["spec"]["rayClusterConfig"]
+    templates = {"head": cluster["headGroupSpec"]["template"]}
+    templates.update({g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]})
+    return templates
+
+
+def _ray_pin() -> str:
+    return re.search(r'"ray\[serve\]==([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+
+
+# ---------------------------------------------------------------------------------------------- schemas
+@pytest.mark.parametrize("version", VERSIONS)
+def test_core_objects_match_the_kubernetes_schemas(version):
+    docs = _docs(SERVER)
+    assert sorted(d["kind"] for d in docs) == ["Deployment", "Service"]
+    for doc in docs:
+        kv.validate(doc, version, strict=True)
+    for name, template in _ray_templates().items():
+        kv.validate(_pod_template(template, name), version, strict=True)
+
+
+def test_the_validation_catches_a_misspelt_or_mistyped_field():
+    deployment = _kind(_docs(SERVER), "Deployment")
+    misspelt = copy.deepcopy(deployment)
+    container = misspelt["spec"]["template"]["spec"]["containers"][0]
+    container["readinessprobe"] = container.pop("readinessProbe")
+    with pytest.raises(kv.ValidationError, match="readinessprobe"):
+        kv.validate(misspelt, "1.30", strict=True)
+    mistyped = copy.deepcopy(deployment)
+    mistyped["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = "330"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(mistyped, "1.30", strict=True)
+
+
+# ---------------------------------------------------------------------------------------------- single process
+def test_single_process_deployment_fits_the_server_it_runs():
+    docs = _docs(SERVER)
+    deployment, service = _kind(docs, "Deployment"), _kind(docs, "Service")
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["command"][:2] == ["dicache", "serve"]
+    args = parse_serve_argv(container["command"][2:])  # every option exists and parses
+    settings = settings_from_args(args)
+    port = next(p for p in container["ports"] if p["containerPort"] == args.port)
+
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"]
+    assert args.device == "cuda"
+    for probe in ("startupProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": port["name"]}
+    assert container["livenessProbe"]["tcpSocket"]["port"] == port["name"]
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    # the grace period covers the preStop wait plus the longest request the server accepts
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + settings.request_timeout_s
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    assert int(annotations["prometheus.io/port"]) == args.port
+    labels = pod["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+
+
+# ---------------------------------------------------------------------------------------------- RayService
+def test_rayservice_serve_config_builds_with_the_dicache_serve_parser():
+    rayservice = yaml.safe_load(RAYSERVICE.read_text())
+    serve_config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    (app,) = serve_config["applications"]
+    module, _, attr = app["import_path"].partition(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+    args = parse_serve_argv(args_to_argv(app["args"]))  # unknown option or bad value: ConfigError
+    spec = replica_spec_from_args(args, cache_config=None)
+    options = serve_options_from_args(args, spec)
+    config = deployment_options(spec, options)  # checks GPUs against tp x ulysses
+    assert app["route_prefix"] == "/"
+
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == _ray_pin()
+    (workers,) = cluster["workerGroupSpecs"]
+    (worker,) = workers["template"]["spec"]["containers"]
+    gpus_per_pod = int(worker["resources"]["limits"]["nvidia.com/gpu"])
+    assert worker["resources"]["requests"]["nvidia.com/gpu"] == worker["resources"]["limits"]["nvidia.com/gpu"]
+    assert 0 < options.gpus_per_replica <= gpus_per_pod  # a replica (all its ranks) fits on one worker pod
+    assert options.max_replicas * options.gpus_per_replica <= workers["maxReplicas"] * gpus_per_pod
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+
+    http = serve_config["http_options"]
+    assert http["request_timeout_s"] >= spec.settings.request_timeout_s  # the proxy never cuts a request short
+    grace = workers["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= config["graceful_shutdown_timeout_s"]  # a draining replica may finish its longest request
+    assert f"--deadline-remaining-seconds {grace - 10}" in " ".join(worker["lifecycle"]["preStop"]["exec"]["command"])
+    assert worker["readinessProbe"]["httpGet"]["path"] == "/health"
+    serve_port = {p["name"]: p["containerPort"] for p in worker["ports"]}[worker["readinessProbe"]["httpGet"]["port"]]
+    assert serve_port == http["port"]
+    assert worker["livenessProbe"]["httpGet"]["path"] == "/api/local_raylet_healthz"
+
+    head = cluster["headGroupSpec"]["template"]
+    assert int(head["metadata"]["annotations"]["prometheus.io/port"]) == http["port"]  # aggregated /metrics
+    assert head["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+    for template in _ray_templates().values():
+        for container in template["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert env[CALLBACK_ENV] == CALLBACK_PATH
+            assert importlib.import_module(CALLBACK_PATH.split(":")[0])
+
+
+def test_image_matches_the_ray_pin():
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    base = re.search(r"^FROM (\S+)", dockerfile, re.M).group(1)
+    assert base.startswith(f"rayproject/ray:{_ray_pin()}-")
+    install = next(line for line in dockerfile.splitlines() if line.startswith("RUN pip install"))
+    assert any(part.endswith("[ray]") for part in shlex.split(install))

@@ -1,0 +1,309 @@
+"""`dicache serve --ray` for real: the command started as a user would, on a local Ray cluster (loopback), with 2
+CPU replicas of the embedded checkpoint.
+
+- a request gives the same image bytes (and cache statistics) through Ray Serve as through a live single-process
+  server of the same pipeline and settings; bad requests get the same 400s;
+- under a concurrent load both replicas serve, and one scrape of `/metrics` counts each replica's generations;
+- a replica killed mid-load: its in-flight requests get a clear OpenAI-shaped 503 (code `replica_unavailable`,
+  Retry-After), the other replica's succeed, Serve starts a replacement that then serves, and every request ends
+  within its client timeout;
+- a replica holding its model over 2 processes (Ulysses 2, gloo, a placement group of 2 CPU bundles) gives the
+  single-process bytes and cache decisions too;
+- SIGTERM stops the command with exit status 0.
+
+The test process joins the command's cluster as a second Ray driver to kill a replica and deploy the split one.
+Skipped when Ray is not installed (`pip install 'dicache[ray]'`; the test extra installs it).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import pipeline_source, wait_until
+
+# Ray reads its authentication mode once, when imported; a driver joining a cluster by address must say "token"
+# itself (the command's local cluster turns token authentication on, Ray's default, and writes ~/.ray/auth_token).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from dicache.commands.serve import settings_from_args  # noqa: E402
+from dicache.commands.serve_ray import parse_serve_argv  # noqa: E402
+from dicache.config import CacheConfig  # noqa: E402
+from dicache.server import create_app, load_backend  # noqa: E402
+from dicache.server.background import BackgroundServer  # noqa: E402
+from dicache.server.ray_serve import (  # noqa: E402
+    APP_NAME,
+    DEPLOYMENT_NAME,
+    REPLICA_HEADER,
+    RayServeOptions,
+    ReplicaSpec,
+    build_application,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(420), pytest.mark.usefixtures("one_torch_thread")]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GENERATIONS = "/v1/images/generations"
+CACHE_ENV = {"SGLANG_CACHE_DIT_ENABLED": "true", "SGLANG_CACHE_DIT_WARMUP": "2", "SGLANG_CACHE_DIT_RDT": "0.5"}
+CACHE = CacheConfig.from_env(CACHE_ENV)
+SETTINGS_FLAGS = ["--max-side", "64", "--max-n", "2", "--max-steps", "40", "--max-queue", "8", "--timeout", "120"]
+SETTINGS = settings_from_args(parse_serve_argv(SETTINGS_FLAGS))  # what the command's replicas serve with
+CLIENT_TIMEOUT = 120.0
+START_TIMEOUT = 300.0
+BODIES = {
+    "turbo": dict(prompt="a red fox", size="64x64", num_inference_steps=6, guidance_scale=1.0, seed=1),
+    "cfg_overrides": dict(
+        prompt="a blue car", negative_prompt="sun", size="32x48", n=2, num_inference_steps=8, guidance_scale=4.5,
+        seed=2, cache_dit_params={"residual_diff_threshold": 0.8, "enable_taylorseer": True},
+    ),
+    "uncached": dict(prompt="a green tree", size="32x32", num_inference_steps=5, enable_cache=False, seed=3),
+}  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_source(tmp_path_factory):
+    return pipeline_source(tmp_path_factory.mktemp("krea2"))
+
+
+class Command:
+    """`dicache serve --ray ...` running in a subprocess, its output in a file."""
+
+    def __init__(self, args: list[str], log: pathlib.Path, env: dict[str, str]) -> None:
+        self.log = log
+        with open(log, "wb") as out:
+            cmd = [sys.executable, "-m", "dicache.cli", "serve", "--ray", *args]
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = re.search(pattern, self.output())
+            if found:
+                return found
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {pattern!r} from dicache serve --ray; output:\n{self.output()[-4000:]}")
+            time.sleep(0.25)
+
+    def stop(self, timeout: float = 90.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+            raise
+
+
+@pytest.fixture(scope="module")
+def command(model_source, tmp_path_factory):
+    """`dicache serve --ray --replicas 2` on CPU (1 CPU and 1 torch thread per replica); this process joins its Ray
+    cluster as a driver."""
+    port = _free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_CACHE_DIT_", "RAY_ADDRESS"))},
+        **CACHE_ENV,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_memory_monitor_refresh_ms": "0",  # never let Ray's OOM killer pick a replica on a small CI box
+        "RAY_AUTH_MODE": "token",  # Ray's default for a local cluster, said explicitly: this process joins with it
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),  # this checkout
+    }
+    args = ["--replicas", "2", "--device", "cpu", "--torch-threads", "1", "--port", str(port), *SETTINGS_FLAGS]
+    if model_source is not None:
+        args += ["--model", model_source]
+    cmd = Command(args, tmp_path_factory.mktemp("ray") / "serve.log", env)
+    try:
+        address = cmd.wait_for(r"Ray cluster at (\S+)", START_TIMEOUT).group(1)
+        cmd.wait_for(r"dicache on Ray Serve: 2 replica\(s\) at ", START_TIMEOUT)
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+        cmd.url = f"http://127.0.0.1:{port}"
+        yield cmd
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cmd.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_url(command):
+    return command.url
+
+
+@pytest.fixture(scope="module")
+def single_url(model_source):
+    """The single-process server with the same pipeline and settings, in this process."""
+    backend = load_backend(model_source, device="cpu", cache_config=CACHE)
+    with BackgroundServer(create_app(backend, SETTINGS)) as server:
+        yield server.url
+    backend.close()
+
+
+def _post(url: str, body: dict, timeout: float = CLIENT_TIMEOUT) -> httpx.Response:
+    return httpx.post(url + GENERATIONS, json=body, timeout=timeout)
+
+
+def _replica_counts(url: str, outcome: str = "ok") -> dict[str, float]:
+    """`dicache_generations_total{outcome=...}` per replica, from one scrape of /metrics."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {
+        s.labels["replica"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "dicache_generations_total" and s.labels.get("outcome") == outcome
+    }
+
+
+def _replica_ids(url: str, count: int = 6) -> set[str]:
+    with ThreadPoolExecutor(count) as pool:
+        answers = list(pool.map(lambda i: _post(url, dict(BODIES["turbo"], seed=100 + i)), range(count)))
+    assert all(a.status_code == 200 for a in answers), [a.text[:200] for a in answers]
+    return {a.headers[REPLICA_HEADER] for a in answers}
+
+
+# ---------------------------------------------------------------------------------------------- same bytes
+@pytest.mark.parametrize("case", list(BODIES))
+def test_same_image_bytes_as_the_single_process_server(ray_url, single_url, case):
+    ours, theirs = _post(ray_url, BODIES[case]), _post(single_url, BODIES[case])
+    assert ours.status_code == theirs.status_code == 200, (ours.text[:300], theirs.text[:300])
+    a, b = ours.json(), theirs.json()
+    assert [d["b64_json"] for d in a["data"]] == [d["b64_json"] for d in b["data"]]  # PNG bytes, bit for bit
+    assert [d["sha256"] for d in a["data"]] == [d["sha256"] for d in b["data"]]  # float32 output, bit for bit
+    assert a["cache_stats"] == b["cache_stats"] and a["generation"] == b["generation"]
+    assert ours.headers[REPLICA_HEADER] and REPLICA_HEADER not in theirs.headers
+
+
+def test_openai_client_and_error_contract_through_ray(ray_url, single_url):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=ray_url + "/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT)
+    assert [m.id for m in client.models.list()] == ["krea-2"]
+    image = client.images.generate(
+        model="krea-2",
+        prompt="a red fox",
+        size="64x64",
+        response_format="b64_json",
+        extra_body={"seed": 1, "num_inference_steps": 6, "guidance_scale": 1.0},
+    )
+    assert image.data[0].b64_json == _post(single_url, BODIES["turbo"]).json()["data"][0]["b64_json"]
+    for body in ({"prompt": "x", "size": "65x64"}, {"prompt": "x", "n": 9}, {"prompt": "x", "bogus": 1}):
+        ours, theirs = _post(ray_url, body), _post(single_url, body)
+        assert ours.status_code == theirs.status_code == 400
+        assert ours.json() == theirs.json()
+
+
+# ---------------------------------------------------------------------------------------------- load
+def test_both_replicas_serve_a_concurrent_load_and_metrics_count_each(ray_url):
+    time.sleep(1.5)  # let every replica post its latest figures (period 0.5 s)
+    before = _replica_counts(ray_url)
+    bodies = [dict(BODIES["turbo"], seed=10 + i, num_inference_steps=4) for i in range(12)]
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda b: _post(ray_url, b), bodies))
+    assert [a.status_code for a in answers] == [200] * len(bodies)
+    served = collections.Counter(a.headers[REPLICA_HEADER] for a in answers)
+    assert len(served) == 2, served  # both replicas took part
+
+    def counted() -> bool:  # one scrape shows every replica's generations
+        after = _replica_counts(ray_url)
+        return all(after.get(r, 0) - before.get(r, 0) == n for r, n in served.items())
+
+    wait_until(counted, timeout=20, what=f"/metrics to count {dict(served)} generations per replica")
+
+
+def test_a_client_that_goes_away_stops_its_generation(ray_url):
+    """Serve cancels the replica's handler when the client disconnects; the generation must stop, not run on."""
+    time.sleep(1.5)
+    before = sum(_replica_counts(ray_url, "stopped").values())
+    # 80 uncached transformer calls: several seconds on one CPU thread
+    long = dict(BODIES["turbo"], seed=77, num_inference_steps=40, guidance_scale=4.5, enable_cache=False)
+    with pytest.raises(httpx.TimeoutException):
+        _post(ray_url, long, timeout=1.5)
+    wait_until(
+        lambda: sum(_replica_counts(ray_url, "stopped").values()) == before + 1,
+        timeout=30,
+        what="the abandoned generation to be counted as stopped",
+    )
+
+
+def test_a_replica_killed_mid_load_fails_only_its_requests_and_comes_back(ray_url):
+    replicas = _replica_ids(ray_url)
+    assert len(replicas) == 2
+    victim = sorted(replicas)[0]
+    bodies = [dict(BODIES["turbo"], seed=200 + i, num_inference_steps=16) for i in range(8)]
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(_post, ray_url, body, 90.0) for body in bodies]
+        time.sleep(1.5)  # every request is routed by now: each replica has one generating, the rest queued
+        assert not all(f.done() for f in futures)
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#{victim}", namespace="serve"))
+        answers = [f.result(timeout=120) for f in futures]  # nothing hangs: every request is answered
+    assert time.monotonic() - started < 120
+
+    failed = [a for a in answers if a.status_code != 200]
+    ok = [a for a in answers if a.status_code == 200]
+    assert failed and ok, [a.status_code for a in answers]
+    assert {a.headers[REPLICA_HEADER] for a in ok} - {victim}  # the surviving replica's requests succeeded
+    for answer in failed:  # the killed replica's in-flight requests: a clear, retryable error
+        assert answer.status_code == 503, answer.text[:300]
+        error = answer.json()["error"]
+        assert error["code"] == "replica_unavailable" and "replica" in error["message"], error
+        assert answer.headers["retry-after"] == "1"
+
+    def replaced() -> bool:  # Serve starts a replacement, and it serves
+        return len(_replica_ids(ray_url, 4) - {victim}) == 2
+
+    wait_until(replaced, timeout=120, what="a replacement replica serving next to the survivor")
+    status = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME]
+    assert status.replica_states.get("RUNNING") == 2
+    wait_until(lambda: victim not in _replica_counts(ray_url), timeout=20, what="the killed replica leaving /metrics")
+
+
+# ---------------------------------------------------------------------------------------------- model groups
+def test_ulysses_group_replica_gives_the_single_process_bytes(ray_url, single_url, model_source):
+    """Last: it replaces the 2-replica app (the cluster has 2 CPUs) with one replica split over 2 processes."""
+    serve.delete(APP_NAME)
+    spec = ReplicaSpec(
+        settings=SETTINGS, model=model_source, device="cpu", cache_config=CACHE, torch_threads=1, ulysses_degree=2
+    )
+    serve.run(build_application(spec, RayServeOptions(replicas=1)), name="dicache-sp", route_prefix="/")
+    try:
+        for case in ("turbo", "cfg_overrides"):
+            ours, theirs = _post(ray_url, BODIES[case]), _post(single_url, BODIES[case])
+            assert ours.status_code == theirs.status_code == 200, ours.text[:300]
+            assert [d["b64_json"] for d in ours.json()["data"]] == [d["b64_json"] for d in theirs.json()["data"]]
+            for branch, stats in theirs.json()["cache_stats"]["branches"].items():  # same cache decisions; the
+                mine = ours.json()["cache_stats"]["branches"][branch]  # diffs, summed over ranks, may round apart
+                assert (mine["computed_steps"], mine["cached_steps"]) == (
+                    stats["computed_steps"],
+                    stats["cached_steps"],
+                )
+    finally:
+        serve.delete("dicache-sp")
+
+
+def test_sigterm_stops_the_command_with_status_0(command):
+    ray.shutdown()  # this process leaves the cluster first: the command owns it
+    assert command.stop() == 0, command.output()[-4000:]
+    assert "stopping: every replica finishes its requests first" in command.output()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(command.url + "/health", timeout=5)

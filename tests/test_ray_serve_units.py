@@ -1,0 +1,320 @@
+"""The Ray Serve layer's parts that need no Ray: options and their errors, the deployment's resources, the builder's
+argument mapping, `/metrics` aggregation, the proxy's error rewriting, and the single-process server without Ray.
+(The live deployment is tested in test_ray_serve.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dicache.cli import main as cli_main
+from dicache.commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
+from dicache.errors import ConfigError
+from dicache.server import ServerSettings
+from dicache.server.metrics import ServerMetrics
+from dicache.server.metrics_merge import merge_expositions
+from dicache.server.ray_metrics import MetricsBoard
+from dicache.server.ray_proxy import ServeErrorsMiddleware, translate
+from dicache.server.ray_serve import (
+    REPLICA_HEADER,
+    RayServeOptions,
+    ReplicaHeaderMiddleware,
+    ReplicaSpec,
+    args_to_argv,
+    deployment_options,
+)
+
+
+# ---------------------------------------------------------------------------------------------- options
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(replicas=0), "--replicas=0 is invalid: must be an integer >= 1"),
+        (dict(replicas=True), "--replicas=True is invalid"),
+        (dict(min_replicas=1), "--min-replicas needs --max-replicas"),
+        (dict(target_ongoing_requests=2.0), "--target-ongoing-requests needs --max-replicas"),
+        (dict(replicas=5, max_replicas=4), "--replicas=5 is invalid with autoscaling"),
+        (dict(replicas=1, min_replicas=2, max_replicas=4), "between --min-replicas=2 and --max-replicas=4"),
+        (dict(max_replicas=2, target_ongoing_requests=0), "--target-ongoing-requests=0 is invalid"),
+        (dict(cpus_per_replica=float("nan")), "--cpus-per-replica=nan is invalid: must be a finite number > 0"),
+        (dict(gpus_per_replica=-1), "--gpus-per-replica=-1 is invalid: must be a finite number >= 0"),
+    ],
+)
+def test_bad_options_name_the_flag_and_the_bound(kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RayServeOptions(**kwargs)
+
+
+def test_fixed_replicas_deployment():
+    spec = ReplicaSpec(settings=ServerSettings(workers=2, max_queue=5, request_timeout_s=300))
+    config = deployment_options(spec, RayServeOptions(replicas=3, cpus_per_replica=2, gpus_per_replica=1))
+    assert config["num_replicas"] == 3 and "autoscaling_config" not in config
+    assert config["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1}
+    assert config["max_ongoing_requests"] == 7 and config["max_queued_requests"] == 5  # workers + queue; queue
+    assert config["graceful_shutdown_timeout_s"] == 310  # the longest request, plus a margin
+    assert "placement_group_bundles" not in config
+
+
+def test_autoscaling_deployment_and_its_default_target():
+    spec = ReplicaSpec(settings=ServerSettings(workers=2))
+    config = deployment_options(spec, RayServeOptions(replicas=2, min_replicas=0, max_replicas=8))
+    assert "num_replicas" not in config
+    assert config["autoscaling_config"] == {
+        "min_replicas": 0,
+        "max_replicas": 8,
+        "initial_replicas": 2,
+        "target_ongoing_requests": 2.0,
+    }
+    tuned = deployment_options(spec, RayServeOptions(max_replicas=4, target_ongoing_requests=1.5))
+    assert tuned["autoscaling_config"]["min_replicas"] == 1
+    assert tuned["autoscaling_config"]["target_ongoing_requests"] == 1.5
+
+
+def test_tp_x_ulysses_replica_reserves_one_gpu_per_rank_in_one_placement_group():
+    spec = ReplicaSpec(tp_size=2, ulysses_degree=2)
+    config = deployment_options(spec, RayServeOptions(gpus_per_replica=4, cpus_per_replica=4))
+    assert config["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1.0}
+    assert config["placement_group_bundles"] == [
+        {"CPU": 4.0, "GPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0},
+    ]
+    assert config["placement_group_strategy"] == "STRICT_PACK"
+    on_cpus = deployment_options(ReplicaSpec(ulysses_degree=2), RayServeOptions())
+    assert on_cpus["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    with pytest.raises(ConfigError, match=r"--gpus-per-replica=2 is invalid with --tp-size 2 × --ulysses-degree 2"):
+        deployment_options(spec, RayServeOptions(gpus_per_replica=2))
+    with pytest.raises(ConfigError, match="--gpus-per-replica=1 needs a CUDA device, but --device='cpu'"):
+        deployment_options(ReplicaSpec(device="cpu"), RayServeOptions(gpus_per_replica=1))
+
+
+def test_command_line_options_become_spec_and_options():
+    args = parse_serve_argv(
+        ["--ray", "--replicas", "2", "--max-replicas", "6", "--tp-size", "2", "--max-queue", "3", "--device", "cuda"]
+    )
+    spec = replica_spec_from_args(args, cache_config=None)
+    assert spec.world_size == 2 and spec.settings.max_queue == 3 and spec.device == "cuda"
+    options = serve_options_from_args(args, spec)
+    assert (options.replicas, options.max_replicas, options.gpus_per_replica) == (2, 6, 2.0)  # cuda: 1 per rank
+    cpu = parse_serve_argv(["--ray"])
+    assert serve_options_from_args(cpu, replica_spec_from_args(cpu, None), cluster_gpus=0).gpus_per_replica == 0
+    assert serve_options_from_args(cpu, replica_spec_from_args(cpu, None), cluster_gpus=8).gpus_per_replica == 1
+    with pytest.raises(ConfigError, match="--tp-size=0 is invalid"):
+        bad = parse_serve_argv(["--ray", "--tp-size", "0"])
+        serve_options_from_args(bad, replica_spec_from_args(bad, None))
+
+
+def test_builder_args_map_to_the_same_options_and_errors():
+    argv = args_to_argv({"replicas": 2, "max_queue": 8, "ray": True, "profile": None, "default_size": "64x64"})
+    assert argv == ["--replicas", "2", "--max-queue", "8", "--ray", "--default-size", "64x64"]
+    assert args_to_argv({"enable": False}) == []
+    assert parse_serve_argv(argv).default_size == (64, 64)
+    with pytest.raises(ConfigError, match="unrecognized arguments: --replica 2"):
+        parse_serve_argv(args_to_argv({"replica": 2}))
+    with pytest.raises(ConfigError, match="argument --replicas: invalid int value: 'two'"):
+        parse_serve_argv(args_to_argv({"replicas": "two"}))
+
+
+def test_serve_help_lists_the_ray_options(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--ray", "--replicas", "--min-replicas", "--max-replicas", "--target-ongoing-requests"):
+        assert flag in text
+    assert "--gpus-per-replica" in text and "--ray-address" in text
+
+
+def test_without_ray_the_single_process_server_works_and_serve_ray_says_what_to_install():
+    """In a fresh interpreter where `import ray` fails: the app serves, and `--ray` names the extra to install."""
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from fastapi.testclient import TestClient\n"
+        "from dicache.server import create_app, ServerSettings\n"
+        "from dicache.server.generation import Defaults\n"
+        "from dicache.config import CacheConfig\n"
+        "class B:\n"
+        "    cache_config = CacheConfig.defaults(); num_blocks = 4\n"
+        "    defaults = Defaults('turbo', 8, 1.0, 64, 64)\n"
+        "    def generate(self, spec, should_stop=None): raise RuntimeError\n"
+        "with TestClient(create_app(B(), ServerSettings())) as c:\n"
+        "    assert c.get('/health').status_code == 200\n"
+        "from dicache.cli import main\n"
+        "sys.exit(main(['serve', '--ray', '--replicas', '2']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "dicache serve --ray needs the ray extra: pip install 'dicache[ray]'" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------- /metrics
+def _samples(text: bytes) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
+
+
+def test_merged_metrics_label_each_replica_and_keep_its_values():
+    a, b = ServerMetrics(), ServerMetrics()
+    a.observe_request("/health", 200, 0.1)
+    a.observe_generation(3, 5, 0.4)
+    b.observe_request("/health", 200, 0.2)
+    b.observe_request("/health", 200, 0.2)
+    merged = _samples(merge_expositions({"r1": a.render()[0], "r2": b.render()[0]}))
+    key = "dicache_http_requests_total"
+    assert merged[(key, (("endpoint", "/health"), ("replica", "r1"), ("status", "200")))] == 1
+    assert merged[(key, (("endpoint", "/health"), ("replica", "r2"), ("status", "200")))] == 2
+    assert merged[("dicache_transformer_calls_total", (("kind", "cached"), ("replica", "r1")))] == 5
+    assert merged[("dicache_transformer_calls_total", (("kind", "cached"), ("replica", "r2")))] == 0
+    count = "dicache_http_request_duration_seconds_count"
+    assert merged[(count, (("endpoint", "/health"), ("replica", "r2")))] == 2
+    conflicting = "# TYPE dicache_queue_depth counter\ndicache_queue_depth_total 1.0\n"
+    with pytest.raises(ValueError, match="'dicache_queue_depth'"):
+        merge_expositions({"r1": a.render()[0], "r2": conflicting})
+
+
+def test_metrics_board_forgets_replicas_that_stop_posting():
+    now = [0.0]
+    board = MetricsBoard(ttl_s=5, clock=lambda: now[0])
+    assert board.exchange("a", b"A1") == {}
+    now[0] = 2
+    assert board.exchange("b", b"B1") == {"a": b"A1"}
+    now[0] = 4
+    assert board.exchange("a", b"A2") == {"b": b"B1"}
+    now[0] = 8  # b last posted at 2: gone
+    assert board.exchange("a", b"A3") == {} and board.replicas() == ["a"]
+    board.exchange("c", b"C1")
+    board.leave("c")
+    assert board.replicas() == ["a"]
+    with pytest.raises(ValueError, match="ttl_s=0"):
+        MetricsBoard(ttl_s=0)
+
+
+# ---------------------------------------------------------------------------------------------- proxy errors
+def _run(middleware, path: str = "/v1/images/generations") -> tuple[int, dict[str, str], bytes]:
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(middleware({"type": "http", "path": path, "method": "POST"}, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, body
+
+
+def _answering(status: int, body: bytes, content_type: bytes = b"text/plain; charset=utf-8"):
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+        await send({"type": "http.response.body", "body": body[:3], "more_body": True})
+        await send({"type": "http.response.body", "body": body[3:], "more_body": False})
+
+    return app
+
+
+async def _silent(scope, receive, send):  # Serve's proxy when the replica died mid-request: no answer at all
+    return None
+
+
+async def _raising(scope, receive, send):
+    raise RuntimeError("ActorDiedError: the actor died unexpectedly")
+
+
+@pytest.mark.parametrize(
+    ("inner", "status", "code", "retry", "words"),
+    [
+        (_silent, 503, "replica_unavailable", "1", "stopped or failed before answering"),
+        (_raising, 503, "replica_unavailable", "1", "ActorDiedError"),
+        (_answering(500, b"Internal Server Error"), 503, "replica_unavailable", "1", "retry"),
+        (
+            _answering(503, b"Request dropped due to backpressure (num_queued_requests=8, max_queued_requests=8)."),
+            429,
+            "queue_full",
+            "1",
+            "max_queued_requests=8",
+        ),
+        (_answering(503, b"This node is being drained."), 503, "unavailable", "1", "being drained"),
+        (_answering(408, b"Request abc timed out after 60.0s."), 504, "timeout", None, "timed out after 60.0s"),
+    ],
+)
+def test_serve_own_failures_become_openai_errors(inner, status, code, retry, words):
+    got, headers, body = _run(ServeErrorsMiddleware(inner))
+    error = json.loads(body)["error"]
+    assert got == status and error["code"] == code and words in error["message"]
+    assert headers["content-type"] == "application/json" and int(headers["content-length"]) == len(body)
+    assert headers.get("retry-after") == retry
+
+
+def test_app_answers_and_serve_endpoints_pass_unchanged():
+    app_error = json.dumps({"error": {"message": "bad size", "code": None}}).encode()
+    assert _run(ServeErrorsMiddleware(_answering(400, app_error, b"application/json")))[::2] == (400, app_error)
+    metrics = b"# TYPE x gauge\nx 1.0\n"
+    assert _run(ServeErrorsMiddleware(_answering(200, metrics)))[::2] == (200, metrics)
+    drained = b"This node is being drained."
+    assert _run(ServeErrorsMiddleware(_answering(503, drained)), path="/-/healthz")[::2] == (503, drained)
+    assert translate(404, "Path '/x' not found.")[:3] == (404, "Path '/x' not found.", None)
+
+
+def test_replica_header_on_every_answer():
+    status, headers, body = _run(ReplicaHeaderMiddleware(_answering(200, b"ok!!"), replica="abc123"))
+    assert (status, headers[REPLICA_HEADER], body) == (200, "abc123", b"ok!!")
+
+
+def test_serve_ray_rejects_bad_options_before_starting_a_cluster(capsys):
+    ray = pytest.importorskip("ray")
+    assert cli_main(["serve", "--ray", "--tp-size", "2", "--gpus-per-replica", "1", "--device", "cuda"]) == 2
+    assert "--gpus-per-replica=1 is invalid with --tp-size 2 × --ulysses-degree 1" in capsys.readouterr().err
+    assert cli_main(["serve", "--ray", "--replicas", "3", "--max-replicas", "2"]) == 2
+    assert "--replicas=3 is invalid with autoscaling" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_replicas_get_the_speed_options_and_refuse_offload():
+    """`--compile`, `--quantization` and `--load-format` reach every replica (applied after any split, then a
+    warm-up); the memory options, which plan one process's GPU, are refused before a cluster starts."""
+    from dicache.config import CacheConfig
+    from dicache.quantization import QuantizationSpec
+
+    args = parse_serve_argv(["--ray", "--compile", "--quantization", "fp8", "--load-format", "dummy"])
+    spec = replica_spec_from_args(args, CacheConfig())
+    assert spec.compile is True and spec.load_format == "dummy" and spec.quantization == QuantizationSpec()
+    plain = replica_spec_from_args(parse_serve_argv(["--ray"]), CacheConfig())
+    assert plain.compile is False and plain.quantization is None and plain.load_format == "auto"
+    with pytest.raises(ConfigError, match="--dit-layerwise-offload.*not supported on Ray replicas"):
+        replica_spec_from_args(parse_serve_argv(["--ray", "--dit-layerwise-offload"]), CacheConfig())
+
+
+def test_replica_applies_speed_options_in_order():
+    from dicache.server.ray_serve import ReplicaSpec
+
+    calls = []
+
+    class Pipe:
+        def quantize(self, spec):
+            calls.append(("quantize", spec))
+
+        def compile(self):
+            calls.append(("compile",))
+
+    class Backend:
+        pipe = Pipe()
+
+        def warm_up(self):
+            calls.append(("warm_up",))
+            return {}
+
+    ReplicaSpec(quantization="q", compile=True).apply_speed(Backend())
+    assert calls == [("quantize", "q"), ("compile",), ("warm_up",)]
+    calls.clear()
+    ReplicaSpec().apply_speed(Backend())
+    assert calls == []
