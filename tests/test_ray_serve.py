@@ -227,7 +227,7 @@ def test_both_replicas_serve_a_concurrent_load_and_metrics_count_each(ray_url):
         after = _replica_counts(ray_url)
         return all(after.get(r, 0) - before.get(r, 0) == n for r, n in served.items())
 
-    wait_until(counted, timeout=20, what=f"/metrics to count {dict(served)} generations per replica")
+    wait_until(counted, timeout=60, what=f"/metrics to count {dict(served)} generations per replica")
 
 
 def test_a_client_that_goes_away_stops_its_generation(ray_url):
@@ -275,7 +275,7 @@ def test_a_replica_killed_mid_load_fails_only_its_requests_and_comes_back(ray_ur
     wait_until(replaced, timeout=120, what="a replacement replica serving next to the survivor")
     status = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME]
     assert status.replica_states.get("RUNNING") == 2
-    wait_until(lambda: victim not in _replica_counts(ray_url), timeout=20, what="the killed replica leaving /metrics")
+    wait_until(lambda: victim not in _replica_counts(ray_url), timeout=40, what="the killed replica leaving /metrics")
 
 
 # ---------------------------------------------------------------------------------------------- model groups
