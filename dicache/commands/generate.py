@@ -15,7 +15,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *variant_aliases: st
     """`--model`, `--variant` (plus `variant_aliases`), `--steps`, `--guidance`: what to sample with, shared by the
     commands that run the pipeline (`generate`, `calibrate`)."""
     parser.add_argument(
-        "--model", default=None, help="local diffusers-layout folder or hub repo id (default: embedded)"
+        "--model",
+        default=None,
+        help="local diffusers-layout folder or hub repo id (default: the embedded checkpoint; with --variant turbo "
+        "its distilled Turbo student)",
     )
     parser.add_argument(
         "--variant",
@@ -89,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline) -> int:
-    pipe = Krea2Pipeline.from_pretrained(args.model, device=ctx.device)
+    from dicache.models.krea2.pipeline import resolve_model
+
+    pipe = Krea2Pipeline.from_pretrained(resolve_model(args.model, args.variant), device=ctx.device)
     parallelize_pipeline(pipe, ctx)
     if use_cache:
         dicache.enable(pipe, config)

@@ -566,10 +566,12 @@ def _sample_from_ref(ref: dict[str, Any], num_blocks: int, schedule: Schedule) -
 
 def model_identity(model: str | os.PathLike | None) -> tuple[str, str]:
     """(display name, fingerprint) of a model argument; None is the embedded checkpoint."""
-    from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT
+    from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT, EMBEDDED_TURBO_CHECKPOINT
 
     path = Path(model) if model is not None else EMBEDDED_CHECKPOINT
     name = "embedded krea2-tiny" if model is None else str(model)
+    if path.is_dir() and path.resolve() == EMBEDDED_TURBO_CHECKPOINT:
+        name = "embedded krea2-tiny-turbo"
     return name, model_fingerprint(path) if path.is_dir() else str(model)
 
 
