@@ -129,18 +129,28 @@ class BlockStackRunner:
             diff,
         )
         position = request.position(ctx.step, ctx.sigma) if config.enable_taylorseer else float(ctx.step)
+        streams_n = len(hf)
+        h, slot = hf, 0  # slot: the first calibrator of the next cached segment (segment-major, stream-minor)
         if decision.cache:
-            estimates = [c.estimate(position) for c in branch.calibrators]
-            h = tuple(a + e for a, e in zip(hf, estimates))
+            for segment in request.segments:  # skipped runs add their estimate; cached_step_blocks still run
+                if segment.cached:
+                    calibrators = branch.calibrators[slot : slot + streams_n]
+                    h = tuple(a + c.estimate(position) for a, c in zip(h, calibrators))
+                    slot += streams_n
+                else:
+                    h = self._run(segment.start, segment.stop, h, rest, kw)
             branch.cached_total += 1
             branch.continuous_cached += 1
         else:
             if getattr(policy, "uses_diff", True):
                 branch.reference = residual()
-            h = self._run(fn, num_blocks - bn, hf, rest, kw)
-            middle = tuple(torch.sub(a, b) for a, b in zip(h, hf))
-            for calibrator, m in zip(branch.calibrators, middle):
-                calibrator.update(position, m)
+            for segment in request.segments:
+                out = self._run(segment.start, segment.stop, h, rest, kw)
+                if segment.cached:  # what this run adds, for the cached steps to come
+                    for calibrator, a, b in zip(branch.calibrators[slot : slot + streams_n], out, h):
+                        calibrator.update(position, torch.sub(a, b))
+                    slot += streams_n
+                h = out
             branch.continuous_cached = 0
         h = self._run(num_blocks - bn, num_blocks, h, rest, kw)
         branch.stats.record(ctx.step, decision.cache, decision.reason, decision.diff)
