@@ -60,6 +60,7 @@ if str(REPO) not in sys.path:  # run as `python scripts/train_turbo.py` from any
 
 from dicache.models.krea2.pipeline import PRESETS, Krea2Pipeline, component_fingerprint  # noqa: E402
 from dicache.models.krea2.scheduler import TURBO_MU  # noqa: E402
+from dicache.models.krea2.text import KREA2_PROMPT_PREFIX  # noqa: E402
 from dicache.models.krea2.transformer import Krea2Transformer, TextConditioning  # noqa: E402
 
 IMAGE_SIZE = 128
@@ -135,9 +136,11 @@ def encode_captions(pipe: Krea2Pipeline, captions: list[str], batch: int = 512):
     encoder = pipe.text_encoder
     previous, encoder.max_sequence_length = encoder.max_sequence_length, TRAIN_TEXT_LEN
     try:
-        counts = encoder.num_valid_tokens(captions)
-        if max(counts) >= TRAIN_TEXT_LEN:
-            raise ValueError(f"a caption fills all {TRAIN_TEXT_LEN} text tokens (may be truncated)")
+        room = TRAIN_TEXT_LEN - encoder.suffix_len
+        lengths = [len(encoder.tokenizer(KREA2_PROMPT_PREFIX + c).input_ids) - encoder.prefix_len for c in captions]
+        too_long = [c for c, n in zip(captions, lengths) if n > room]
+        if too_long:
+            raise ValueError(f"{len(too_long)} captions exceed {room} tokens, e.g. {too_long[0]!r}")
         states, masks = [], []
         for i in range(0, len(captions), batch):
             h, m = encoder.encode(captions[i : i + batch])
@@ -554,7 +557,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default=env("DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--teacher-seconds", type=float, default=float(env("TEACHER_SECONDS", "70")))
-    ap.add_argument("--teacher-samples", type=int, default=60000, help="most teacher paths (also stops at seconds)")
+    ap.add_argument("--teacher-samples", type=int, default=16384, help="most teacher paths (also stops at seconds)")
     ap.add_argument("--teacher-batch", type=int, default=1024)
     ap.add_argument("--teacher-steps", type=int, default=TEACHER_STEPS)
     ap.add_argument("--teacher-dtype", choices=("bfloat16", "float32"), default=None, help="default: bf16 on CUDA")
