@@ -67,6 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="run the sections eager, with the transformer blocks compiled, or both",
     )
     p.add_argument("--no-diffusers", action="store_true")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "fp8"),
+        help="quantize our transformer (pipe.quantize, default exclusions) before compiling; diffusers stays bf16",
+    )
     p.add_argument("--raw-steps", type=int, default=50)
     p.add_argument("--turbo-steps", type=int, default=8)
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default: 3 for Turbo, 1 for Raw)")
@@ -95,9 +101,12 @@ class Bench:
 
     # -------------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        from diffusers import Krea2Transformer2DModel
+        import inspect
 
-        config = self.config or {k: v for k, v in Krea2Transformer2DModel().config.items() if not k.startswith("_")}
+        from dicache.models.krea2 import Krea2Transformer
+
+        defaults = inspect.signature(Krea2Transformer.__init__).parameters.items()
+        config = self.config or {k: p.default for k, p in defaults if k != "self"}  # the released configuration
         self.config = config
         self.ours, self.ref, note = build_models(config, self.device, self.dtype, 0, not self.args.no_diffusers)
         if note:
@@ -111,6 +120,8 @@ class Bench:
         self.nm = self._mask(self.neg_valid)
         self.pipe = Krea2Pipeline(transformer=self.ours, scheduler=FlowMatchEulerScheduler())
         self.pipe.set_progress_bar_config(disable=True)
+        if self.args.quantization != "none":
+            self.pipe.quantize(self.args.quantization)  # what `--quantization fp8` does
         self.dpipe = None
         if self.ref is not None:
             from diffusers import FlowMatchEulerDiscreteScheduler
@@ -131,7 +142,7 @@ class Bench:
         self.results["setup"] = {
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.machine(),
             "torch": torch.__version__,
-            "dtype": str(self.dtype),
+            "dtype": str(self.dtype) + ("" if self.args.quantization == "none" else f" + {self.args.quantization}"),
             "size": self.size,
             "text_len": self.text_len,
             "valid_text": self.valid,
@@ -452,8 +463,7 @@ class Bench:
         import torch._dynamo
 
         start = time.perf_counter()
-        for block in self.ours.transformer_blocks:
-            block.compile(fullgraph=True)
+        self.pipe.compile()  # what `--compile` does
         if self.ref is not None:
             self.ref.compile_repeated_blocks(fullgraph=True)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

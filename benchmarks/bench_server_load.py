@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serve a tiny random Krea-2 built with diffusers (tests/tiny_krea2.py)",
     )
     p.add_argument("--url", default=None, help="target an already running loopback server instead of starting one")
+    p.add_argument(
+        "--api-key", default=os.environ.get("DICACHE_API_KEY"), help="the --url server's key (default: DICACHE_API_KEY)"
+    )
     p.add_argument("--requests", type=int, default=24, help=f"measured requests per pass (<= {MAX_REQUESTS})")
     p.add_argument("--concurrency", type=int, default=4, help="client threads")
     p.add_argument("--rounds", type=int, default=2, help="alternating (no cache, cache) pass pairs, pooled")
@@ -90,12 +93,18 @@ def request_bodies(args: argparse.Namespace, count: int, offset: int = 0) -> lis
     return bodies
 
 
-def run_pass(url: str, bodies: list[dict], concurrency: int, cache: bool, cache_params: dict | None) -> dict:
+def auth_headers(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def run_pass(
+    url: str, bodies: list[dict], concurrency: int, cache: bool, cache_params: dict | None, key: str | None = None
+) -> dict:
     """Fire `bodies` from `concurrency` threads; return the raw samples of the pass."""
     local = threading.local()
 
     def one(body: dict) -> tuple[float, int, dict | None]:
-        client = getattr(local, "client", None) or httpx.Client(timeout=600)
+        client = getattr(local, "client", None) or httpx.Client(timeout=600, headers=auth_headers(key))
         local.client = client
         payload = dict(body, enable_cache=cache)
         if cache and cache_params:
@@ -228,19 +237,22 @@ def main(argv: list[str] | None = None) -> int:
         }
     else:
         url = args.url.rstrip("/")
-        info = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"], "server": f"external {url}"}
-    health = httpx.get(url + "/health").json()
-    base = {k: v for k, v in health["cache"]["settings"].items() if health["cache"]["sources"][k] != "default"}
+        models = httpx.get(url + "/v1/models", headers=auth_headers(args.api_key)).json()
+        info = {"model": models["data"][0]["id"], "server": f"external {url}"}
+    key = args.api_key if args.url is not None else None
+    server_info = httpx.get(url + "/v1/server_info", headers=auth_headers(key)).json()
+    cache_info = server_info["cache"]
+    base = {k: v for k, v in cache_info["settings"].items() if cache_info["sources"][k] != "default"}
     server_cache = f"SGLANG_CACHE_DIT_* / profile values {base}" if base else "SGLang defaults (F1 B0 W4 MC3 RDT 0.24)"
     info["cache"] = f"{server_cache}; the cached pass adds cache_dit_params {cache_params or '{}'}"
     try:
         warm = request_bodies(args, 2, offset=10_000)
-        run_pass(url, warm, 2, True, cache_params)  # warm-up (not measured)
+        run_pass(url, warm, 2, True, cache_params, key)  # warm-up (not measured)
         bodies = request_bodies(args, args.requests)
         passes: dict[str, list[dict]] = {"no cache": [], "cache": []}
         for _ in range(args.rounds):
-            passes["no cache"].append(run_pass(url, bodies, args.concurrency, False, None))
-            passes["cache"].append(run_pass(url, bodies, args.concurrency, True, cache_params))
+            passes["no cache"].append(run_pass(url, bodies, args.concurrency, False, None, key))
+            passes["cache"].append(run_pass(url, bodies, args.concurrency, True, cache_params, key))
         rows = {name: summarise(p) for name, p in passes.items()}
     finally:
         if server is not None:

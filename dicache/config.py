@@ -27,6 +27,10 @@ PROFILE_ENV = ENV_PREFIX + "PROFILE"
 _IGNORED_ENV_PREFIXES = (ENV_PREFIX + "SECONDARY_",)
 
 SCM_PRESETS = ("none", "slow", "medium", "fast", "ultra", "curved")
+MAX_SCM_BIN = 10_000
+"""Longest run in `scm_compute_bins` / `scm_cache_bins`, in steps (no schedule is that long)."""
+MAX_SCM_BINS = 1_000
+"""Most runs in `scm_compute_bins` / `scm_cache_bins`."""
 
 
 @dataclass(frozen=True)
@@ -119,13 +123,13 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         "scm_compute_bins",
         "SCM_COMPUTE_BINS",
-        "comma-separated positive integers, e.g. 8,3,3,2,1,1",
+        f"at most {MAX_SCM_BINS} comma-separated integers in [1, {MAX_SCM_BIN}], e.g. 8,3,3,2,1,1",
         "explicit mask: runs of computed steps, alternating with SCM_CACHE_BINS",
     ),
     Knob(
         "scm_cache_bins",
         "SCM_CACHE_BINS",
-        "comma-separated positive integers, e.g. 1,2,2,2,3",
+        f"at most {MAX_SCM_BINS} comma-separated integers in [1, {MAX_SCM_BIN}], e.g. 1,2,2,2,3",
         "explicit mask: runs of cacheable steps, alternating with SCM_COMPUTE_BINS",
     ),
     Knob(
@@ -156,6 +160,7 @@ def _environ() -> Mapping[str, str]:
 
 
 def _parse_bins(value: Any) -> Any:
+    """'8,3,3' or '[8, 3, 3]' -> a list (items validated by the field); a malformed string is a ValueError."""
     if value is None or isinstance(value, list | tuple):
         return value
     if isinstance(value, str):
@@ -163,7 +168,13 @@ def _parse_bins(value: Any) -> Any:
         if text == "" or text.lower() in ("none", "unset"):
             return None
         if text.startswith("["):
-            return json.loads(text)
+            try:  # a flat list of numbers needs no nesting: refuse deep nesting before json recurses into it
+                if text.count("[") > 1:
+                    raise ValueError("nested lists")
+                parsed = json.loads(text)
+            except (ValueError, RecursionError) as exc:
+                raise ValueError(f"not a JSON list of integers ({exc})") from None
+            return parsed
         return [part.strip() for part in text.split(",")]
     return value
 
@@ -251,8 +262,12 @@ class CacheConfig(BaseSettings):
     scm_preset: Literal["none", "slow", "medium", "fast", "ultra", "curved"] = "none"
     scm_compute_fraction: float = Field(0.5, gt=0.0, le=1.0)
     scm_curve: float = Field(2.5, ge=1.0, allow_inf_nan=False)
-    scm_compute_bins: Annotated[list[Annotated[int, Field(ge=1)]] | None, NoDecode] = None
-    scm_cache_bins: Annotated[list[Annotated[int, Field(ge=1)]] | None, NoDecode] = None
+    scm_compute_bins: Annotated[
+        Annotated[list[Annotated[int, Field(ge=1, le=MAX_SCM_BIN)]], Field(max_length=MAX_SCM_BINS)] | None, NoDecode
+    ] = None
+    scm_cache_bins: Annotated[
+        Annotated[list[Annotated[int, Field(ge=1, le=MAX_SCM_BIN)]], Field(max_length=MAX_SCM_BINS)] | None, NoDecode
+    ] = None
     scm_policy: Literal["dynamic", "static"] = "dynamic"
     policy: Literal["dbcache", "never", "always"] = "dbcache"
 
@@ -412,6 +427,12 @@ def _show(value: Any) -> str:
     return str(value)
 
 
+def _clip(value: Any, limit: int = 100) -> str:
+    """`repr(value)`, cut to `limit` characters (a request can send megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} characters)"
+
+
 def _check_keys(overrides: Mapping[str, Any], what: str) -> None:
     unknown = [k for k in overrides if k not in KNOBS_BY_KEY]
     if unknown:
@@ -434,8 +455,10 @@ def _config_error(
         knob = KNOBS_BY_KEY.get(key) if key else None
         if knob is None:  # a cross-field rule
             related = ("scm_", "Fn_compute_blocks", "policy")
-            origins = [f"{k}={v!r}" for k, v in overrides.items() if k.startswith(related)]
-            origins += [f"{KNOBS_BY_KEY[k].env_name}={v!r}" for k, v in env_values.items() if k.startswith(related)]
+            origins = [f"{k}={_clip(v)}" for k, v in overrides.items() if k.startswith(related)]
+            origins += [
+                f"{KNOBS_BY_KEY[k].env_name}={_clip(v)}" for k, v in env_values.items() if k.startswith(related)
+            ]
             detail = str(err["msg"]).removeprefix("Value error, ")
             messages.append(detail + (f" (from {', '.join(origins)})" if origins else ""))
             continue
@@ -447,7 +470,7 @@ def _config_error(
             origin, value = f"{key!r} in profile {profile_path}", profile[key]
         else:
             origin, value = key, err.get("input")
-        messages.append(f"{origin}={value!r} is invalid: must be {knob.allowed}")
+        messages.append(f"{origin}={_clip(value)} is invalid: must be {knob.allowed}")
     return ConfigError("; ".join(messages))
 
 

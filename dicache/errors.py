@@ -17,3 +17,7 @@ class BlockSplitError(ConfigError):
 
 class UnsupportedModelError(DicacheError, TypeError):
     """`dicache.enable` was given an object it cannot find a block stack in."""
+
+
+class MemoryBudgetError(ConfigError):
+    """A memory plan that cannot fit the device budget: says what was needed and what was available."""

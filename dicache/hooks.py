@@ -11,12 +11,19 @@ adds the calibrator's estimate of the middle residual, then runs the last Bn blo
 Blocks themselves are never modified, so their own hooks and `torch.compile` keep working. The owner's forward is
 wrapped to give each call its (step, branch): declared by the pipeline, or derived from the timestep.
 A model split over processes carries a `ReductionLayout` (`parallel_layout`); the diff is then reduced over its group.
+
+The block plan is the seam between caching and memory (DESIGN §9): before a call runs blocks, the runner tells every
+`BlockObserver` of the stack (`observe_blocks`, e.g. the layerwise offloader) which blocks it will run, in order, and
+which blocks later calls will run as far as the policy already knows; then it reports each block's start and end. A
+model with observers but no cache gets a runner too (every call runs all blocks). Policies never see the observers,
+and observers never see the policies.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,7 +31,9 @@ import torch
 from torch import nn
 
 from .adapters.base import ModelSpec, Streams
+from .errors import UnsupportedModelError
 from .policies import StepContext
+from .policies.lookahead import BranchCounters, decide_without_diff, upcoming_decisions
 from .session import CacheSession
 
 PARALLEL_LAYOUT_ATTR = "parallel_layout"
@@ -66,45 +75,103 @@ def relative_change(current: Streams, reference: Streams, layout: ReductionLayou
     return num / den if den > 0 else float("inf")
 
 
-class BlockStackRunner:
-    """Runs a block stack as Fn / middle / Bn for the call context the session reports.
+@dataclass(frozen=True)
+class BlockPlan:
+    """The blocks a transformer call runs, published before they run.
 
-    Args:
-        session: request/call bookkeeping for this model.
-        spec: the model's block stack and block form.
-        plain: runs the whole stack without caching (the model's own loop), used outside any call context.
+    blocks: this call's blocks known so far, in run order (indices into the stack).
+    complete: True when `blocks` is the whole call; False when more follow once the cache has decided (after the
+        Fn blocks), in which case a second plan with the whole call follows before they run.
+    upcoming: the blocks later calls will run, in run order (their plans joined), as far as they are known now; with
+        `complete=False` they come after this call's unknown remainder. May repeat indices (one entry per run).
     """
 
-    def __init__(self, session: CacheSession, spec: ModelSpec, plain: Callable[..., Any]) -> None:
+    blocks: tuple[int, ...]
+    complete: bool
+    upcoming: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """Which call of a request is starting: its step and branch when the cache engine knows them (else None)."""
+
+    step: int | None = None
+    branch: str | None = None
+
+
+class BlockObserver(Protocol):
+    """Told about every call of a block stack: `begin_call`, one or two `plan`s, `before_block`/`after_block` around
+    each block, `end_call` (always, also after an error). Calls arrive in that order, from the thread running the
+    call; they must not synchronise with the device."""
+
+    def begin_call(self, info: CallInfo) -> None: ...
+
+    def plan(self, plan: BlockPlan) -> None: ...
+
+    def before_block(self, index: int) -> None: ...
+
+    def after_block(self, index: int) -> None: ...
+
+    def end_call(self) -> None: ...
+
+
+class BlockStackRunner:
+    """Runs a block stack as Fn / middle / Bn for the call context the session reports, and keeps the stack's
+    observers informed.
+
+    Args:
+        spec: the model's block stack and block form.
+        plain: runs the whole stack without caching (the model's own loop), used when nothing needs the runner.
+        session: request/call bookkeeping of the cache (None: no caching; every call runs all blocks).
+    """
+
+    def __init__(self, spec: ModelSpec, plain: Callable[..., Any], session: CacheSession | None = None) -> None:
         self.session = session
         self.spec = spec
         self.blocks = spec.blocks
         self.form = spec.form
         self.plain = plain
+        self.observers: list[BlockObserver] = []
 
-    def _run(self, start: int, stop: int, streams: Streams, args: tuple, kwargs: dict) -> Streams:
-        for i in range(start, stop):
+    def _run(self, indices: range, streams: Streams, args: tuple, kwargs: dict, observers: tuple) -> Streams:
+        for i in indices:
+            for observer in observers:
+                observer.before_block(i)
             streams = self.form.call(self.blocks[i], streams, args, kwargs)
+            for observer in observers:
+                observer.after_block(i)
         return streams
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = self.session.current_call()
-        if ctx is None:
+        ctx = self.session.current_call() if self.session is not None else None
+        observers = tuple(self.observers)
+        if ctx is None and not observers:
             return self.plain(*args, **kwargs)
-        request, branch = ctx.request, ctx.branch
-        streams, rest, kw = self.form.split(args, kwargs)
-        num_blocks = len(self.blocks)
-        if not request.enabled:
-            out = self._run(0, num_blocks, streams, rest, kw)
-            branch.stats.record(ctx.step, False, "disabled", None)
-            return self.form.join(out)
+        info = CallInfo(ctx.step, ctx.branch.name) if ctx is not None else CallInfo()
+        for observer in observers:
+            observer.begin_call(info)
+        try:
+            streams, rest, kw = self.form.split(args, kwargs)
+            if ctx is None or not ctx.request.enabled:
+                everything = tuple(range(len(self.blocks)))
+                _publish(observers, BlockPlan(everything, True, everything))
+                out = self._run(range(len(self.blocks)), streams, rest, kw, observers)
+                if ctx is not None:
+                    ctx.branch.stats.record(ctx.step, False, "disabled", None)
+                return self.form.join(out)
+            return self.form.join(self._cached_call(ctx, streams, rest, kw, observers))
+        finally:
+            for observer in reversed(observers):
+                observer.end_call()
 
+    def _cached_call(self, ctx, h0: Streams, rest: tuple, kw: dict, observers: tuple) -> Streams:
+        request, branch = ctx.request, ctx.branch
+        num_blocks = len(self.blocks)
         config = request.config
         fn, bn = config.Fn_compute_blocks, config.Bn_compute_blocks
-        h0 = streams
-        hf = self._run(0, fn, h0, rest, kw)
 
         fn_residual: list[Streams] = []
+        hf: Streams = ()
 
         def residual() -> Streams:
             if not fn_residual:
@@ -116,18 +183,27 @@ class BlockStackRunner:
             return relative_change(residual(), branch.reference, layout)
 
         policy = request.policy
-        decision = policy.decide(
-            StepContext(
-                step=ctx.step,
-                num_steps=request.num_steps,
-                cached_total=branch.cached_total,
-                continuous_cached=branch.continuous_cached,
-                has_residual=branch.has_residual,
-                has_reference=branch.reference is not None,
-                sigma=ctx.sigma,
-            ),
-            diff,
+        step_ctx = StepContext(
+            step=ctx.step,
+            num_steps=request.num_steps,
+            cached_total=branch.cached_total,
+            continuous_cached=branch.continuous_cached,
+            has_residual=branch.has_residual,
+            has_reference=branch.reference is not None,
+            sigma=ctx.sigma,
         )
+        # Rules that do not read the diff decide before any block runs (same answer: decisions are pure), so the
+        # observers learn the whole call up front; otherwise they learn the Fn blocks now and the rest after them.
+        early = decide_without_diff(policy, step_ctx) if observers else None
+        if observers:
+            known = self._call_plan(early.cache, fn, bn, request.segments) if early is not None else tuple(range(fn))
+            _publish(observers, BlockPlan(known, early is not None, self._upcoming(ctx, early and early.cache)))
+        hf = self._run(range(fn), h0, rest, kw, observers)
+        decision = early if early is not None else policy.decide(step_ctx, diff)
+        if observers and early is None:
+            full = self._call_plan(decision.cache, fn, bn, request.segments)
+            _publish(observers, BlockPlan(full, True, self._upcoming(ctx, decision.cache)))
+
         position = request.position(ctx.step, ctx.sigma) if config.enable_taylorseer else float(ctx.step)
         streams_n = len(hf)
         h, slot = hf, 0  # slot: the first calibrator of the next cached segment (segment-major, stream-minor)
@@ -138,23 +214,69 @@ class BlockStackRunner:
                     h = tuple(a + c.estimate(position) for a, c in zip(h, calibrators))
                     slot += streams_n
                 else:
-                    h = self._run(segment.start, segment.stop, h, rest, kw)
+                    h = self._run(range(segment.start, segment.stop), h, rest, kw, observers)
             branch.cached_total += 1
             branch.continuous_cached += 1
         else:
             if getattr(policy, "uses_diff", True):
                 branch.reference = residual()
             for segment in request.segments:
-                out = self._run(segment.start, segment.stop, h, rest, kw)
+                out = self._run(range(segment.start, segment.stop), h, rest, kw, observers)
                 if segment.cached:  # what this run adds, for the cached steps to come
                     for calibrator, a, b in zip(branch.calibrators[slot : slot + streams_n], out, h):
                         calibrator.update(position, torch.sub(a, b))
                     slot += streams_n
                 h = out
             branch.continuous_cached = 0
-        h = self._run(num_blocks - bn, num_blocks, h, rest, kw)
+        h = self._run(range(num_blocks - bn, num_blocks), h, rest, kw, observers)
         branch.stats.record(ctx.step, decision.cache, decision.reason, decision.diff)
-        return self.form.join(h)
+        return h
+
+    def _call_plan(self, cache: bool, fn: int, bn: int, segments: Sequence = ()) -> tuple[int, ...]:
+        """All blocks on a computed call; on a cached one the Fn blocks, the middle blocks it still computes (the
+        uncached `segments`, i.e. `cached_step_blocks`), then the Bn blocks."""
+        num_blocks = len(self.blocks)
+        if not cache:
+            return tuple(range(num_blocks))
+        kept = tuple(b for seg in segments if not seg.cached for b in range(seg.start, seg.stop))
+        return tuple(range(fn)) + kept + tuple(range(num_blocks - bn, num_blocks))
+
+    def _upcoming(self, ctx, current_cache: bool | None) -> tuple[int, ...]:
+        """The blocks of the calls after this one, as far as the policy knows them: at least one stack's worth when
+        it can (a static mask knows the whole request); an undecided call contributes its Fn blocks and ends the list.
+        """
+        request = ctx.request
+        config = request.config
+        fn, bn, num_blocks = config.Fn_compute_blocks, config.Bn_compute_blocks, len(self.blocks)
+        counters = {
+            name: BranchCounters(b.cached_total, b.continuous_cached, b.has_residual, b.reference is not None)
+            for name, b in request.branches.items()
+        }
+        upcoming: list[int] = []
+        calls = upcoming_decisions(
+            request.policy,
+            counters,
+            list(request.branches),
+            ctx.step,
+            ctx.branch.name,
+            current_cache,
+            request.num_steps,
+            request.sigmas,
+            max_calls=2 * (request.num_steps or 1) * max(len(counters), 1) + 2,
+        )
+        for call in calls:
+            if call.cache is None:
+                upcoming.extend(range(fn))
+                break
+            upcoming.extend(self._call_plan(call.cache, fn, bn, request.segments))
+            if len(upcoming) >= num_blocks:
+                break
+        return tuple(upcoming)
+
+
+def _publish(observers: tuple, plan: BlockPlan) -> None:
+    for observer in observers:
+        observer.plan(plan)
 
 
 class _StackIteration:
@@ -162,7 +284,7 @@ class _StackIteration:
 
     def __iter__(self):
         runner = self.__dict__.get("_dicache_runner")
-        if runner is not None and runner.session.current_call() is not None:
+        if runner is not None and runner.session is not None and runner.session.current_call() is not None:
             return iter((runner,))
         return super().__iter__()
 
@@ -213,14 +335,26 @@ def _set_instance_attr(obj: Any, name: str, value: Any, undo: list[Callable[[], 
     undo.append(restore)
 
 
-def install(spec: ModelSpec, session: CacheSession) -> InstalledHooks:
-    """Attach a `BlockStackRunner` and a call-deriving forward wrapper to `spec.owner`."""
-    owner, blocks = spec.owner, spec.blocks
-    undo: list[Callable[[], None]] = []
+@dataclass
+class _Attachment:
+    """The one runner of a model's stack, shared by its cache session and its observers; `undo` takes it out."""
 
+    runner: BlockStackRunner
+    undo: list[Callable[[], None]]
+
+
+_ATTACHMENTS: weakref.WeakKeyDictionary[nn.Module, _Attachment] = weakref.WeakKeyDictionary()
+
+
+def _attach(spec: ModelSpec) -> BlockStackRunner:
+    """The runner of `spec.owner`'s stack, put in place (seam or iteration) on first use."""
+    owner, blocks = spec.owner, spec.blocks
+    attachment = _ATTACHMENTS.get(owner)
+    if attachment is not None:
+        return attachment.runner
+    undo: list[Callable[[], None]] = []
     if spec.seam is not None:
-        original_seam = getattr(owner, spec.seam)
-        runner = BlockStackRunner(session, spec, plain=original_seam)
+        runner = BlockStackRunner(spec, plain=getattr(owner, spec.seam))
         _set_instance_attr(owner, spec.seam, runner, undo)
     else:
 
@@ -230,7 +364,7 @@ def install(spec: ModelSpec, session: CacheSession) -> InstalledHooks:
                 streams = spec.form.call(block, streams, rest, kw)
             return spec.form.join(streams)
 
-        runner = BlockStackRunner(session, spec, plain=plain)
+        runner = BlockStackRunner(spec, plain=plain)
         base = type(blocks)
         blocks.__class__ = _iteration_class(base)
         blocks.__dict__["_dicache_runner"] = runner
@@ -240,7 +374,52 @@ def install(spec: ModelSpec, session: CacheSession) -> InstalledHooks:
             blocks.__dict__.pop("_dicache_runner", None)
 
         undo.append(restore_iteration)
+    _ATTACHMENTS[owner] = _Attachment(runner, undo)
+    return runner
 
+
+def _detach_if_unused(owner: nn.Module) -> None:
+    attachment = _ATTACHMENTS.get(owner)
+    if attachment is None or attachment.runner.session is not None or attachment.runner.observers:
+        return
+    del _ATTACHMENTS[owner]
+    while attachment.undo:
+        attachment.undo.pop()()
+
+
+def observe_blocks(spec: ModelSpec, observer: BlockObserver) -> Callable[[], None]:
+    """Tell `observer` about every call of `spec`'s stack, with or without caching; returns the function that stops
+    it (and takes the runner out when nothing else uses it). Needs a model with a block-stack seam (`run_blocks`)."""
+    if spec.seam is None:
+        raise UnsupportedModelError(
+            f"{type(spec.owner).__name__} runs its blocks without a block-stack seam (a `run_blocks` method); block "
+            "observers such as layerwise offload need one (dicache's native Krea-2 transformer has it)"
+        )
+    runner = _attach(spec)
+    runner.observers.append(observer)
+
+    def stop() -> None:
+        if observer in runner.observers:
+            runner.observers.remove(observer)
+        _detach_if_unused(spec.owner)
+
+    return stop
+
+
+def install(spec: ModelSpec, session: CacheSession) -> InstalledHooks:
+    """Attach a `BlockStackRunner` serving `session` and a call-deriving forward wrapper to `spec.owner`."""
+    owner = spec.owner
+    runner = _attach(spec)
+    if runner.session is not None:
+        raise RuntimeError(f"dicache: {type(owner).__name__} already has cache hooks; remove them first")
+    runner.session = session
+    undo: list[Callable[[], None]] = []
+
+    def release_runner() -> None:
+        runner.session = None
+        _detach_if_unused(owner)
+
+    undo.append(release_runner)
     original_forward = owner.forward
 
     @functools.wraps(original_forward)

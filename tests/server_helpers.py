@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import pathlib
 import socket
 import threading
@@ -26,6 +27,38 @@ def pipeline_source(tmp_dir: pathlib.Path) -> str | None:
 
     build_tiny_pipeline(tmp_dir, distilled=True, seed=0)
     return str(tmp_dir)
+
+
+def backend_with_env(model_source: str | None, env: dict[str, str]) -> Any:
+    """The real backend on CPU, its cache settings read from exactly `env`'s SGLANG_CACHE_DIT_* at start-up (as
+    `dicache serve` does), default size 32x32."""
+    import pytest
+
+    from dicache.server import load_backend
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [n for n in os.environ if n.startswith("SGLANG_CACHE_DIT_")]:
+            mp.delenv(name)
+        for name, value in env.items():
+            mp.setenv(name, value)
+        return load_backend(model_source, device="cpu", default_size=(32, 32))
+
+
+def metrics_text_to_dict(text: str) -> dict[tuple[str, tuple], float]:
+    """Prometheus text -> {(sample name, sorted label pairs): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class GatedBackend:
@@ -80,9 +113,12 @@ def raw_http(host: str, port: int, request: bytes, read: bool = True, timeout: f
     return int(head.split(b" ")[1]), body
 
 
-def post_request(path: str, body: bytes, content_type: str = "application/json", host: str = "127.0.0.1") -> bytes:
+def post_request(
+    path: str, body: bytes, content_type: str = "application/json", host: str = "127.0.0.1", key: str | None = None
+) -> bytes:
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
     return (
-        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\n{auth}"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode() + body
 

@@ -282,9 +282,8 @@ def test_profile_option_wins_over_the_variable_and_variables_win_over_both(calib
 
 
 def test_serve_applies_the_profile_to_every_request(calibrated, monkeypatch):
-    """The real `dicache serve --profile` (uvicorn.run swapped for a loopback server that sends requests)."""
-    import uvicorn
-
+    """The real `dicache serve --profile` (its uvicorn runner swapped for a loopback server that sends requests)."""
+    from dicache.server import runner
     from dicache.server.background import BackgroundServer
 
     path, profile, _ = calibrated
@@ -294,19 +293,19 @@ def test_serve_applies_the_profile_to_every_request(calibrated, monkeypatch):
     body["guidance_scale"] = 4.5
     seen = {}
 
-    def serve(app, **kwargs):
+    def serve(app, *args, **kwargs):
         with BackgroundServer(app) as server:
-            seen["health"] = httpx.get(server.url + "/health").json()
+            seen["info"] = httpx.get(server.url + "/v1/server_info").json()
             url = server.url + "/v1/images/generations"
             seen["plain"] = httpx.post(url, json=body, timeout=120).json()
             overrides = {"max_warmup_steps": 8}  # merges over the profile: every step a warm-up step
             seen["override"] = httpx.post(url, json={**body, "cache_dit_params": overrides}, timeout=120).json()
 
-    monkeypatch.setattr(uvicorn, "run", serve)
+    monkeypatch.setattr(runner, "serve", serve)
     argv = ["serve", "--profile", str(path), "--device", "cpu", "--max-side", "128", "--log-level", "warning"]
     assert main(argv) == 0
 
-    cache = seen["health"]["cache"]
+    cache = seen["info"]["cache"]
     assert cache["profile"] == str(path) and cache["enabled_by_default"] is True
     assert cache["sources"]["residual_diff_threshold"] == f"profile {path}"
     assert cache["settings"]["residual_diff_threshold"] == settings["residual_diff_threshold"]

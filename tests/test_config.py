@@ -81,12 +81,33 @@ def test_invalid_variable_names_variable_value_and_range(name, value, allowed):
 def test_bins_must_be_paired_and_positive_and_exclusive_with_preset():
     with pytest.raises(ConfigError, match="set together.*SGLANG_CACHE_DIT_SCM_COMPUTE_BINS"):
         CacheConfig.from_env({P + "SCM_COMPUTE_BINS": "4,2"})
-    with pytest.raises(ConfigError, match=r"SGLANG_CACHE_DIT_SCM_CACHE_BINS='1,0'.*positive integers"):
+    with pytest.raises(ConfigError, match=r"SGLANG_CACHE_DIT_SCM_CACHE_BINS='1,0'.*integers in \[1, 10000\]"):
         CacheConfig.from_env({P + "SCM_COMPUTE_BINS": "4,2", P + "SCM_CACHE_BINS": "1,0"})
     with pytest.raises(ConfigError, match="not both"):
         CacheConfig.from_env({P + "SCM_COMPUTE_BINS": "4", P + "SCM_CACHE_BINS": "1", P + "SCM_PRESET": "fast"})
     with pytest.raises(ConfigError, match="one more"):
         CacheConfig.from_env({P + "SCM_COMPUTE_BINS": "4", P + "SCM_CACHE_BINS": "1,2,3"})
+
+
+@pytest.mark.parametrize(
+    "compute, expected",
+    [
+        ("400000000", r"SGLANG_CACHE_DIT_SCM_COMPUTE_BINS='400000000' is invalid: .*integers in \[1, 10000\]"),
+        ("10000000000", r"SGLANG_CACHE_DIT_SCM_COMPUTE_BINS='10000000000' is invalid"),
+        (",".join(["1"] * 1001), r"_SCM_COMPUTE_BINS='1,1,1.*\(2003 characters\) is invalid: must be at most 1000"),
+        ("[" * 5000, r"SGLANG_CACHE_DIT_SCM_COMPUTE_BINS='\[\[\[.*\(5002 characters\) is invalid"),
+    ],
+    ids=["4e8", "1e10", "1001-bins", "deep-nesting"],
+)
+def test_step_mask_bins_are_bounded_when_read(compute, expected):
+    """Issue 18, defect 1: a huge bin used to be expanded step by step (3.5 GB for 4e8); now it is refused at once."""
+    with pytest.raises(ConfigError, match=expected):
+        CacheConfig.from_env({P + "SCM_COMPUTE_BINS": compute, P + "SCM_CACHE_BINS": "1"})
+    with pytest.raises(ConfigError, match="cache override key 'scm_compute_bins'"):
+        CacheConfig.defaults().merged({"scm_compute_bins": compute, "scm_cache_bins": [1]})
+    assert CacheConfig.defaults().merged({"scm_compute_bins": "[10000]", "scm_cache_bins": [1]}).scm_compute_bins == [
+        10000
+    ]
 
 
 def test_unknown_variable_under_prefix_is_an_error_but_secondary_ones_are_ignored():

@@ -105,6 +105,20 @@ def test_explicit_bins():
         mask_from_bins([2, 1], [3], 8)
 
 
+def test_explicit_bins_build_only_the_steps_asked_for():
+    """A long bin costs nothing beyond the step count (it used to be expanded in full before being cut)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        assert mask_from_bins([10_000_000], [1], 4) == [1, 1, 1, 1]
+        assert mask_from_bins([1, 1], [10_000_000], 3) == [1, 0, 0]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, peak  # a 10-million-entry list is 80 MB
+
+
 def test_make_policy_follows_config():
     cfg = CacheConfig.from_env({"SGLANG_CACHE_DIT_SCM_PRESET": "ultra", "SGLANG_CACHE_DIT_SCM_POLICY": "static"})
     p = make_policy(cfg, 28)

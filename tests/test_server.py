@@ -6,27 +6,35 @@ built here with diffusers' classes). Torch runs one thread per op so that two wo
 
 from __future__ import annotations
 
-import os
+import base64
+import io
 import random
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import GatedBackend, decode_png, dumps, pipeline_source, post_request, raw_http, wait_until
+from server_helpers import (
+    GatedBackend,
+    backend_with_env,
+    decode_png,
+    dumps,
+    metrics_text_to_dict,
+    pipeline_source,
+    post_request,
+    raw_http,
+    wait_until,
+)
 
 import dicache
 from dicache.cli import main as cli_main
 from dicache.models.krea2 import Krea2Pipeline
-from dicache.server import ServerSettings, create_app, load_backend
+from dicache.server import ServerSettings, create_app
 from dicache.server.background import BackgroundServer
 from dicache.server.jobs import JobQueue, QueueFullError, ShuttingDownError
 
@@ -76,12 +84,7 @@ def model_source(tmp_path_factory):
 @pytest.fixture(scope="module")
 def backend(model_source):
     """The real backend, its cache settings read from SGLANG_CACHE_DIT_* at start-up (as `dicache serve` does)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name in [n for n in os.environ if n.startswith("SGLANG_CACHE_DIT_")]:
-            mp.delenv(name)
-        for name, value in ENV.items():
-            mp.setenv(name, value)
-        return load_backend(model_source, device="cpu", default_size=(32, 32))
+    return backend_with_env(model_source, ENV)
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +106,7 @@ def post(server, body):
 
 
 def metrics_of(server) -> dict[tuple[str, tuple], float]:
-    text = _http.get(server.url + "/metrics").text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    return metrics_text_to_dict(_http.get(server.url + "/metrics").text)
 
 
 # ---------------------------------------------------------------------------------------------- happy path
@@ -137,10 +135,12 @@ def test_openai_client_round_trip(server, client, backend):
     other = client.images.generate(**kwargs, extra_body={"seed": 8, "num_inference_steps": 6})
     assert other.data[0].model_extra["sha256"] != first.data[0].model_extra["sha256"]
 
-    health = httpx.get(server.url + "/health").json()
-    assert health["status"] == "ok" and health["cache"]["enabled_by_default"] is True
-    assert health["cache"]["sources"]["max_warmup_steps"] == "env SGLANG_CACHE_DIT_WARMUP"
-    assert health["cache"]["settings"]["residual_diff_threshold"] == 0.5
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # minimal: details are in server_info
+    info = httpx.get(server.url + "/v1/server_info").json()
+    assert info["status"] == "ok" and info["cache"]["enabled_by_default"] is True
+    assert info["cache"]["sources"]["max_warmup_steps"] == "env SGLANG_CACHE_DIT_WARMUP"
+    assert info["cache"]["settings"]["residual_diff_threshold"] == 0.5
+    assert info["limits"]["max_n"] == 2 and info["limits"]["api_key_set"] is False
 
 
 def engine_run(pipe, case, variant):
@@ -206,7 +206,7 @@ def test_mixed_concurrent_requests_are_bitwise_identical_to_solo_runs(server, cl
 
     def monitor():
         while not done.is_set():
-            queue = httpx.get(server.url + "/health").json()["queue"]
+            queue = httpx.get(server.url + "/v1/server_info").json()["queue"]
             peak["running"] = max(peak["running"], queue["running"])
             peak["waiting"] = max(peak["waiting"], queue["waiting"])
             time.sleep(0.01)
@@ -255,9 +255,47 @@ BAD_REQUESTS = [
     (dict(prompt=["a", "b"]), "prompt", ["prompt=['a', 'b']", "valid string"]),
     (dict(prompt="x", model="dall-e-3"), "model", ["model='dall-e-3' is not served here", "'krea-2'"]),
     (dict(prompt="x", response_format="url"), "response_format", ["response_format='url'", "'b64_json'"]),
-    (dict(prompt="x", quality="hd"), "quality", ["unknown field 'quality'", "accepted fields: model, prompt"]),
+    (dict(prompt="x", colour="red"), "colour", ["unknown field 'colour'", "accepted fields: model, prompt"]),
     (dict(prompt="x", enable_cache="maybe"), "enable_cache", ["enable_cache='maybe'", "boolean"]),
-    (dict(prompt="x", cache_dit_params=[1]), "cache_dit_params", ["cache_dit_params=[1]", "dictionary"]),
+    # issue 18 defect 7: strict numbers and booleans, as OpenAI's API has them
+    (dict(prompt="x", n=True), "n", ["n=True is invalid", "integer"]),
+    (dict(prompt="x", n=1.0), "n", ["n=1.0 is invalid", "integer"]),
+    (dict(prompt="x", guidance_scale="4.5"), "guidance_scale", ["guidance_scale='4.5' is invalid", "number"]),
+    (dict(prompt="x", guidance_scale=True), "guidance_scale", ["guidance_scale=True is invalid", "number"]),
+    (dict(prompt="x", enable_cache="yes"), "enable_cache", ["enable_cache='yes' is invalid", "boolean"]),
+    (dict(prompt="x", enable_cache=1), "enable_cache", ["enable_cache=1 is invalid", "boolean"]),
+    (dict(prompt="x", seed="7"), "seed", ["seed='7' is invalid", "integer"]),
+    (dict(prompt="x", num_inference_steps="8"), "num_inference_steps", ["num_inference_steps='8'", "integer"]),
+    # issue 18 defect 8: OpenAI values that cannot be honoured say why
+    (dict(prompt="x", background="transparent"), "background", ["background='transparent'", "no alpha channel"]),
+    (dict(prompt="x", output_format="gif"), "output_format", ["output_format='gif'", "png, jpeg or webp"]),
+    (dict(prompt="x", output_format="bmp"), "output_format", ["output_format='bmp'", "'png', 'jpeg' or 'webp'"]),
+    (dict(prompt="x", output_compression=101), "output_compression", ["output_compression=101", "less than"]),
+    (dict(prompt="x", stream=True), "stream", ["stream=True", "does not stream"]),
+    (dict(prompt="x", partial_images=2), "partial_images", ["partial_images=2", "streaming"]),
+    (dict(prompt="x", quality="ultra"), "quality", ["quality='ultra'", "'low'"]),
+    # issue 18 defects 1 and 6: found before queueing, naming the field
+    (
+        dict(prompt="x", cache_dit_params={"scm_compute_bins": [400000000], "scm_cache_bins": [1]}),
+        "cache_dit_params",
+        ["'scm_compute_bins'=[400000000] is invalid", "integers in [1, 10000]"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"scm_compute_bins": "[" * 5000, "scm_cache_bins": [1]}),
+        "cache_dit_params",
+        ["'scm_compute_bins'='[[[", "(5002 characters) is invalid"],
+    ),
+    (
+        dict(prompt="x", num_inference_steps=8, cache_dit_params={"scm_compute_bins": [2, 1], "scm_cache_bins": [3]}),
+        "cache_dit_params",
+        ["cover 6 steps", "num_inference_steps=8"],
+    ),
+    (
+        dict(prompt="x", num_inference_steps=3, cache_dit_params={"scm_preset": "fast"}),
+        "cache_dit_params",
+        ["scm_preset='fast' needs num_inference_steps >= 4", "the request has 3"],
+    ),
+    (dict(prompt="x", cache_dit_params=[1]), "cache_dit_params", ["cache_dit_params=[1]", "object"]),
     (dict(prompt="x", cache_dit_params={"foo": 1}), "cache_dit_params", ["'foo'", "allowed keys: enable_cache"]),
     (
         dict(prompt="x", cache_dit_params={"residual_diff_threshold": -1}),
@@ -281,6 +319,7 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("body, param, expected", BAD_REQUESTS, ids=[f"{i}-{c[1]}" for i, c in enumerate(BAD_REQUESTS)])
 def test_bad_field_is_a_400_naming_field_value_and_allowed(server, body, param, expected):
+    before = metrics_of(server)
     response = post(server, body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -288,6 +327,28 @@ def test_bad_field_is_a_400_naming_field_value_and_allowed(server, body, param, 
     for text in expected:
         assert text in error["message"], (text, error["message"])
     assert _http.get(server.url + "/health").status_code == 200
+    after = metrics_of(server)
+    for outcome in ("ok", "failed", "stopped"):  # refused before it was queued: no worker ever saw it
+        key = ("dicache_generations_total", (("outcome", outcome),))
+        assert after[key] == before[key], outcome
+
+
+def test_server_mask_too_short_for_the_request_is_a_400_on_num_inference_steps(backend):
+    """A step mask set by the server (SGLANG_CACHE_DIT_SCM_*) that a request's step count does not fit is found
+    before queueing and names num_inference_steps (it used to fail in the worker with param null)."""
+    from dicache.server.errors import ApiError
+    from dicache.server.generation import resolve
+    from dicache.server.schemas import ImageGenerationRequest
+
+    config = backend.cache_config.merged({"scm_preset": "fast"})
+    request = ImageGenerationRequest(prompt="x", num_inference_steps=3)
+    with pytest.raises(ApiError) as caught:
+        resolve(request, SETTINGS, backend.defaults, config, backend.num_blocks)
+    assert caught.value.status == 400 and caught.value.param == "num_inference_steps"
+    assert "scm_preset='fast' needs num_inference_steps >= 4" in caught.value.message
+    assert "SGLANG_CACHE_DIT_SCM_*" in caught.value.message
+    uncached = ImageGenerationRequest(prompt="x", num_inference_steps=3, enable_cache=False)
+    assert resolve(uncached, SETTINGS, backend.defaults, config, backend.num_blocks).num_inference_steps == 3
 
 
 @pytest.mark.parametrize(
@@ -301,7 +362,11 @@ def test_bad_field_is_a_400_naming_field_value_and_allowed(server, body, param, 
         (b"", "request body is missing"),
         (b"\xff\xfe\x00", "malformed JSON body"),
         (b"prompt=a+fox", "Content-Type: application/json"),
+        # issue 18 defect 6: these were "could not be decoded (send UTF-8)"
+        (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "malformed JSON body: number out of range at line 1"),
+        (b'{"prompt": "x", "cache_dit_params": ' + b"[" * 5000, "malformed JSON body: recursion limit exceeded"),
     ],
+    ids=["truncated", "nan-prompt", "inf", "array", "string", "empty", "not-utf8", "form", "5000-digits", "deep"],
 )
 def test_malformed_bodies_are_400_over_raw_http(server, raw, expected):
     content_type = "application/x-www-form-urlencoded" if raw.startswith(b"prompt=") else "application/json"
@@ -353,13 +418,162 @@ def test_metrics_count_requests_errors_latency_queue_and_cached_ratio(server):
     assert after[("dicache_queue_depth", ())] == 0 and after[("dicache_generations_running", ())] == 0
 
 
+def test_metrics_for_operators_wait_generate_images_steps_process_build_and_flops(server, backend, model_source):
+    """Issue 18 defect 10: separate wait / generate histograms, image and step counters, process RSS and open
+    descriptors, build and model info, and the transformer FLOPs of each generation, equal to what torch's FLOP
+    counter measures for the same request run directly."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    case = dict(CASES["raw"], n=2)
+    before = metrics_of(server)
+    response = post(server, case).json()
+    after = metrics_of(server)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("dicache_images_total") == 2 and delta("dicache_denoise_steps_total") == 10
+    assert delta("dicache_request_wait_seconds_count") == 1 and delta("dicache_generation_seconds_count") == 1
+    assert delta("dicache_generation_seconds_sum") == pytest.approx(response["timings"]["generate_s"], abs=1e-3)
+    assert after[("process_resident_memory_bytes", ())] > 50e6 and after[("process_open_fds", ())] > 3
+    build = [k for k in after if k[0] == "dicache_build_info"]
+    assert len(build) == 1 and ("torch", torch.__version__) in build[0][1]
+    model = [dict(k[1]) for k in after if k[0] == "dicache_model_info"]
+    assert model == [dict(model_id="krea-2", variant=backend.defaults.variant, device="cpu", dtype="float32",
+                          num_blocks=str(backend.num_blocks))]  # fmt: skip
+    assert (
+        delta("dicache_generation_achieved_tflops_count") == 1 and delta("dicache_generation_achieved_tflops_sum") > 0
+    )
+
+    pipe = Krea2Pipeline.from_pretrained(model_source, device="cpu")
+    dicache.enable(pipe, backend.cache_config)
+    pipe.set_progress_bar_config(disable=True)
+    cond, cond_mask = pipe.encode_prompt([case["prompt"]])
+    uncond, uncond_mask = pipe.encode_prompt([case["negative_prompt"]])
+    overrides = {"enable_cache": True}
+    with (
+        torch.inference_mode(),
+        dicache.request(pipe, config=overrides),
+        sdpa_kernel(SDPBackend.MATH),
+        FlopCounterMode(display=False) as counter,
+    ):
+        pipe(
+            prompt_embeds=cond, prompt_embeds_mask=cond_mask, negative_prompt_embeds=uncond,
+            negative_prompt_embeds_mask=uncond_mask, height=32, width=48, num_inference_steps=10, guidance_scale=4.5,
+            seed=2, num_images_per_prompt=2, output_type="latent", variant=backend.defaults.variant,
+        )  # fmt: skip
+    assert dicache.stats(pipe).to_dict() == response["cache_stats"]  # the same work, cached steps included
+    assert delta("dicache_transformer_flops_total") == counter.get_total_flops()
+
+
+def test_output_formats_and_the_openai_fields_that_are_ignored(server, client):
+    """Issue 18 defect 8: quality / style / moderation / background / output_format are accepted as the OpenAI SDK
+    sends them; output_format and output_compression are honoured, the rest documented as ignored."""
+    from PIL import Image
+
+    common = dict(prompt="a red fox", size="32x32", extra_body={"seed": 3, "num_inference_steps": 2})
+    extras = dict(quality="high", style="vivid", moderation="low", background="opaque", user="u-1")
+    results = {}
+    for fmt, compression in (("png", None), ("jpeg", 95), ("jpeg", 20), ("webp", 80)):
+        kwargs = dict(common, **extras, output_format=fmt, response_format="b64_json")
+        if compression is not None:
+            kwargs["output_compression"] = compression
+        response = client.images.generate(**kwargs)
+        raw = base64.b64decode(response.data[0].b64_json)
+        image = Image.open(io.BytesIO(raw))
+        assert image.format == {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}[fmt] and image.size == (32, 32)
+        assert response.output_format == fmt and response.size == "32x32"
+        results[(fmt, compression)] = (raw, response.data[0].model_extra["sha256"])
+    assert len({sha for _, sha in results.values()}) == 1  # the same generated array, encoded four ways
+    assert len(results[("jpeg", 20)][0]) < len(results[("jpeg", 95)][0])  # the compression is applied
+    png = decode_png(base64.b64encode(results[("png", None)][0]).decode())
+    jpeg = np.asarray(Image.open(io.BytesIO(results[("jpeg", 95)][0])).convert("RGB"))
+    assert np.abs(png.astype(int) - jpeg.astype(int)).mean() < 8  # lossy, but the same picture
+
+
+def test_health_generate_really_generates(backend):
+    """`/health_generate` runs one tiny generation through the queue (a full queue does not refuse it), concurrent
+    probes share it, and probes are not counted as served images."""
+    gated = GatedBackend(backend)
+    app = create_app(gated, ServerSettings(max_queue=1, workers=1))
+    body = dumps(dict(prompt="a cat", size="16x16", num_inference_steps=2, seed=1))
+    with BackgroundServer(app) as srv, ThreadPoolExecutor(4) as pool, gated:
+        busy = pool.submit(raw_http, srv.host, srv.port, post_request(GENERATIONS, body))
+        assert gated.started.acquire(timeout=20)
+        waiting = pool.submit(raw_http, srv.host, srv.port, post_request(GENERATIONS, body))
+        wait_until(lambda: httpx.get(srv.url + "/v1/server_info").json()["queue"]["waiting"] == 1)
+        probes = [pool.submit(httpx.get, srv.url + "/health_generate", timeout=60) for _ in range(2)]
+        wait_until(lambda: httpx.get(srv.url + "/v1/server_info").json()["queue"]["waiting"] == 2, what="the probe")
+        assert not any(p.done() for p in probes)  # it waits for a real generation
+        gated.gate.set()
+        for probe in probes:
+            answer = probe.result(60)
+            assert answer.status_code == 200 and answer.json()["status"] == "ok" and answer.json()["generate_s"] > 0
+        assert busy.result(60)[0] == 200 and waiting.result(60)[0] == 200
+        assert [gated.started.acquire(timeout=5) for _ in range(2)] == [True, True]  # the 2nd request + 1 probe
+        assert not gated.started.acquire(timeout=0.5)
+        again = httpx.get(srv.url + "/health_generate", timeout=60)
+        assert again.status_code == 200 and gated.started.acquire(timeout=5)  # a later probe generates anew
+        metrics = metrics_of(srv)
+    assert (
+        metrics[("dicache_images_total", ())] == 2 and metrics[("dicache_generations_total", (("outcome", "ok"),))] == 2
+    )
+
+
+def test_generation_stops_between_blocks_and_before_the_vae(backend):
+    """Issue 18 defect 4: a request abandoned mid-call frees its worker at the next transformer block (it used to run
+    the whole call, or the whole VAE decode, first)."""
+    from dicache.server.backend import GenerationStopped
+    from dicache.server.generation import GenerationSpec
+
+    spec = GenerationSpec(
+        prompt="a fox", negative_prompt=None, n=1, width=32, height=32, num_inference_steps=4, guidance_scale=1.0,
+        seed=0, enable_cache=False, variant=backend.defaults.variant,
+    )  # fmt: skip
+    blocks = backend.pipe.transformer.transformer_blocks
+    ran: list[str] = []
+    stop = threading.Event()
+    hooks = [
+        block.register_forward_hook(lambda m, a, o, i=i: ran.append(f"block{i}")) for i, block in enumerate(blocks)
+    ]
+    hooks.append(blocks[1].register_forward_hook(lambda *a: stop.set()))  # the client leaves during block 1
+    decoder = backend.pipe.vae.decoder
+    hooks.append(decoder.register_forward_pre_hook(lambda *a: ran.append("vae")))
+    try:
+        with pytest.raises(GenerationStopped):
+            backend.generate(spec, should_stop=stop.is_set)
+        assert ran == ["block0", "block1"]  # not block 2 onwards, not another call, not the VAE
+        ran.clear()
+        steps = len(blocks) * spec.num_inference_steps
+        stop.clear()
+        hooks[-2].remove()
+        last = blocks[-1]
+        count = {"n": 0}
+
+        def after_last(*args):
+            count["n"] += 1
+            if count["n"] == spec.num_inference_steps:
+                stop.set()  # the client leaves during the last transformer call
+
+        hooks.append(last.register_forward_hook(after_last))
+        with pytest.raises(GenerationStopped):
+            backend.generate(spec, should_stop=stop.is_set)
+        assert len(ran) == steps and "vae" not in ran  # every block ran, the VAE decode did not
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(backend.generate(spec).images_b64) == 1  # the backend still serves
+
+
 # ---------------------------------------------------------------------------------------------- robustness
 def test_full_queue_is_429_and_a_disconnect_frees_its_slot(backend):
     gated = GatedBackend(backend)
     app = create_app(gated, ServerSettings(max_queue=1, workers=1))
     body = dumps(dict(prompt="a cat", size="16x16", num_inference_steps=2, seed=1))
     with BackgroundServer(app) as srv, ThreadPoolExecutor(2) as pool, gated:
-        health = lambda: httpx.get(srv.url + "/health").json()["queue"]  # noqa: E731
+        health = lambda: httpx.get(srv.url + "/v1/server_info").json()["queue"]  # noqa: E731
         first = pool.submit(raw_http, srv.host, srv.port, post_request(GENERATIONS, body))
         assert gated.started.acquire(timeout=20)  # the worker is busy with the first request
         waiting = socket.create_connection((srv.host, srv.port))  # the second one waits in the queue...
@@ -388,7 +602,7 @@ def test_timeout_is_504_and_stops_the_running_generation(backend):
         response = httpx.post(srv.url + GENERATIONS, json=slow, timeout=60)
         assert response.status_code == 504 and time.monotonic() - start < 5
         assert "timed out after 1 s (generating)" in response.json()["error"]["message"]
-        wait_until(lambda: httpx.get(srv.url + "/health").json()["queue"]["running"] == 0, timeout=5)
+        wait_until(lambda: httpx.get(srv.url + "/v1/server_info").json()["queue"]["running"] == 0, timeout=5)
         metrics = metrics_of(srv)
         assert metrics[("dicache_generations_total", (("outcome", "stopped"),))] == 1
         assert metrics[("dicache_transformer_calls_total", (("kind", "computed"),))] == 0  # nothing completed
@@ -396,32 +610,23 @@ def test_timeout_is_504_and_stops_the_running_generation(backend):
         assert ok.status_code == 200
 
 
-def test_graceful_shutdown_finishes_accepted_requests(backend):
-    gated = GatedBackend(backend)
-    app = create_app(gated, ServerSettings(max_queue=4, workers=1))
-    srv = BackgroundServer(app).start()
-    body = dumps(dict(prompt="a sun", size="16x16", num_inference_steps=2, seed=3))
-    with ThreadPoolExecutor(2) as pool, gated:
-        running = pool.submit(raw_http, srv.host, srv.port, post_request(GENERATIONS, body))
-        assert gated.started.acquire(timeout=20)
-        queued = pool.submit(raw_http, srv.host, srv.port, post_request(GENERATIONS, body))
-        wait_until(lambda: httpx.get(srv.url + "/health").json()["queue"]["waiting"] == 1, what="a queued request")
-        srv.request_stop()  # what SIGTERM does
-
-        def refused():
-            try:
-                httpx.get(srv.url + "/health", timeout=1)
-            except httpx.TransportError:
-                return True
-            return False
-
-        wait_until(refused, what="the listener to close")
-        gated.gate.set()
-        for future in (running, queued):
-            status, payload = future.result(60)
-            assert status == 200 and b'"b64_json"' in payload
-    srv.thread.join(30)
-    assert not srv.thread.is_alive() and app.state.queue.closing and app.state.queue.running == 0
+def test_job_queue_capacity_counts_only_requests_waiting_for_a_busy_worker():
+    """Issue 18 defect 5: capacity 0 (`--max-queue 0`) used to refuse everything; it now means "no waiting"."""
+    release = threading.Event()
+    queue = JobQueue(lambda job: release.wait(10) and job.payload, capacity=0, workers=1)
+    queue.start()
+    try:
+        first = queue.submit(1)  # an idle worker takes it
+        wait_until(lambda: queue.running == 1)
+        with pytest.raises(QueueFullError, match="capacity 0"):
+            queue.submit(2)  # the worker is busy and nothing may wait
+        release.set()
+        assert first.future.result(10) == 1
+        wait_until(lambda: queue.running == 0)
+        assert queue.submit(3).future.result(10) == 3
+    finally:
+        release.set()
+        queue.shutdown(wait=True, timeout=10)
 
 
 def test_job_queue_contract():
@@ -449,43 +654,3 @@ def test_cli_refuses_a_bad_environment_variable(monkeypatch, capsys):
     assert cli_main(["serve", "--model", "/nonexistent"]) == 2
     err = capsys.readouterr().err
     assert "SGLANG_CACHE_DIT_RDT='-1' is invalid" in err and "a number >= 0" in err
-
-
-def test_cli_serves_and_sigterm_finishes_the_request_in_flight(model_source):
-    """The real command: environment config at start-up, a request, then SIGTERM while a generation runs."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_CACHE_DIT_")}
-    env.update(SGLANG_CACHE_DIT_ENABLED="1", SGLANG_CACHE_DIT_WARMUP="1", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "dicache.cli", "serve", "--port", str(port), "--device", "cpu", "--max-side", "64"]
-    command += ["--model", model_source] if model_source else []
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def healthy():
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(healthy, timeout=90, what="dicache serve to start")
-        quick = httpx.post(
-            url + GENERATIONS, json=dict(prompt="a heart", size="16x16", num_inference_steps=3), timeout=60
-        )
-        assert quick.json()["cache_stats"]["branches"]["cond"]["reasons"]["0"] == "warmup"  # WARMUP=1, caching on
-        slow = dict(prompt="a house", size="32x32", num_inference_steps=24, guidance_scale=4.5, seed=1)
-        with ThreadPoolExecutor(1) as pool:
-            in_flight = pool.submit(httpx.post, url + GENERATIONS, json=slow, timeout=120)
-            wait_until(lambda: httpx.get(url + "/health").json()["queue"]["running"] == 1, what="a running request")
-            proc.send_signal(signal.SIGTERM)
-            response = in_flight.result(120)
-        assert response.status_code == 200 and response.json()["cache_stats"]["num_steps"] == 24
-        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its graceful shutdown
-        assert "every accepted request was answered" in proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -467,3 +467,44 @@ def test_missing_cache_dit_is_said_clearly(checkpoint, tmp_path, monkeypatch, ca
     assert 'cache-dit is not installed; install the benchmark extra: pip install "dicache[bench]"' in (
         capsys.readouterr().err
     )
+
+
+def test_quantization_axis_measures_the_quantized_model_against_the_unquantized_references(checkpoint, tmp_path):
+    """`ours-fp8` runs uncached (policy never) and every cell on the quantized model's runner, each measured against
+    the unquantized model's references. Here its runner holds an unquantized copy (FP8 needs a GPU), so its uncached
+    row must equal the reference exactly and its cached rows must equal ours."""
+    from dicache.sweep.run import Sweep
+    from dicache.sweep.runners import NativeRunner
+
+    cells = expand_grid(CELLS[1:2])
+    spec = SweepSpec(
+        samples=[("a red apple", 0)],
+        schedules=[Schedule(6)],
+        cells=cells,
+        methods=("ours", "ours-fp8"),
+        height=SIZE,
+        width=SIZE,
+        baselines=(),
+        reference_steps=None,
+    )
+    native = NativeRunner.load(str(checkpoint))
+    twin = NativeRunner.load(str(checkpoint))
+    quiet = dict(progress=False, log=lambda _: None)
+    with pytest.raises(SweepSpecError, match="ours-fp8.*quantized"):
+        Sweep(spec, tmp_path, native, **quiet)
+    records = Sweep(spec, tmp_path, native, quantized={"ours-fp8": twin}, **quiet).run()["records"]
+    quantized = {r["setting"]: r for r in records if r["method"] == "ours-fp8"}
+    ours = {r["setting"]: r for r in records if r["method"] == "ours"}
+    uncached = [r for s, r in quantized.items() if s.endswith("policy never")]
+    assert len(uncached) == 1 and uncached[0]["compute_fraction"] == 1.0 and uncached[0]["psnr"] >= 99
+    assert quantized[cells[0].label]["psnr"] == ours[cells[0].label]["psnr"] < 99
+    assert quantized[cells[0].label]["pipeline"] == "ours-fp8"
+
+
+def test_quantization_axis_cli_errors(checkpoint, tmp_path, capsys):
+    base = ["sweep", "--model", str(checkpoint), "--out", str(tmp_path), "--no-progress", "--quick"]
+    assert main([*base, "--quantization", "fp8", "--methods", "ours"]) == 2
+    assert "pass --dtype bfloat16" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # bf16 on a CPU: FP8 itself cannot run, said before sweeping
+        assert main([*base, "--quantization", "fp8", "--methods", "ours", "--dtype", "bfloat16"]) == 2
+        assert "quantization='fp8' needs an NVIDIA GPU" in capsys.readouterr().err

@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..parallel import add_parallel_arguments
 
     add_parallel_arguments(parser)
+    from .speed import add_speed_arguments
+
+    add_speed_arguments(parser)
+    from ..offload.cli import add_offload_arguments
+
+    add_offload_arguments(parser)
 
 
 def output_paths(out: str, count: int) -> list[pathlib.Path]:
@@ -80,7 +86,10 @@ def run(args: argparse.Namespace) -> int:
     from dicache.parallel import parallelize_pipeline, setup_from_args
     from dicache.profiles import cache_config
 
+    from .speed import speed_spec
+
     config = cache_config(args.profile)  # defaults < profile (--profile wins over the variable) < environment
+    speed_spec(args)  # a bad --quantization-exclude stops here, before loading
     use_cache = config.enable_cache if args.cache == "env" else args.cache == "on"
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,9 +102,29 @@ def run(args: argparse.Namespace) -> int:
 
 def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline) -> int:
     from dicache.models.krea2.pipeline import resolve_model
+    from dicache.offload.cli import cfg_of, describe, offload_options
 
-    pipe = Krea2Pipeline.from_pretrained(resolve_model(args.model, args.variant), device=ctx.device)
+    from .speed import apply_speed_options, speed_spec
+
+    offload = offload_options(  # {} unless a memory option is given; the plan covers this command's request
+        args,
+        max_height=args.height,
+        max_width=args.width,
+        max_images=len(args.prompt) * args.num_images,
+        cfg=cfg_of(args.guidance, args.variant),
+        parallel=ctx.enabled,
+        cache_config=config,
+    )
+    # with offload, loading quantizes, plans and places, then compiles, in that order
+    speed = dict(quantization=speed_spec(args), compile=args.compile) if offload else {}
+    pipe = Krea2Pipeline.from_pretrained(
+        resolve_model(args.model, args.variant), device=ctx.device, load_format=args.load_format, **offload, **speed
+    )
+    if describe(pipe):
+        print(describe(pipe))
     parallelize_pipeline(pipe, ctx)
+    if not offload:
+        apply_speed_options(pipe, args)
     if use_cache:
         dicache.enable(pipe, config)
     start = time.perf_counter()

@@ -107,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             metavar="V",
             help=key,
         )
+    parser.add_argument(
+        "--quantization",
+        nargs="+",
+        choices=("none", "fp8"),
+        help="the quantization axis: fp8 adds the method ours-fp8 (the model in FP8, uncached and with every cell, "
+        "measured against the bf16 references; needs --dtype bfloat16 and a GPU with FP8) (default: none)",
+    )
     parser.add_argument("--device", help="torch device for both pipelines, e.g. cuda (default: cpu)")
     parser.add_argument(
         "--dtype",
@@ -194,6 +201,12 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
             note = f"{INSTALL_HINT}; the cache-dit baseline is skipped"
             notes.append(note)
             log(f"note: {note}")
+    quantizations = args.quantization or file.get("quantization") or []
+    for q in [quantizations] if isinstance(quantizations, str) else quantizations:
+        if q != "none" and q not in S.QUANTIZED_METHODS:
+            raise S.SweepSpecError(f"quantization {q!r} is unknown; allowed: none, {', '.join(S.QUANTIZED_METHODS)}")
+        if q != "none" and S.QUANTIZED_METHODS[q] not in methods:
+            methods = [*methods, S.QUANTIZED_METHODS[q]]
     targets = args.targets or file.get("targets") or S.DEFAULT_TARGETS
     reference_steps = args.reference_steps if args.reference_steps is not None else file.get("reference_steps", "")
     reference_steps = S.DEFAULT_REFERENCE_STEPS if reference_steps == "" else S.parse_reference_steps(reference_steps)

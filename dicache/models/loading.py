@@ -100,6 +100,48 @@ def default_dtype(device: torch.device | str | None) -> torch.dtype:
     return torch.float32
 
 
+LOAD_FORMATS = ("auto", "dummy")
+"""`auto`: read the safetensors weights; `dummy`: random weights from the component configs alone (SGLang's
+`--load-format dummy`, for speed and memory measurements without a checkpoint's weights)."""
+
+
+def check_load_format(load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise CheckpointError(f"load_format={load_format!r} is invalid: must be one of {', '.join(LOAD_FORMATS)}")
+    return load_format
+
+
+@torch.no_grad()
+def materialize_random(
+    module: torch.nn.Module,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    keep_fp32: Callable[[str], bool] | None = None,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """Give a module built on the meta device random weights on `device`, without a float32 copy of the whole.
+
+    Floating parameters become `dtype` (float32 where `keep_fp32(name)`), are allocated on `device` and drawn there:
+    matrices and kernels from N(0, 1/fan_in), vectors (biases, norm gains, tables) zero. Deterministic in `seed`.
+    """
+    for name, param in module.named_parameters():
+        if param.is_floating_point():
+            target = torch.float32 if keep_fp32 is not None and keep_fp32(name) else dtype
+            param.data = param.data.to(target)
+    module.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for param in module.parameters():
+        if not param.is_floating_point():
+            continue
+        if param.dim() >= 2:
+            fan_in = param[0].numel()
+            param.normal_(0.0, fan_in**-0.5, generator=generator)
+        else:
+            param.zero_()
+    return module
+
+
 def load_state_dict_files(
     directory: pathlib.Path,
     *,

@@ -35,14 +35,21 @@ def _runs(compute_bins, cache_bins) -> list[tuple[int, int]]:
 
 
 def mask_from_bins(compute_bins, cache_bins, num_steps: int) -> list[int]:
-    """Expand explicit alternating bins into a mask of `num_steps` entries."""
-    mask = [value for value, length in _runs(compute_bins, cache_bins) for _ in range(length)]
-    if len(mask) < num_steps:
+    """Expand explicit alternating bins into a mask of `num_steps` entries.
+
+    Only the first `num_steps` entries are ever built, so memory and time are O(num_steps + bins) whatever the bin
+    lengths."""
+    mask: list[int] = []
+    covered = 0
+    for value, length in _runs(compute_bins, cache_bins):
+        covered += length
+        mask.extend([value] * min(length, num_steps - len(mask)))
+    if covered < num_steps:
         raise ConfigError(
-            f"scm_compute_bins={list(compute_bins)} + scm_cache_bins={list(cache_bins)} cover {len(mask)} steps; "
+            f"scm_compute_bins={list(compute_bins)} + scm_cache_bins={list(cache_bins)} cover {covered} steps; "
             f"the request has num_inference_steps={num_steps}, so the bins must cover at least that many"
         )
-    return mask[:num_steps]
+    return mask
 
 
 def preset_mask(preset: str, num_steps: int) -> list[int]:

@@ -3,10 +3,12 @@
     from dicache.server import create_app, load_backend, ServerSettings
     app = create_app(load_backend(), ServerSettings(max_queue=8))
 
-Modules: `settings` (limits), `schemas` (request/response bodies), `generation` (request -> validated spec),
-`backend` (runs a spec on the cache-enabled pipeline), `jobs` (bounded queue + worker threads), `metrics`
-(Prometheus), `body_limit` (413 on oversize bodies), `errors` (OpenAI-shaped errors), `app` (the endpoints),
-`background` (run the app on loopback in a thread, for tests and benchmarks).
+Modules: `settings` (limits, API key, drain grace), `schemas` (request/response bodies), `generation` (request ->
+validated spec), `backend` (runs a spec on the cache-enabled pipeline), `stop_points` (abandoned generations stop
+between blocks), `jobs` (bounded queue + worker threads), `metrics` (Prometheus), `auth` (API key), `drain`
+(graceful shutdown), `body_limit` (413 / 408 on oversize or slow bodies), `errors` (OpenAI-shaped errors), `app`
+(the endpoints), `runner` (uvicorn with connection limits and SIGTERM -> drain -> exit 0), `background` (the runner
+on loopback in a thread, for tests and benchmarks).
 """
 
 from __future__ import annotations

@@ -2,9 +2,13 @@
 
 Each generation runs inside its own `dicache.request(pipe, config=overrides)` scope, so its cache state (residuals,
 counters, statistics) lives in the worker's context and is never shared with another request; the pipeline's random
-generator is seeded from the request's seed. Output images come back as base64 PNGs plus a SHA-256 of the decoded
-float32 array, a bitwise fingerprint of what the model produced. A generation asked to stop (`should_stop()` true:
-its client left or its time ran out) ends before its next transformer call with `GenerationStopped`.
+generator is seeded from the request's seed. Output images come back base64-encoded (PNG, JPEG or WebP) plus a
+SHA-256 of the decoded float32 array, a bitwise fingerprint of what the model produced whatever the encoding.
+
+A generation asked to stop (`should_stop()` true: its client left, its time ran out or the server is shutting down)
+ends with `GenerationStopped` at its next stop point: before each transformer call, before each block of the
+transformer and of the VAE decoder (`stop_points`), and before the VAE decode. The worker is therefore busy at most
+one block longer than the request (one transformer call when the blocks are compiled).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import torch
 from .. import api as dicache_api
 from ..config import CacheConfig
 from ..stats import RequestStats
+from ..sweep.flops import request_flops
 from .generation import Defaults, GenerationSpec
+from .stop_points import install_stop_points
 
 
 class GenerationStopped(Exception):
@@ -33,10 +39,15 @@ class GenerationStopped(Exception):
 
 @dataclass
 class GenerationResult:
+    """`seconds`: the whole generation (pipeline + encoding); `pipeline_s`: the pipeline call alone;
+    `flops`: estimated FLOPs of the transformer work done (None when the model's config does not allow it)."""
+
     images_b64: list[str]
     sha256: list[str]
     stats: RequestStats | None
     seconds: float
+    pipeline_s: float = 0.0
+    flops: float | None = None
 
 
 def to_float_images(images: Any) -> np.ndarray:
@@ -47,14 +58,29 @@ def to_float_images(images: Any) -> np.ndarray:
     return np.ascontiguousarray(array[None] if array.ndim == 3 else array)
 
 
-def encode_png(image: np.ndarray) -> bytes:
-    """float (H, W, C) in [0, 1] -> PNG bytes, rounded to 8 bits as the pipeline's PIL output is."""
+_PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+
+
+def encode_image(image: np.ndarray, output_format: str = "png", quality: int = 100) -> bytes:
+    """float (H, W, C) in [0, 1] -> image bytes, rounded to 8 bits as the pipeline's PIL output is.
+
+    `output_format`: png (lossless; `quality` unused), jpeg or webp (`quality` in percent, 0..100)."""
     from PIL import Image
 
+    if output_format not in _PIL_FORMATS:
+        raise ValueError(f"output_format={output_format!r} is invalid: must be one of {', '.join(_PIL_FORMATS)}")
     pixels = (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
     buffer = io.BytesIO()
-    Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(buffer, format="PNG")
+    options = {} if output_format == "png" else {"quality": int(quality)}
+    Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(
+        buffer, format=_PIL_FORMATS[output_format], **options
+    )
     return buffer.getvalue()
+
+
+def encode_png(image: np.ndarray) -> bytes:
+    """float (H, W, C) in [0, 1] -> PNG bytes."""
+    return encode_image(image, "png")
 
 
 _should_stop: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar(
@@ -77,24 +103,31 @@ class PipelineBackend:
             pipe.set_progress_bar_config(disable=True)
         self.pipe, self.cache_config, self.defaults = pipe, cache_config, defaults
         self.num_blocks = dicache_api.session_of(pipe).num_blocks
-        self._install_stop_check()
+        self._install_stop_checks()
 
-    def _install_stop_check(self) -> None:
-        """Wrap the pipeline's per-call seam (set by `dicache.enable`) to honour `should_stop` between calls."""
-        inner = self.pipe.call_scope
+    def _install_stop_checks(self) -> None:
+        """Honour `should_stop` before each transformer call (the pipeline's per-call seam, set by `dicache.enable`),
+        before each block of the transformer and the VAE decoder, and before the VAE decode."""
+        inner_scope, inner_decode = self.pipe.call_scope, self.pipe.decode
 
         def call_scope(*args: Any, **kwargs: Any):
-            should_stop = _should_stop.get()
-            if should_stop is not None and should_stop():
-                raise GenerationStopped("generation stopped: its request was abandoned")
-            return inner(*args, **kwargs)
+            _check_stop()
+            return inner_scope(*args, **kwargs)
 
-        self.pipe.call_scope = call_scope
+        def decode(*args: Any, **kwargs: Any):
+            _check_stop()
+            return inner_decode(*args, **kwargs)
+
+        self.pipe.call_scope, self.pipe.decode = call_scope, decode
+        self.stop_points = install_stop_points(
+            (getattr(self.pipe, "transformer", None), getattr(self.pipe, "vae", None)), _check_stop
+        )
 
     def generate(self, spec: GenerationSpec, should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         start = time.perf_counter()
         token = _should_stop.set(should_stop)
         try:
+            _check_stop()  # abandoned while it waited for this worker
             with torch.inference_mode(), dicache_api.request(self.pipe, config=spec.engine_overrides()):
                 output = self.pipe(
                     prompt=spec.prompt,
@@ -110,15 +143,87 @@ class PipelineBackend:
                 )
         finally:
             _should_stop.reset(token)
+        pipeline_s = time.perf_counter() - start
         stats = dicache_api.stats(self.pipe)  # this context's last request: the one just run
         b64, digests = [], []
         for image in to_float_images(output.images):
             digests.append(hashlib.sha256(image.tobytes()).hexdigest())
-            b64.append(base64.b64encode(encode_png(image)).decode("ascii"))
-        return GenerationResult(b64, digests, stats, time.perf_counter() - start)
+            encoded = encode_image(image, spec.output_format, spec.output_quality)
+            b64.append(base64.b64encode(encoded).decode("ascii"))
+        flops = self.estimate_flops(spec, stats)
+        return GenerationResult(b64, digests, stats, time.perf_counter() - start, pipeline_s, flops)
+
+    def estimate_flops(self, spec: GenerationSpec, stats: RequestStats | None) -> float | None:
+        """FLOPs of the transformer work `stats` records (`dicache.sweep.flops`), of the whole model (all ranks
+        together when it is split over GPUs); None if the model has no Krea-2 config or text encoder to count with."""
+        config = getattr(getattr(self.pipe, "transformer", None), "config", None)
+        encoder = getattr(self.pipe, "text_encoder", None)
+        if stats is None or config is None or encoder is None or not hasattr(encoder, "num_valid_tokens"):
+            return None
+        rows, cols = self.pipe.latent_grid(spec.height, spec.width)
+        prompts = {"cond": spec.prompt}
+        if "uncond" in stats.branches:
+            prompts["uncond"] = spec.negative_prompt or ""
+        tokens = {name: int(encoder.num_valid_tokens(text)[0]) for name, text in prompts.items()}
+        branches = {name: (len(b.computed_steps), len(b.cached_steps)) for name, b in stats.branches.items()}
+        try:
+            return request_flops(
+                config, rows * cols, tokens, branches, (stats.num_blocks, stats.fn_blocks + stats.bn_blocks), spec.n
+            )
+        except (ValueError, TypeError):
+            return None
+
+    def warm_up(self, steps: int = 6) -> dict[str, Any]:
+        """Compile-time warm-up before serving: at the default size, one uncached and one cached generation of
+        each variant, with prompts of two lengths, so that every graph a request can need (computed and cached
+        steps, cond and uncond, a symbolic text length) is built before the first request. Returns what ran:
+        generations, seconds and graphs compiled."""
+        from ..models.krea2.pipeline import PRESETS
+
+        start = time.perf_counter()
+        graphs = _compiled_graphs()
+        runs = 0
+        prompts = ("warm-up", "a longer warm-up prompt, so that the text length differs from the first one")
+        for variant, preset in PRESETS.items():
+            for prompt, enable_cache in zip(prompts, (False, True)):
+                spec = GenerationSpec(
+                    prompt=prompt,
+                    negative_prompt=None,
+                    n=1,
+                    width=self.defaults.width,
+                    height=self.defaults.height,
+                    num_inference_steps=steps,
+                    guidance_scale=float(preset.guidance_scale),
+                    seed=0,
+                    enable_cache=enable_cache,
+                    cache_overrides={"max_warmup_steps": 1} if enable_cache else {},
+                    variant=variant,
+                )
+                self.generate(spec)
+                runs += 1
+        return {
+            "generations": runs,
+            "seconds": round(time.perf_counter() - start, 2),
+            "graphs_compiled": _compiled_graphs() - graphs,
+        }
 
     def close(self) -> None:
+        self.stop_points.remove()
         dicache_api.disable(self.pipe)
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (dynamo's counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _check_stop() -> None:
+    """Raise `GenerationStopped` if this worker's current generation should stop."""
+    should_stop = _should_stop.get()
+    if should_stop is not None and should_stop():
+        raise GenerationStopped("generation stopped: its request was abandoned")
 
 
 def variant_defaults(pipe: Any, variant: str | None = None, default_size: tuple[int, int] | None = None) -> Defaults:
@@ -151,12 +256,15 @@ def load_backend(
     cache_config: CacheConfig | None = None,
     default_size: tuple[int, int] | None = None,
     profile: str | None = None,
+    load_format: str = "auto",
+    offload: dict | None = None,
 ) -> PipelineBackend:
     """Load the native Krea-2 pipeline (`model` None: the embedded checkpoint, its Turbo student for `variant`
     "turbo"; device None: cuda if available) and
     enable caching with `cache_config` (None: the environment's, `SGLANG_CACHE_DIT_*` over the settings profile
     `profile`, default `SGLANG_CACHE_DIT_PROFILE`'s). Every request starts from these settings; its
-    `cache_dit_params` merge over them."""
+    `cache_dit_params` merge over them. `offload`: `Krea2Pipeline.from_pretrained`'s memory options
+    (`dicache.offload.cli.offload_options`)."""
     from ..models.krea2 import Krea2Pipeline
 
     if isinstance(dtype, str):
@@ -174,5 +282,7 @@ def load_backend(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     from ..models.krea2.pipeline import resolve_model
 
-    pipe = Krea2Pipeline.from_pretrained(resolve_model(model, variant), dtype=dtype, device=device)
+    pipe = Krea2Pipeline.from_pretrained(
+        resolve_model(model, variant), dtype=dtype, device=device, load_format=load_format, **(offload or {})
+    )
     return PipelineBackend(pipe, config, variant_defaults(pipe, variant, default_size))

@@ -3,8 +3,8 @@
     with BackgroundServer(app) as server:
         httpx.get(server.url + "/health")
 
-`stop()` asks uvicorn to exit the way a SIGTERM does: it stops accepting connections, finishes in-flight requests,
-then runs the app's shutdown (which drains the generation queue).
+It is `dicache serve`'s `DrainingServer` with the same connection limits: `request_stop()` does what the first
+SIGTERM does (drain, then exit), `hurry()` what the second does (stop unfinished generations now).
 """
 
 from __future__ import annotations
@@ -14,19 +14,26 @@ import threading
 import time
 from typing import Any
 
-import uvicorn
+from .runner import ConnectionLimits, DrainingServer, uvicorn_config
 
 
 class BackgroundServer:
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        limits: ConnectionLimits | None = None,
+    ) -> None:
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"BackgroundServer is for loopback only, got host={host!r}")
         self.socket = socket.socket(socket.AF_INET6 if host == "::1" else socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
         self.host, self.port = host, self.socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_keep_alive=5)
-        self.server = uvicorn.Server(config)
+        limits = limits or ConnectionLimits()
+        self.server = DrainingServer(uvicorn_config(app, limits, log_level), limits)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     @property
@@ -43,8 +50,12 @@ class BackgroundServer:
         return self
 
     def request_stop(self) -> None:
-        """Begin a graceful shutdown (like SIGTERM) without waiting."""
-        self.server.should_exit = True
+        """Begin a graceful shutdown (like SIGTERM: drain, then exit) without waiting."""
+        self.server.request_drain()
+
+    def hurry(self) -> None:
+        """Like a second SIGTERM: stop the unfinished generations now."""
+        self.server.hurry()
 
     def stop(self, timeout: float = 60.0) -> None:
         self.request_stop()

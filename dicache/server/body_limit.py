@@ -1,19 +1,28 @@
-"""`BodySizeLimitMiddleware`: answer 413 to a request body larger than the limit, before anything parses it.
+"""`BodyLimitMiddleware`: read a request body whole, bounded in size and time, before anything parses it.
 
-A declared `Content-Length` over the limit is refused at once; otherwise (chunked bodies) the body is read up to the
-limit and replayed to the app, so the app never sees more than `max_bytes`.
+- A declared `Content-Length` over `max_bytes` is answered 413 at once; a chunked body is read up to the limit.
+- The whole body must arrive within `timeout_s` seconds of the request's headers, else 408: a client trickling its
+  body (or sending none) cannot hold a connection, a file descriptor and a task for long.
+- A drain that begins while the body is still arriving answers 503 (the request was not accepted yet).
+
+These answers close the connection (the rest of the body is never read). The app then receives the body in one
+message, so it never sees more than `max_bytes`.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import contextlib
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .drain import SHUTDOWN_MESSAGE, Drain
+from .errors import send_error
 
-class BodySizeLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, drain: Drain | None = None) -> None:
+        self.app, self.max_bytes, self.timeout_s, self.drain = app, max_bytes, timeout_s, drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -24,26 +33,15 @@ class BodySizeLimitMiddleware:
             try:
                 size = int(declared)
             except ValueError:
-                await self._reject(send, 400, f"invalid Content-Length header {declared.decode(errors='replace')!r}")
+                shown = declared.decode(errors="replace")[:40]
+                await send_error(send, 400, f"invalid Content-Length header {shown!r}", close=True)
                 return
             if size > self.max_bytes:
-                await self._reject(send, 413, self._too_large(f"{size} bytes"))
+                await send_error(send, 413, self._too_large(f"{size} bytes"), close=True)
                 return
-        chunks: list[bytes] = []
-        received = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            received += len(chunk)
-            if received > self.max_bytes:
-                await self._reject(send, 413, self._too_large(f"more than {self.max_bytes} bytes"))
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        body = await self._read(receive, send)
+        if body is None:
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -55,13 +53,49 @@ class BodySizeLimitMiddleware:
 
         await self.app(scope, replay, send)
 
+    async def _read(self, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, or None after answering (413 / 408 / 503) or when the client left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        drained = asyncio.ensure_future(self.drain.began_event().wait()) if self.drain is not None else None
+        chunks: list[bytes] = []
+        received = 0
+        try:
+            while True:
+                message = asyncio.ensure_future(receive())
+                waiting = {message} if drained is None else {message, drained}
+                done, _ = await asyncio.wait(
+                    waiting, timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_COMPLETED
+                )
+                if message not in done:
+                    message.cancel()
+                    if drained is not None and drained in done:
+                        await send_error(send, 503, SHUTDOWN_MESSAGE, "shutting_down", close=True)
+                    else:
+                        await send_error(send, 408, self._too_slow(received), "body_timeout", close=True)
+                    return None
+                event = message.result()
+                if event["type"] == "http.disconnect":
+                    return None
+                chunk = event.get("body", b"")
+                received += len(chunk)
+                if received > self.max_bytes:
+                    await send_error(send, 413, self._too_large(f"more than {self.max_bytes} bytes"), close=True)
+                    return None
+                chunks.append(chunk)
+                if not event.get("more_body", False):
+                    return b"".join(chunks)
+        finally:
+            if drained is not None:
+                drained.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await drained
+
     def _too_large(self, got: str) -> str:
         return f"request body too large: {got}; the limit is {self.max_bytes} bytes (server option --max-body-bytes)"
 
-    @staticmethod
-    async def _reject(send: Send, status: int, message: str) -> None:
-        kind = "invalid_request_error"
-        payload = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+    def _too_slow(self, received: int) -> str:
+        return (
+            f"request body not received within {self.timeout_s:g} s ({received} bytes arrived); "
+            "server option --body-timeout"
+        )

@@ -5,13 +5,16 @@ Bad input is a 400 whose message names the field, the value given and what is al
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 from .schemas import ErrorDetail, ErrorResponse, ImageGenerationRequest
 
@@ -19,6 +22,8 @@ log = logging.getLogger("dicache.server")
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
+    408: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -30,6 +35,10 @@ _TYPES = {
 }
 
 
+RETRY_AFTER_S = 5
+"""`Retry-After` of 429 and 503 answers, in seconds."""
+
+
 class ApiError(Exception):
     """An answer other than 200: status, a message for the client, and the request field it is about."""
 
@@ -38,9 +47,35 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object for `status`."""
+    detail = ErrorDetail(message=message, type=_TYPES.get(status, "error"), param=param, code=code)
+    return ErrorResponse(error=detail).model_dump()
+
+
+def error_headers(status: int) -> dict[str, str]:
+    """`Retry-After` on 429 / 503 (come back later), `WWW-Authenticate` on 401."""
+    if status in (429, 503):
+        return {"Retry-After": str(RETRY_AFTER_S)}
+    if status == 401:
+        return {"WWW-Authenticate": "Bearer"}
+    return {}
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorDetail(message=message, type=_TYPES.get(status, "error"), param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=error_headers(status))
+
+
+async def send_error(send: Send, status: int, message: str, code: str | None = None, close: bool = False) -> None:
+    """Answer from ASGI middleware (before the app): OpenAI's error shape, its headers, optionally closing the
+    connection (when the request body was not read to its end)."""
+    payload = json.dumps(error_body(status, message, None, code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(status).items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -48,17 +83,20 @@ def _show(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable message for pydantic's errors (field, value, what is allowed) and the first field's name."""
+def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """One readable message for pydantic's errors (field, value, what is allowed) and the first field's name.
+
+    `errors`: `ValidationError.errors()` of `ImageGenerationRequest.model_validate_json(body)` (or FastAPI's
+    `RequestValidationError.errors()`, whose locations start with "body")."""
     messages: list[str] = []
     first_param: str | None = None
-    for err in exc.errors():
+    for err in errors:
         loc = [str(part) for part in err.get("loc", ()) if part != "body"]
         kind = err.get("type", "")
         if kind == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "invalid JSON")
-            return f"malformed JSON body: {detail} (at character {loc[0] if loc else '?'})", None
-        if kind in ("model_attributes_type", "dict_type") and not loc:
+            return f"malformed JSON body: {detail}", None
+        if kind in ("model_type", "model_attributes_type", "dict_type") and not loc:
             if isinstance(err.get("input"), bytes):
                 return "request body is not JSON: send a JSON object with 'Content-Type: application/json'", None
             return f"request body must be a JSON object, got {_show(err.get('input'))}", None
@@ -86,7 +124,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = describe_validation_error(exc)
+        message, param = describe_validation_error(exc.errors())
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)

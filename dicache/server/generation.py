@@ -15,6 +15,7 @@ from typing import Any
 
 from ..config import CacheConfig
 from ..errors import ConfigError
+from ..policies import make_policy
 from .errors import ApiError
 from .schemas import ImageGenerationRequest
 from .settings import ServerSettings
@@ -47,6 +48,9 @@ class GenerationSpec:
     enable_cache: bool
     cache_overrides: dict[str, Any] = field(default_factory=dict)
     variant: str | None = None
+    output_format: str = "png"  # png | jpeg | webp
+    output_quality: int = 100  # jpeg / webp quality in percent (OpenAI's output_compression)
+    probe: bool = False  # a /health_generate check: not counted in the image and step metrics
 
     def engine_overrides(self) -> dict[str, Any]:
         """The dict given to `dicache.request(pipe, config=...)`: the request's overrides + its enable_cache."""
@@ -83,6 +87,17 @@ def effective_cache_config(overrides: Mapping[str, Any], base: CacheConfig, num_
     except ConfigError as exc:
         raise ApiError(400, f"cache_dit_params: {exc}", "cache_dit_params") from None
     return merged
+
+
+def check_step_mask(config: CacheConfig, steps: int, overrides: Mapping[str, Any]) -> None:
+    """The engine's policy for `config` at `steps` must build (a step mask needs bins long enough, a preset >= 4
+    steps); the 400 names `cache_dit_params` when the request set the mask, else `num_inference_steps`."""
+    try:
+        make_policy(config, steps)
+    except ConfigError as exc:
+        param = "cache_dit_params" if any(key.startswith("scm_") for key in overrides) else "num_inference_steps"
+        where = "" if param == "cache_dit_params" else " (the step mask is the server's SGLANG_CACHE_DIT_SCM_* setting)"
+        raise ApiError(400, f"{param}: {exc}{where}", param) from None
 
 
 def resolve(
@@ -123,6 +138,8 @@ def resolve(
     overrides.setdefault("enable_cache", base_config.enable_cache)  # default: SGLANG_CACHE_DIT_ENABLED
     effective = effective_cache_config(overrides, base_config, num_blocks)
     del overrides["enable_cache"]
+    if effective.enable_cache:
+        check_step_mask(effective, steps, overrides)
     return GenerationSpec(
         prompt=request.prompt,
         negative_prompt=request.negative_prompt,
@@ -135,4 +152,6 @@ def resolve(
         enable_cache=bool(effective.enable_cache),
         cache_overrides=overrides,
         variant=defaults.variant,
+        output_format=request.output_format or "png",
+        output_quality=100 if request.output_compression is None else request.output_compression,
     )

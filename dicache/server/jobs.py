@@ -1,10 +1,14 @@
 """`JobQueue`: a bounded FIFO of generation jobs served by worker threads.
 
 Contract:
-- `submit` never blocks: it raises `QueueFullError` when `capacity` jobs are already waiting (running jobs do not
-  count) and `ShuttingDownError` after `shutdown` began.
+- `submit` never blocks: it raises `QueueFullError` when `capacity` jobs already wait for a busy worker (running
+  jobs do not count, nor jobs an idle worker is about to take, so capacity 0 means "only when a worker is free";
+  `bypass_capacity` lets a health probe in anyway) and `ShuttingDownError` after `close` or `shutdown`.
 - `cancel` drops a job that has not started, freeing its slot at once; for a running job it sets `job.stop`, which
-  the handler may poll to end early (the generation backend checks it before every transformer call).
+  the handler may poll to end early (the generation backend checks it before every block). `job.stop_reason` says
+  why ("abandoned", "shutdown").
+- `close` refuses new jobs and keeps serving accepted ones; `abort` then fails every waiting job with
+  `ShuttingDownError` and asks the running ones to stop.
 - `shutdown(wait=True)` refuses new jobs, lets the workers finish every waiting and running job, then joins them.
 - Each job runs `handler(job)` in a worker thread inside a copy of the submitter's `contextvars` context, and its
   `concurrent.futures.Future` receives the result or the exception.
@@ -39,6 +43,7 @@ class Job:
     submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     finished_at: float | None = None
+    stop_reason: str | None = None
 
     @property
     def queued_s(self) -> float:
@@ -71,6 +76,7 @@ class JobQueue:
         self.handler, self.capacity, self.num_workers = handler, capacity, workers
         self._on_change, self._name = on_change, name
         self._waiting: collections.deque[Job] = collections.deque()
+        self._active: set[Job] = set()
         self._running = 0
         self._cond = threading.Condition()
         self._closing = False
@@ -91,6 +97,12 @@ class JobQueue:
     def closing(self) -> bool:
         return self._closing
 
+    @property
+    def idle(self) -> bool:
+        """No job waiting or running."""
+        with self._cond:
+            return not self._waiting and not self._running
+
     def _notify(self) -> None:
         if self._on_change is not None:
             with self._cond:
@@ -108,6 +120,30 @@ class JobQueue:
             ]
         for thread in self._threads:
             thread.start()
+
+    def close(self) -> None:
+        """Refuse new jobs; accepted ones still run."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    def abort(self, message: str) -> int:
+        """Fail every waiting job with `ShuttingDownError(message)` and ask every running job to stop (reason
+        "shutdown"); refuses new jobs from now on. Returns the number of jobs affected."""
+        with self._cond:
+            self._closing = True
+            dropped = list(self._waiting)
+            self._waiting.clear()
+            running = list(self._active)
+            self._cond.notify_all()
+        for job in dropped:
+            job.stop_reason = "shutdown"
+            job.future.set_exception(ShuttingDownError(message))
+        for job in running:
+            job.stop_reason = job.stop_reason or "shutdown"
+            job.stop.set()
+        self._notify()
+        return len(dropped) + len(running)
 
     def shutdown(self, wait: bool = True, timeout: float | None = None) -> None:
         """Refuse new jobs; with `wait`, finish all accepted jobs and join the workers (up to `timeout` seconds)."""
@@ -128,12 +164,13 @@ class JobQueue:
                 thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ jobs
-    def submit(self, payload: Any) -> Job:
+    def submit(self, payload: Any, *, bypass_capacity: bool = False) -> Job:
         job = Job(payload)
         with self._cond:
             if self._closing:
                 raise ShuttingDownError("the server is shutting down and accepts no new requests")
-            if len(self._waiting) >= self.capacity:
+            idle_workers = max(0, self.num_workers - self._running)
+            if len(self._waiting) >= self.capacity + idle_workers and not bypass_capacity:
                 raise QueueFullError(
                     f"the request queue is full ({len(self._waiting)} waiting, {self._running} running; "
                     f"capacity {self.capacity}); retry later"
@@ -143,9 +180,10 @@ class JobQueue:
         self._notify()
         return job
 
-    def cancel(self, job: Job) -> bool:
+    def cancel(self, job: Job, reason: str = "abandoned") -> bool:
         """Drop `job` if it has not started (True); else ask a running job to stop early via `job.stop` (False)."""
         with self._cond:
+            job.stop_reason = job.stop_reason or reason
             try:
                 self._waiting.remove(job)
             except ValueError:
@@ -166,6 +204,7 @@ class JobQueue:
                 job = self._waiting.popleft()
                 if job.future.set_running_or_notify_cancel():
                     self._running += 1
+                    self._active.add(job)
                     job.started_at = time.perf_counter()
                     return job
 
@@ -186,4 +225,5 @@ class JobQueue:
             finally:
                 with self._cond:
                     self._running -= 1
+                    self._active.discard(job)
                 self._notify()

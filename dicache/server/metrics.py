@@ -8,19 +8,43 @@
 - `dicache_cached_step_ratio`: cached / all transformer calls since start (0 before the first generation).
 - `dicache_generation_compute_fraction`: histogram of each generation's compute fraction.
 - `dicache_generations_total{outcome="ok"|"stopped"|"failed"}`: generations run by the workers; "stopped" ones were
-  abandoned (client gone, timed out) and ended early.
+  abandoned (client gone, timed out, server shutting down) and ended early.
+- `dicache_request_wait_seconds` / `dicache_generation_seconds`: histograms of the time a generation waited for a
+  worker, and of the worker's time on it (pipeline and image encoding).
+- `dicache_images_total`, `dicache_denoise_steps_total`: images and denoising steps of finished generations.
+- `dicache_transformer_flops_total`: estimated transformer FLOPs of finished generations (`dicache.sweep.flops`,
+  matrix multiplications only, counted from the model config, the tokens and the blocks each call ran);
+  `dicache_generation_achieved_tflops`: histogram of each generation's estimate / its pipeline seconds, the
+  tensor-core work done per second (watch it next to GPU-busy percentage, which hides idle tensor cores).
+- `dicache_build_info{version,python,torch}`, `dicache_model_info{model_id,variant,device,dtype,num_blocks}`.
+- `process_resident_memory_bytes`, `process_open_fds`, `process_cpu_seconds_total`, ...: the process collector.
+
+`/health_generate` probes are not counted in the generation metrics (only as HTTP requests).
 """
 
 from __future__ import annotations
 
+import platform
 import threading
 import time
+from collections.abc import Mapping
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    generate_latest,
+)
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 FRACTION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+TFLOPS_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 300, 500, 750, 1000, 1500, 2000)
 
 
 class ServerMetrics:
@@ -55,6 +79,30 @@ class ServerMetrics:
         self.generations = Counter(
             "dicache_generations", "Generations run by the workers, by outcome", ["outcome"], registry=r
         )
+        self.wait = Histogram(
+            "dicache_request_wait_seconds", "Seconds a generation waited for a worker", buckets=WAIT_BUCKETS, registry=r
+        )
+        self.generate_time = Histogram(
+            "dicache_generation_seconds",
+            "Seconds a worker spent on one generation (pipeline and image encoding)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.images = Counter("dicache_images", "Images of finished generations", registry=r)
+        self.steps = Counter("dicache_denoise_steps", "Denoising steps of finished generations", registry=r)
+        self.flops = Counter(
+            "dicache_transformer_flops", "Estimated transformer FLOPs of finished generations", registry=r
+        )
+        self.tflops = Histogram(
+            "dicache_generation_achieved_tflops",
+            "Per generation: estimated transformer TFLOP / pipeline seconds",
+            buckets=TFLOPS_BUCKETS,
+            registry=r,
+        )
+        self.build = Info("dicache_build", "dicache build", registry=r)
+        self.model = Info("dicache_model", "The served model", registry=r)
+        ProcessCollector(registry=r)
+        self.build.info(build_info())
         self._lock = threading.Lock()
         self._computed = self._cached = 0
         for kind in ("computed", "cached"):
@@ -76,6 +124,22 @@ class ServerMetrics:
             total = self._computed + self._cached
             self.cached_ratio.set(self._cached / total if total else 0.0)
 
+    def observe_work(
+        self, images: int, steps: int, wait_s: float, generate_s: float, flops: float | None, pipeline_s: float
+    ) -> None:
+        """One finished generation: its images, steps, times and (if known) estimated FLOPs."""
+        self.images.inc(images)
+        self.steps.inc(steps)
+        self.wait.observe(wait_s)
+        self.generate_time.observe(generate_s)
+        if flops is not None:
+            self.flops.inc(flops)
+            if pipeline_s > 0:
+                self.tflops.observe(flops / pipeline_s / 1e12)
+
+    def set_model_info(self, info: Mapping[str, object]) -> None:
+        self.model.info({key: str(value) for key, value in info.items()})
+
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()
         if status >= 400:
@@ -84,6 +148,19 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def build_info() -> dict[str, str]:
+    """dicache, Python and torch versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        dicache_version = version("dicache")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        dicache_version = "unknown"
+    import torch
+
+    return {"version": dicache_version, "python": platform.python_version(), "torch": torch.__version__}
 
 
 class MetricsMiddleware:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
 
 SEED_MAX = 2**63 - 1
 
@@ -20,35 +20,77 @@ GUIDANCE_DOC = (
 )
 
 
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+IGNORED_FIELDS = ("quality", "style", "moderation", "complexity", "user", "safety_identifier")
+"""OpenAI fields accepted and validated but without effect here (documented in the API description)."""
+
+
 class ImageGenerationRequest(BaseModel):
-    """`POST /v1/images/generations`: OpenAI's fields plus the diffusion and cache controls."""
+    """`POST /v1/images/generations`: the OpenAI Images API's fields plus the diffusion and cache controls.
+
+    Numbers and booleans are strict, as in OpenAI's API: `"n": true`, `"guidance_scale": "4.5"` or
+    `"enable_cache": "yes"` are 400s, not silently converted.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, description="The served model id (see GET /v1/models); optional.")
-    prompt: str = Field(..., min_length=1, description="What to draw.")
-    n: int = Field(1, ge=1, description="Number of images (bounded by the server's --max-n).")
-    size: str | None = Field(
+    model: StrictStr | None = Field(None, description="The served model id (see GET /v1/models); optional.")
+    prompt: StrictStr = Field(..., min_length=1, description="What to draw.")
+    n: StrictInt = Field(1, ge=1, description="Number of images (bounded by the server's --max-n).")
+    size: StrictStr | None = Field(
         None,
         description="'WIDTHxHEIGHT', each side a multiple of 16 within the server's limits, or 'auto' (the default "
         "size of the served model).",
         examples=["1024x1024"],
     )
-    response_format: Literal["b64_json"] = Field(
-        "b64_json", description="Only 'b64_json' (base64 PNG in the response) is supported; this server hosts no URLs."
+    response_format: Literal["b64_json"] | None = Field(
+        None, description="Only 'b64_json' (base64 image in the response) is supported; this server hosts no URLs."
     )
-    user: str | None = Field(None, description="Accepted for OpenAI compatibility; ignored.")
-    negative_prompt: str | None = Field(None, description="What to steer away from (used when CFG is on).")
-    num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps; default: the variant's preset.")
-    guidance_scale: float | None = Field(None, ge=1.0, le=100.0, allow_inf_nan=False, description=GUIDANCE_DOC)
-    seed: int | None = Field(
+    output_format: Literal["png", "jpeg", "webp"] | None = Field(
+        None, description="Encoding of the returned images: png (default, lossless), jpeg or webp."
+    )
+    output_compression: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="jpeg / webp quality in percent (default 100); ignored for png, which is lossless.",
+    )
+    background: Literal["auto", "opaque"] | None = Field(
+        None,
+        description="'auto' or 'opaque' (the images are always opaque); 'transparent' is refused (no alpha channel).",
+    )
+    quality: Literal["low", "medium", "high", "xhigh", "max", "auto", "standard", "hd"] | None = Field(
+        None, description="Accepted and ignored: quality is set by num_inference_steps and the cache settings."
+    )
+    style: Literal["vivid", "natural"] | None = Field(None, description="Accepted and ignored.")
+    moderation: Literal["low", "auto"] | None = Field(
+        None, description="Accepted and ignored: this server does no content moderation."
+    )
+    complexity: Literal["low", "medium", "high"] | None = Field(None, description="Accepted and ignored.")
+    user: StrictStr | None = Field(None, description="Accepted for OpenAI compatibility; ignored.")
+    safety_identifier: StrictStr | None = Field(None, description="Accepted for OpenAI compatibility; ignored.")
+    stream: StrictBool | None = Field(None, description="Only false: this server does not stream.")
+    partial_images: StrictInt | None = Field(
+        None, description="Only 0 (no partial images): this server does not stream."
+    )
+    frame_count: StrictInt | None = Field(None, description="GIF output only, which this server does not produce.")
+    frame_duration_ms: StrictInt | None = Field(None, description="GIF output only; not produced here.")
+    svg: dict[str, Any] | None = Field(None, description="SVG output only, which this server does not produce.")
+    negative_prompt: StrictStr | None = Field(None, description="What to steer away from (used when CFG is on).")
+    num_inference_steps: StrictInt | None = Field(
+        None, ge=1, description="Denoising steps; default: the variant's preset."
+    )
+    guidance_scale: float | None = Field(
+        None, ge=1.0, le=100.0, allow_inf_nan=False, strict=True, description=GUIDANCE_DOC
+    )
+    seed: StrictInt | None = Field(
         None,
         ge=0,
         le=SEED_MAX,
         description="Random seed; the same seed and parameters give the same image. "
         "Default: a random seed, returned in the response.",
     )
-    enable_cache: bool | None = Field(
+    enable_cache: StrictBool | None = Field(
         None, description="Turn step caching on or off for this request; default: SGLANG_CACHE_DIT_ENABLED."
     )
     cache_dit_params: dict[str, Any] | None = Field(
@@ -58,9 +100,36 @@ class ImageGenerationRequest(BaseModel):
         "The top-level enable_cache, when given, wins over an enable_cache key here.",
     )
 
+    @field_validator("output_format", "background", "stream", "partial_images", mode="before")
+    @classmethod
+    def _explain_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI values this server cannot honour get a message saying why, not just the allowed list."""
+        reason = _UNSUPPORTED.get((info.field_name, value if isinstance(value, str | bool) else None))
+        if info.field_name == "partial_images" and isinstance(value, int) and not isinstance(value, bool) and value:
+            reason = "partial images need streaming, which this server does not do: send 0 or leave it out"
+        if reason:
+            raise ValueError(reason)
+        return value
+
+    @field_validator("frame_count", "frame_duration_ms", "svg")
+    @classmethod
+    def _only_for_other_formats(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            kind = "svg" if info.field_name == "svg" else "gif"
+            raise ValueError(f"applies to output_format={kind!r}, which this server does not produce; leave it out")
+        return value
+
+
+_UNSUPPORTED = {
+    ("output_format", "gif"): "this server produces still raster images: use png, jpeg or webp",
+    ("output_format", "svg"): "this server produces raster images: use png, jpeg or webp",
+    ("background", "transparent"): "the images have no alpha channel: use 'auto' or 'opaque'",
+    ("stream", True): "this server does not stream: send false or leave it out",
+}
+
 
 class ImageObject(BaseModel):
-    b64_json: str = Field(..., description="The image as a base64-encoded PNG.")
+    b64_json: str = Field(..., description="The image, base64-encoded in the response's output_format.")
     sha256: str = Field(
         ..., description="SHA-256 of the decoded float32 image array before 8-bit quantisation: a bitwise fingerprint."
     )
@@ -89,6 +158,9 @@ class GenerationInfo(BaseModel):
 class ImagesResponse(BaseModel):
     created: int
     data: list[ImageObject]
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    size: str = Field(..., description="'WIDTHxHEIGHT' of the images.")
+    background: Literal["opaque"] = "opaque"
     cache_stats: dict[str, Any] | None = Field(
         None,
         description="This request's cache statistics (dicache.RequestStats.to_dict()): per CFG branch, the "

@@ -100,3 +100,25 @@ def flops_ratio(
     used = blocks_run * call.per_block + calls * call.fixed + text_runs * call.text
     full = full_calls * (call.num_blocks * call.per_block + call.fixed) + full_text_runs * call.text
     return used / full
+
+
+def request_flops(
+    config: Mapping[str, Any],
+    image_tokens: int,
+    text_tokens: Mapping[str, int],
+    branches: Mapping[str, tuple[int, int]],
+    blocks: tuple[int, int],
+    batch: int = 1,
+) -> float:
+    """Estimated FLOPs of one native-pipeline request from its cache statistics.
+
+    `branches`: per CFG branch name, (computed calls, cached calls); `text_tokens`: text tokens per branch name
+    (a branch missing there gets the "cond" count); `blocks`: (blocks of a computed call, blocks of a cached call =
+    Fn + Bn). Each branch runs its text path once (the native pipeline) and the fixed part on every call.
+    """
+    total = 0.0
+    for name, (computed, cached) in branches.items():
+        call = krea2_call_flops(config, image_tokens, text_tokens.get(name, text_tokens["cond"]), batch)
+        blocks_run = computed * blocks[0] + cached * blocks[1]
+        total += blocks_run * call.per_block + (computed + cached) * call.fixed + call.text
+    return total

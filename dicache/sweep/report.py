@@ -20,6 +20,7 @@ REPORT_MD = "report.md"
 METHOD_NAMES = {
     "ours": "dicache (ours)",
     "cache-dit": "cache-dit",
+    "ours-fp8": "dicache + FP8",
     "fewer-steps": "fewer steps, Euler",
     "heun": "fewer steps, Heun",
     "curved": "curved step reuse",

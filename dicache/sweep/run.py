@@ -30,7 +30,7 @@ from .compare import compare
 from .flops import flops_ratio, krea2_call_flops
 from .metrics import ms_ssim, psnr, relative_l2, ssim
 from .runners import Sample, branches
-from .spec import Cell, Schedule, SweepSpec, SweepSpecError, stable_hash
+from .spec import QUANTIZED_METHODS, Cell, Schedule, SweepSpec, SweepSpecError, stable_hash
 from .store import ResultStore, model_fingerprint
 
 RESULTS_VERSION = 1
@@ -66,9 +66,14 @@ class Sweep:
         model_name: str | None = None,
         progress: bool = True,
         log: Callable[[str], None] = print,
+        quantized: dict[str, Any] | None = None,
     ) -> None:
         if "cache-dit" in spec.methods and cache_dit is None:
             raise SweepSpecError("method 'cache-dit' needs a cache-dit runner (diffusers' Krea2Pipeline + cache-dit)")
+        self.quantized = dict(quantized or {})  # method (e.g. "ours-fp8") -> a NativeRunner on the quantized model
+        missing = [m for m in spec.methods if m in QUANTIZED_METHODS.values() and m not in self.quantized]
+        if missing:
+            raise SweepSpecError(f"method(s) {missing} need a runner on the quantized model")
         self.spec = spec
         self.store = ResultStore(out_dir)
         self.root = self.store.root
@@ -189,7 +194,21 @@ class Sweep:
         return method != "cache-dit" or unsupported_reason(cell.config) is None
 
     def _runner(self, pipeline: str) -> Any:
+        if pipeline in self.quantized:
+            return self.quantized[pipeline]
         return self.native if pipeline == "native" else self.cache_dit
+
+    @staticmethod
+    def _pipeline_of(method: str) -> str:
+        """The pipeline a method runs on: diffusers for cache-dit, the quantized model for `ours-<q>`, else native."""
+        if method == "cache-dit":
+            return "diffusers"
+        return method if method in QUANTIZED_METHODS.values() else "native"
+
+    @staticmethod
+    def _reference_pipeline(pipeline: str) -> str:
+        """Whose uncached samples a pipeline is measured against: a quantized model against the unquantized one."""
+        return "native" if pipeline in QUANTIZED_METHODS.values() else pipeline
 
     # ------------------------------------------------------------------ running
     def run(self) -> dict[str, Any]:
@@ -298,10 +317,11 @@ class Sweep:
             key = self.cell_key(method, schedule, cell)
             record = self.store.get(key)
             if record is None:
-                pipeline = "diffusers" if method == "cache-dit" else "native"
+                pipeline = self._pipeline_of(method)
+                ref_samples = refs[self._reference_pipeline(pipeline)]
                 samples = self._generate(pipeline, schedule, schedule.steps, cell.config, f"{method} {cell.label}")
-                record = self._record(key, method, pipeline, schedule, samples, refs[pipeline], cell=cell)
-                record["grid"] = self._save_grid(schedule, f"{method}-{key[:10]}", refs[pipeline], samples)
+                record = self._record(key, method, pipeline, schedule, samples, ref_samples, cell=cell)
+                record["grid"] = self._save_grid(schedule, f"{method}-{key[:10]}", ref_samples, samples)
                 record["baseline_steps"] = max(1, round(schedule.steps * record["compute_fraction"]))
                 record["baseline_key"] = self.baseline_key(schedule, record["baseline_steps"])
                 self.store.add(record)
@@ -420,7 +440,7 @@ class Sweep:
                     "e2e_s": _round(s.total_s, 4),
                 }
             )
-        ref_record = self.store.get(self.reference_key(pipeline, schedule)) or {}
+        ref_record = self.store.get(self.reference_key(self._reference_pipeline(pipeline), schedule)) or {}
         denoise, e2e = _mean([s.denoise_s for s in samples]), _mean([s.total_s for s in samples])
         record = {
             "key": key,
@@ -600,6 +620,15 @@ def run_sweep(
     model_id = f"{model_id}|{str(dtype).removeprefix('torch.')}|{torch.device(device or 'cpu').type}"
     with _full_float32():
         native = NativeRunner.load(spec.model, dtype=dtype, device=device)
+        quantized = {}
+        for quantization, method in QUANTIZED_METHODS.items():
+            if method in spec.methods:
+                if dtype != torch.bfloat16:
+                    raise SweepSpecError(
+                        f"method {method!r} (--quantization {quantization}) is measured against bf16: pass --dtype "
+                        f"bfloat16 (got {str(dtype).removeprefix('torch.')})"
+                    )
+                quantized[method] = NativeRunner.load(spec.model, dtype=dtype, device=device, quantization=quantization)
         cache_dit = None
         if "cache-dit" in spec.methods:
             model_dir = Path(spec.model) if spec.model is not None else EMBEDDED_CHECKPOINT
@@ -608,7 +637,17 @@ def run_sweep(
                     f"cache-dit runs diffusers' Krea2Pipeline from a local folder; {model_dir} is not one"
                 )
             cache_dit = CacheDitRunner.load(str(model_dir), dtype=dtype, device=device)
-        sweep = Sweep(spec, out_dir, native, cache_dit, model_id=model_id, model_name=name, progress=progress, log=log)
+        sweep = Sweep(
+            spec,
+            out_dir,
+            native,
+            cache_dit,
+            model_id=model_id,
+            model_name=name,
+            progress=progress,
+            log=log,
+            quantized=quantized,
+        )
         results = sweep.run()
     write_report(results, out_dir)
     return results

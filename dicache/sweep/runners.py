@@ -134,10 +134,16 @@ class NativeRunner:
         self.pipe.set_progress_bar_config(disable=True)
 
     @classmethod
-    def load(cls, model: str | None, dtype: torch.dtype = torch.float32, device: str | None = None) -> NativeRunner:
+    def load(
+        cls,
+        model: str | None,
+        dtype: torch.dtype = torch.float32,
+        device: str | None = None,
+        quantization: str | None = None,
+    ) -> NativeRunner:
         from ..models.krea2 import Krea2Pipeline
 
-        return cls(Krea2Pipeline.from_pretrained(model, dtype=dtype, device=device))
+        return cls(Krea2Pipeline.from_pretrained(model, dtype=dtype, device=device, quantization=quantization))
 
     @property
     def transformer_config(self) -> Any:

@@ -19,8 +19,13 @@ from typing import Any
 from ..config import KNOBS_BY_KEY, CacheConfig
 from ..errors import ConfigError
 
-METHODS = ("ours", "cache-dit")
-"""Cached methods a sweep can run (over the grid's cells; cache-dit over `cachedit_grid` when given)."""
+METHODS = ("ours", "cache-dit", "ours-fp8")
+"""Cached methods a sweep can run (over the grid's cells; cache-dit over `cachedit_grid` when given). `ours-fp8` is
+ours on the model quantized to FP8 (`--quantization fp8`), measured against the unquantized references; it also runs
+uncached (`policy never`), which isolates what FP8 alone costs."""
+QUANTIZED_METHODS = {"fp8": "ours-fp8"}
+"""`--quantization` values (besides none) and the method each adds."""
+UNCACHED_CELL_OVERRIDES = {"policy": "never"}
 SOLVER_BASELINES = ("euler", "heun", "curved")
 """Same-compute baselines without a cache (`dicache.sweep.solvers`): fewer-steps Euler, fewer-steps Heun, `curved`."""
 BASELINES = (*SOLVER_BASELINES, "cachedit")
@@ -56,6 +61,7 @@ FILE_KEYS = (
     "reference_steps",
     "compute_targets",
     "cachedit_grid",
+    "quantization",
 )
 VARIANTS = ("turbo", "raw")
 
@@ -384,6 +390,8 @@ class SweepSpec:
         """The cells `method` runs: cache-dit's own when `cachedit_cells` is given, else the grid's."""
         if method == "cache-dit" and self.cachedit_cells is not None:
             return self.cachedit_cells
+        if method in QUANTIZED_METHODS.values():
+            return dedupe_cells([make_cell(UNCACHED_CELL_OVERRIDES), *self.cells])
         return self.cells
 
 

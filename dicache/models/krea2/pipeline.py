@@ -8,6 +8,10 @@ its numbers match diffusers'. Presets: `turbo` = 8 steps, no CFG, shift pinned a
 Model code has no cache logic. Two neutral seams let a cache engine observe the loop: `request_scope(num_steps,
 sigmas)` around one generation, `call_scope(step, branch, sigma)` around each transformer call, where `branch` is
 "cond", "uncond" or "batched" (cond and uncond in one batch).
+
+Memory (small GPUs): `enable_offload(...)` (or the same options on `from_pretrained`) installs `dicache.offload`'s
+planner and offloaders. A call runs its phases in order (encode every prompt, text conditioning, denoise, decode) so
+an offloaded component is brought in once per call.
 """
 
 from __future__ import annotations
@@ -28,7 +32,14 @@ from dicache.models.krea2.scheduler import TURBO_MU, FlowMatchEulerScheduler
 from dicache.models.krea2.text import Krea2TextEncoder
 from dicache.models.krea2.transformer import Krea2Transformer, TextConditioning
 from dicache.models.krea2.vae import QwenImageVAEDecoder
-from dicache.models.loading import CheckpointError, default_dtype, read_json, resolve_component_dir
+from dicache.models.loading import (
+    CheckpointError,
+    check_load_format,
+    default_dtype,
+    read_json,
+    resolve_component_dir,
+)
+from dicache.quantization import QuantizationSpec, parse_quantization, quantize_transformer
 
 EMBEDDED_CHECKPOINT = pathlib.Path(__file__).resolve().parents[2] / "assets" / "krea2-tiny"
 """The small trained Krea-2-architecture checkpoint shipped with dicache (the default model)."""
@@ -100,6 +111,7 @@ class Krea2Pipeline:
         self.sample_prompts = sample_prompts or []
         self.progress = True
         self.source: str | None = None
+        self.offload = None  # a dicache.offload.PipelineOffload once enable_offload ran
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -109,6 +121,18 @@ class Krea2Pipeline:
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         base: str | os.PathLike | None = None,
+        *,
+        quantization: str | QuantizationSpec | None = None,
+        compile: bool = False,
+        load_format: str = "auto",
+        dit_layerwise_offload: bool = False,
+        dit_offload_prefetch_size: float = 0.0,
+        dit_cpu_offload: bool = False,
+        text_encoder_cpu_offload: bool = False,
+        vae_cpu_offload: bool = False,
+        pin_cpu_memory: bool = True,
+        gpu_memory_budget: float | None = None,
+        offload_limits: dict | None = None,
         **hub_kwargs: Any,
     ) -> Krea2Pipeline:
         """Load a diffusers-layout Krea-2 folder or hub repo (None: the embedded checkpoint).
@@ -119,6 +143,13 @@ class Krea2Pipeline:
         to this one) or hub repo whose tokenizer, text encoder and VAE fill the components this folder lacks. `base`
         overrides that pointer. dtype: bf16 on CUDA, fp32 on CPU by default. Components neither here nor in the base
         (no text encoder, no VAE) are left out.
+        `load_format="dummy"` draws random weights from the component configs (no weight files read; for speed
+        and memory measurements). `quantization="fp8"` and `compile=True` apply `quantize` and `compile` after
+        loading (for a model split over GPUs, call them yourself after `dicache.parallel.parallelize_pipeline`).
+
+        The offload options (SGLang's names, see `enable_offload`) load the weights into host memory first and then
+        place them as the memory plan says; `offload_limits` passes `enable_offload`'s size bounds (max_height,
+        max_width, max_images, cfg, size_source, cache_config).
         """
         if path_or_repo_id is None:
             path_or_repo_id = EMBEDDED_CHECKPOINT
@@ -126,8 +157,21 @@ class Krea2Pipeline:
                 raise CheckpointError(f"the embedded checkpoint is missing: {EMBEDDED_CHECKPOINT} is not a directory")
         device = torch.device(device) if device is not None else torch.device("cpu")
         dtype = dtype or default_dtype(device)
+        from dicache.offload.plan import OffloadSettings
+
+        offload = OffloadSettings(
+            dit_layerwise_offload=dit_layerwise_offload,
+            dit_offload_prefetch_size=dit_offload_prefetch_size,
+            dit_cpu_offload=dit_cpu_offload,
+            text_encoder_cpu_offload=text_encoder_cpu_offload,
+            vae_cpu_offload=vae_cpu_offload,
+            pin_cpu_memory=pin_cpu_memory,
+            gpu_memory_budget=gpu_memory_budget,
+        )
+        target, device = device, (torch.device("cpu") if offload.any else device)  # offload: load on the host
         root = resolve_component_dir(path_or_repo_id, None, **hub_kwargs)
         index = read_json(root, "model_index.json")
+        check_load_format(load_format)
         extras = _read_optional_json(root / "dicache.json")
         base_root = resolve_base_checkpoint(root, extras, base, **hub_kwargs)
         base_extras = _read_optional_json(base_root / "dicache.json") if base_root is not None else {}
@@ -141,18 +185,20 @@ class Krea2Pipeline:
             return base_root
 
         transformer = Krea2Transformer.from_pretrained(
-            path_or_repo_id, subfolder="transformer", dtype=dtype, device=device, **hub_kwargs
+            path_or_repo_id, subfolder="transformer", dtype=dtype, device=device, load_format=load_format, **hub_kwargs
         )
         scheduler = FlowMatchEulerScheduler.from_pretrained(path_or_repo_id, subfolder="scheduler", **hub_kwargs)
         vae = None
         if _component_listed(index, "vae") and source("vae") is not None:
             vae = QwenImageVAEDecoder.from_pretrained(
-                source("vae"), subfolder="vae", dtype=dtype, device=device, **hub_kwargs
+                source("vae"), subfolder="vae", dtype=dtype, device=device, load_format=load_format, **hub_kwargs
             )
         text_encoder = None
         text_source = source("tokenizer", "text_encoder")
         if _component_listed(index, "text_encoder") and _component_listed(index, "tokenizer") and text_source:
-            text_encoder = Krea2TextEncoder.from_pretrained(text_source, dtype=dtype, device=device, **hub_kwargs)
+            text_encoder = Krea2TextEncoder.from_pretrained(
+                text_source, dtype=dtype, device=device, load_format=load_format, **hub_kwargs
+            )
         size = extras.get("default_size", base_extras.get("default_size", [1024, 1024]))
         pipe = cls(
             transformer=transformer,
@@ -165,7 +211,104 @@ class Krea2Pipeline:
             sample_prompts=extras.get("sample_prompts", base_extras.get("sample_prompts")),
         )
         pipe.source = str(path_or_repo_id)
+        # order: quantize (the memory plan reads the weights' actual bytes), plan and place, compile
+        if offload.any:
+            if quantization is not None:
+                from dicache.offload.pipeline import quantize_through_device
+
+                quantize_through_device(pipe, quantization, target)
+            pipe.enable_offload(**offload.__dict__, device=target, **(offload_limits or {}))
+        elif quantization is not None:
+            pipe.quantize(quantization)
+        if compile:
+            pipe.compile()
         return pipe
+
+    # ------------------------------------------------------------------ speed
+    def quantize(self, quantization: str | QuantizationSpec) -> list[str]:
+        """Quantise the transformer in place (`"fp8"` or a `QuantizationSpec`); returns the quantised linears.
+
+        Raises `QuantizationError` where FP8 cannot run (CPU, GPU below compute capability 8.9, no torchao).
+        """
+        spec = parse_quantization(quantization) if isinstance(quantization, str) else quantization
+        if spec is None:
+            return []
+        return quantize_transformer(self.transformer, spec)
+
+    def compile(self, *, dynamic: bool | None = None, backend: str = "inductor") -> Krea2Pipeline:
+        """`torch.compile` the transformer blocks (see `Krea2Transformer.compile_blocks`); the first call at a new
+        shape compiles (tens of seconds at full size), later calls reuse the graphs. Returns self."""
+        self.transformer.compile_blocks(dynamic=dynamic, backend=backend)
+        return self
+
+    # ------------------------------------------------------------------ memory
+    def enable_offload(
+        self,
+        dit_layerwise_offload: bool = False,
+        dit_offload_prefetch_size: float = 0.0,
+        dit_cpu_offload: bool = False,
+        text_encoder_cpu_offload: bool = False,
+        vae_cpu_offload: bool = False,
+        pin_cpu_memory: bool = True,
+        gpu_memory_budget: float | None = None,
+        *,
+        device: str | torch.device | None = None,
+        max_height: int | None = None,
+        max_width: int | None = None,
+        max_images: int = 1,
+        cfg: bool | None = None,
+        size_source: str = "",
+        cache_config: Any = None,
+    ):
+        """Fit the pipeline in a GPU memory budget, with SGLang's option names and meanings.
+
+        dit_layerwise_offload: keep as many transformer blocks resident as the budget allows and stream the rest,
+            copying only the blocks each call runs (a cached step's skipped blocks are never copied); CFG then runs
+            batched (one transformer call per step for cond and uncond).
+        dit_offload_prefetch_size: blocks copied ahead of the running one (< 1: fraction of the layers, >= 1: count).
+        dit_cpu_offload: keep the whole transformer on the host, brought in for each denoising.
+        text_encoder_cpu_offload / vae_cpu_offload: same for the text encoder / the VAE, around their use.
+        pin_cpu_memory: page-lock host copies (fast asynchronous copies).
+        gpu_memory_budget: GiB the pipeline may use (default: free device memory at this point).
+        device: where to compute (default CUDA if available). max_height, max_width, max_images (images per call),
+            cfg: the largest request to plan for (defaults: the default size, 1 image, CFG unless distilled); larger
+            requests are refused before they start.
+        cache_config: the cache settings requests will use (its Fn/Bn blocks are kept resident first; default: the
+            enabled cache's, else the environment's).
+
+        Call it after any quantization. Returns the memory plan; raises `MemoryBudgetError` (naming what was
+        needed and what was available) when nothing fits. Output images stay bitwise equal to the resident run
+        with the same CFG batching.
+        """
+        from dicache.offload.pipeline import enable_pipeline_offload
+        from dicache.offload.plan import OffloadSettings
+
+        settings = OffloadSettings(
+            dit_layerwise_offload=dit_layerwise_offload,
+            dit_offload_prefetch_size=dit_offload_prefetch_size,
+            dit_cpu_offload=dit_cpu_offload,
+            text_encoder_cpu_offload=text_encoder_cpu_offload,
+            vae_cpu_offload=vae_cpu_offload,
+            pin_cpu_memory=pin_cpu_memory,
+            gpu_memory_budget=gpu_memory_budget,
+        )
+        handle = enable_pipeline_offload(
+            self,
+            settings,
+            device,
+            max_height,
+            max_width,
+            max_images,
+            cfg,
+            size_source=size_source,
+            cache_config=cache_config,
+        )
+        return handle.plan
+
+    def disable_offload(self) -> None:
+        """Stop offloading: streamed / offloaded weights stay in host memory, the rest on the device."""
+        if self.offload is not None:
+            self.offload.remove()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -324,10 +467,11 @@ class Krea2Pipeline:
         prompt_embeds_mask: torch.Tensor | None = None,
         negative_prompt_embeds: torch.Tensor | None = None,
         negative_prompt_embeds_mask: torch.Tensor | None = None,
-        cfg_batched: bool = False,
+        cfg_batched: bool | None = None,
     ) -> Krea2PipelineOutput:
         """Generate images. Unset steps/guidance come from `variant` (default: turbo for a distilled checkpoint,
-        else raw); `guidance_scale` is the standard s (1 = no CFG, must be >= 1); `seed` seeds a CPU generator."""
+        else raw); `guidance_scale` is the standard s (1 = no CFG, must be >= 1); `seed` seeds a CPU generator.
+        `cfg_batched`: run cond and uncond in one transformer call per step (default: only with layerwise offload)."""
         variant = variant or ("turbo" if self.is_distilled else "raw")
         if variant not in PRESETS:
             raise ValueError(f"variant={variant!r} is invalid: must be one of {', '.join(PRESETS)}")
@@ -346,23 +490,28 @@ class Krea2Pipeline:
         width = width or self.default_size[1]
         rows, cols = self.latent_grid(height, width)
 
+        if prompt_embeds is None and prompt is None:
+            raise ValueError("pass a prompt (or prompt_embeds)")
+        prompts = None if prompt_embeds is not None else ([prompt] if isinstance(prompt, str) else list(prompt))
+        num_prompts = prompt_embeds.shape[0] if prompt_embeds is not None else len(prompts)
+        if self.offload is not None:
+            self.offload.check_request(height, width, num_prompts * num_images_per_prompt, scale > 1.0)
+        if cfg_batched is None:
+            cfg_batched = self.offload is not None and self.offload.cfg_batched
+        # every prompt is encoded before any text conditioning: an offloaded text encoder comes in once per call
         if prompt_embeds is None:
-            if prompt is None:
-                raise ValueError("pass a prompt (or prompt_embeds)")
-            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
             prompt_embeds, prompt_embeds_mask = self.encode_prompt(prompts)
-        num_prompts = prompt_embeds.shape[0]
+        if scale > 1.0 and negative_prompt_embeds is None:
+            negatives = negative_prompt if negative_prompt is not None else ""
+            negatives = [negatives] * num_prompts if isinstance(negatives, str) else list(negatives)
+            if len(negatives) != num_prompts:
+                raise ValueError(
+                    f"negative_prompt has {len(negatives)} entries; expected 1 or one per prompt ({num_prompts})"
+                )
+            negative_prompt_embeds, negative_prompt_embeds_mask = self.encode_prompt(negatives)
         cond = self.text_conditioning(prompt_embeds, prompt_embeds_mask, num_images_per_prompt)
         uncond = None
         if scale > 1.0:
-            if negative_prompt_embeds is None:
-                negatives = negative_prompt if negative_prompt is not None else ""
-                negatives = [negatives] * num_prompts if isinstance(negatives, str) else list(negatives)
-                if len(negatives) != num_prompts:
-                    raise ValueError(
-                        f"negative_prompt has {len(negatives)} entries; expected 1 or one per prompt ({num_prompts})"
-                    )
-                negative_prompt_embeds, negative_prompt_embeds_mask = self.encode_prompt(negatives)
             uncond = self.text_conditioning(negative_prompt_embeds, negative_prompt_embeds_mask, num_images_per_prompt)
 
         batch = num_prompts * num_images_per_prompt

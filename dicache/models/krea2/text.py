@@ -19,7 +19,7 @@ import pathlib
 
 import torch
 
-from dicache.models.loading import CheckpointError, default_dtype, read_json, resolve_component_dir
+from dicache.models.loading import CheckpointError, check_load_format, default_dtype, read_json, resolve_component_dir
 
 KREA2_PROMPT_PREFIX = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -123,11 +123,13 @@ class Krea2TextEncoder:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         max_sequence_length: int = 512,
+        load_format: str = "auto",
         **hub_kwargs,
     ) -> Krea2TextEncoder:
         """Load `tokenizer/` and `text_encoder/` of a diffusers-layout Krea-2 folder (local or Hub; `hub_kwargs`:
         `cache_dir`, `revision`, `local_files_only`). Select layers come from `model_index.json`
         (`text_encoder_select_layers`), defaulting to `KREA2_SELECT_LAYERS`. dtype: bf16 on CUDA, else fp32.
+        `load_format="dummy"`: random weights from `text_encoder/config.json` alone.
         """
         from transformers import AutoTokenizer, Qwen3VLModel
 
@@ -140,7 +142,13 @@ class Krea2TextEncoder:
         dtype = dtype if dtype is not None else default_dtype(device)
         try:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-            text_encoder = Qwen3VLModel.from_pretrained(encoder_dir, dtype=dtype)
+            if check_load_format(load_format) == "dummy":  # transformers' own random init, drawn on the device
+                from transformers import AutoConfig
+
+                with torch.device(device):
+                    text_encoder = Qwen3VLModel._from_config(AutoConfig.from_pretrained(encoder_dir), dtype=dtype)
+            else:
+                text_encoder = Qwen3VLModel.from_pretrained(encoder_dir, dtype=dtype)
         except (OSError, ValueError) as err:
             raise CheckpointError(
                 f"cannot load the Krea-2 tokenizer/text encoder from {path_or_repo_id}: {err}"

@@ -28,9 +28,11 @@ from torch import nn
 from dicache.models.krea2.attention import gqa_attention
 from dicache.models.loading import (
     CheckpointError,
+    check_load_format,
     default_dtype,
     load_into_module,
     load_state_dict_files,
+    materialize_random,
     read_json,
     resolve_component_dir,
 )
@@ -452,6 +454,23 @@ class Krea2Transformer(nn.Module):
                 param.data = param.data.to(target)
         return self
 
+    def compile_blocks(
+        self, *, fullgraph: bool = True, dynamic: bool | None = None, backend: str = "inductor"
+    ) -> Krea2Transformer:
+        """`torch.compile` each transformer block in place (the block stack's loop, the cache engine's seam and the
+        embeddings stay eager). All blocks share one compiled graph per input shape; `dynamic=None` lets dynamo
+        make the sequence length symbolic at the second distinct shape, so a new resolution or prompt length costs
+        at most one recompilation. Raises the dynamo recompile limit to cover one entry per block."""
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit_name, max(getattr(config, limit_name), 4 * len(self.transformer_blocks)))
+        for block in self.transformer_blocks:
+            block.compile(fullgraph=fullgraph, dynamic=dynamic, backend=backend)
+        self.compiled = True
+        return self
+
     # -- text -------------------------------------------------------------------------------------------------------
 
     def encode_text(
@@ -554,12 +573,14 @@ class Krea2Transformer(nn.Module):
         subfolder: str | None = "transformer",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        load_format: str = "auto",
         **hub_kwargs,
     ) -> Krea2Transformer:
         """Load a diffusers-layout checkpoint (`config.json` + safetensors, single or sharded) in eval mode.
 
         Built on the meta device and filled with tensors read straight onto `device` (default CPU). dtype default:
-        bf16 on CUDA, fp32 otherwise; RMSNorm weights always fp32. `hub_kwargs` go to `resolve_component_dir`
+        bf16 on CUDA, fp32 otherwise; RMSNorm weights always fp32. `load_format="dummy"`: random weights from
+        config.json alone (see `materialize_random`). `hub_kwargs` go to `resolve_component_dir`
         (cache_dir, revision, local_files_only). Errors: `CheckpointError` naming the file / key.
         """
         directory = resolve_component_dir(path_or_repo_id, subfolder, **hub_kwargs)
@@ -568,6 +589,8 @@ class Krea2Transformer(nn.Module):
         kwargs = _constructor_kwargs(cls, read_json(directory, "config.json"), str(directory / "config.json"))
         with torch.device("meta"):
             model = cls(**kwargs)
+        if check_load_format(load_format) == "dummy":
+            return materialize_random(model, device=device, dtype=dtype, keep_fp32=keeps_fp32).eval()
         state_dict = load_state_dict_files(directory, device=device, dtype=dtype, keep_fp32=keeps_fp32)
         load_into_module(model, state_dict, source=str(directory))
         return model.eval()

@@ -26,9 +26,11 @@ from torch import nn
 
 from dicache.models.loading import (
     CheckpointError,
+    check_load_format,
     default_dtype,
     load_into_module,
     load_state_dict_files,
+    materialize_random,
     read_json,
     resolve_component_dir,
 )
@@ -291,6 +293,7 @@ class QwenImageVAEDecoder(nn.Module):
         subfolder: str | None = "vae",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        load_format: str = "auto",
         **hub_kwargs,
     ) -> QwenImageVAEDecoder:
         """Load from a diffusers `AutoencoderKLQwenImage` folder (local or Hub; `hub_kwargs`: `cache_dir`,
@@ -305,6 +308,8 @@ class QwenImageVAEDecoder(nn.Module):
             raise CheckpointError(f"invalid config.json in {directory}: {err}") from err
         with torch.device("meta"):
             model = cls(config)
+        if check_load_format(load_format) == "dummy":
+            return materialize_random(model, device=device, dtype=dtype).eval()
         state_dict = load_state_dict_files(directory, device=device, dtype=dtype)
         model.load_diffusers_state_dict(state_dict, source=str(directory))
         return model.eval()

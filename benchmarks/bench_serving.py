@@ -1,0 +1,359 @@
+"""End to end through the product, like SGLang's `bench_serving`: start `dicache serve` on a full-size Krea-2 with
+random weights and time what an HTTP client sees.
+
+The model is a diffusers-layout folder of config files only (DiT 12.8 B as released, a text encoder of
+Qwen3-VL-4B's size, the Qwen-Image VAE, the scheduler, the embedded checkpoint's word-level tokenizer), served with
+`--load-format dummy` (random weights drawn on the GPU). For each server (bf16, FP8; both `--compile`, which warms up
+at start-up for the default size 1024²) it sends Turbo (8 steps, no CFG) and Raw (50 steps, CFG 4.5) requests with
+caching off and with SGLang's default settings (F1 B0 W4 MC3 RDT 0.24), at concurrency 1 and 20, and reports
+latency mean / median / P99, throughput and the GPU memory the server held at its peak (nvidia-smi, the whole
+process as a user sees it). Random weights never pass a real threshold, so "default" caches nothing there; the
+`sglang` rows force the default settings' pattern (every step the settings allow is cached: an always-passing
+threshold), which is what a trained model with easy steps gets at most.
+
+    python benchmarks/bench_serving.py --results benchmarks/RESULTS.md            # H200: ~6 min
+    python benchmarks/bench_serving.py --tiny --device cpu --servers bf16          # logic check on a CPU (minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import inspect
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT  # noqa: E402
+
+SGLANG_PUBLISHED = {"turbo_c1_latency_s": 1.56, "turbo_c20_req_per_s": 0.64, "peak_GB": 37.5}
+"""SGLang's Krea-2 Turbo serving figures from the seed docs (H200, 1024², default cache)."""
+
+QWEN3_VL_4B_TEXT = dict(
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=262144,
+)
+QWEN3_VL_4B_VISION = dict(
+    depth=24,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_heads=16,
+    out_hidden_size=2560,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[5, 11, 17],
+)
+CACHE_MODES = {
+    "off": {"enable_cache": False},
+    "default": {"enable_cache": True, "cache_dit_params": {}},
+    "sglang": {"enable_cache": True, "cache_dit_params": {"residual_diff_threshold": 1e9}},
+}
+VARIANTS = {"turbo": (8, 1.0), "raw": (50, 4.5)}
+
+
+# ----------------------------------------------------------------------------------------------------- model folder
+def write_model_folder(path: pathlib.Path, tiny: bool) -> pathlib.Path:
+    """A config-only diffusers-layout Krea-2 folder: full size, or the embedded checkpoint's configs (tiny)."""
+    if path.exists():
+        shutil.rmtree(path)
+    for name in ("scheduler", "tokenizer"):
+        shutil.copytree(EMBEDDED_CHECKPOINT / name, path / name)
+    index = json.loads((EMBEDDED_CHECKPOINT / "model_index.json").read_text())
+    for name in ("transformer", "vae", "text_encoder"):
+        (path / name).mkdir(parents=True)
+    if tiny:
+        for name in ("transformer", "vae", "text_encoder"):
+            shutil.copy(EMBEDDED_CHECKPOINT / name / "config.json", path / name / "config.json")
+        size = json.loads((EMBEDDED_CHECKPOINT / "dicache.json").read_text())["default_size"]
+    else:
+        from dicache.models.krea2.text import KREA2_SELECT_LAYERS
+        from dicache.models.krea2.transformer import Krea2Transformer
+        from dicache.models.krea2.vae import QwenImageVAEConfig
+
+        defaults = {
+            k: (list(p.default) if isinstance(p.default, tuple) else p.default)
+            for k, p in inspect.signature(Krea2Transformer.__init__).parameters.items()
+            if k != "self"
+        }
+        (path / "transformer/config.json").write_text(
+            json.dumps({"_class_name": "Krea2Transformer2DModel", **defaults})
+        )
+        vae = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(QwenImageVAEConfig()).items()}
+        (path / "vae/config.json").write_text(json.dumps({"_class_name": "AutoencoderKLQwenImage", **vae}))
+        text = json.loads((EMBEDDED_CHECKPOINT / "text_encoder/config.json").read_text())
+        text["dtype"] = text["torch_dtype"] = "bfloat16"
+        text["text_config"].update(QWEN3_VL_4B_TEXT)
+        for key in ("rope_parameters", "rope_scaling"):
+            text["text_config"][key]["mrope_section"] = [24, 20, 20]
+        text["vision_config"].update(QWEN3_VL_4B_VISION)
+        (path / "text_encoder/config.json").write_text(json.dumps(text, indent=1))
+        index["text_encoder_select_layers"] = list(KREA2_SELECT_LAYERS)
+        size = [1024, 1024]
+    (path / "model_index.json").write_text(json.dumps(index, indent=1))
+    (path / "dicache.json").write_text(json.dumps({"default_size": size}))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------- server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GpuMemoryPoller:
+    """Max GPU memory in use (MiB, nvidia-smi `memory.used` minus what was in use before the server started)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and shutil.which("nvidia-smi") is not None
+        self.base = self._read() if self.enabled else 0
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> int:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True
+        ).stdout
+        return int(out.split()[0]) if out.strip() else 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            self.peak = max(self.peak, self._read() - self.base)
+
+    def __enter__(self):
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def reset(self) -> None:
+        self.peak = 0
+
+    @property
+    def peak_gb(self) -> float | None:
+        return round(self.peak * 2**20 / 1e9, 2) if self.enabled else None
+
+
+def start_server(args, model_dir: pathlib.Path, quantization: str, port: int, log_path: pathlib.Path):
+    cmd = [sys.executable, "-m", "dicache.cli", "serve", "--model", str(model_dir), "--load-format", "dummy"]
+    cmd += ["--port", str(port), "--device", args.device, "--max-queue", "256", "--timeout", "1800"]
+    cmd += ["--workers", str(args.workers), "--log-level", "warning"]
+    if args.compile:
+        cmd.append("--compile")
+    if quantization != "none":
+        cmd += ["--quantization", quantization]
+    env = {**os.environ, "SGLANG_CACHE_DIT_ENABLED": "false", "PYTHONUNBUFFERED": "1"}
+    log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log
+    return proc, " ".join(cmd[1:])
+
+
+def wait_healthy(url: str, proc, timeout_s: float) -> float:
+    import httpx
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not healthy after {timeout_s} s")
+
+
+def stop_server(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    proc.log.close()
+
+
+# ----------------------------------------------------------------------------------------------------- client
+PROMPTS = [
+    "a red apple on a wooden table",
+    "grinning face with big eyes",
+    "a rocket flying over snowy mountains at night",
+    "a cat",
+    "a small house with a green door and a tree beside it",
+]
+
+
+def one_request(url: str, body: dict) -> float:
+    import httpx
+
+    start = time.perf_counter()
+    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=1800)
+    seconds = time.perf_counter() - start
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+    if not r.json()["data"][0].get("b64_json"):
+        raise RuntimeError("response without an image")
+    return seconds
+
+
+def load(url: str, variant: str, cache: str, concurrency: int, requests: int, size: int) -> dict:
+    steps, guidance = VARIANTS[variant]
+    bodies = [
+        {
+            "prompt": PROMPTS[i % len(PROMPTS)],
+            "size": f"{size}x{size}",
+            "num_inference_steps": steps,
+            "guidance_scale": guidance,
+            "seed": i,
+            **CACHE_MODES[cache],
+        }
+        for i in range(requests)
+    ]
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        latencies = list(pool.map(lambda b: one_request(url, b), bodies))
+    wall = time.perf_counter() - start
+    latencies.sort()
+    p99 = latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))]
+    return {
+        "requests": requests,
+        "latency_mean_s": round(statistics.mean(latencies), 3),
+        "latency_median_s": round(statistics.median(latencies), 3),
+        "latency_p99_s": round(p99, 3),
+        "throughput_req_s": round(requests / wall, 3),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def plan(args) -> list[tuple[str, str, int, int]]:
+    """(variant, cache, concurrency, requests) for one server."""
+    runs = []
+    for variant in args.variants:
+        for cache in args.caches:
+            runs.append((variant, cache, 1, args.requests_c1 if variant == "turbo" else args.raw_requests))
+            if variant == "turbo" and args.requests_c20:
+                runs.append((variant, cache, 20, args.requests_c20))
+    return runs
+
+
+def run(args) -> dict:
+    results = {"runs": [], "servers": {}}
+    work = pathlib.Path(tempfile.mkdtemp(prefix="dicache-serving-"))
+    model_dir = write_model_folder(work / "krea2-config", args.tiny)
+    size = 1024 if not args.tiny else 128
+    out_dir = pathlib.Path(os.environ.get("OUT", "."))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with GpuMemoryPoller(args.device.startswith("cuda")) as memory:
+        for quantization in args.servers:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            memory.reset()
+            proc, command = start_server(args, model_dir, quantization, port, out_dir / f"serve_{quantization}.log")
+            try:
+                ready_s = wait_healthy(url, proc, args.start_timeout)
+                results["servers"][quantization] = {
+                    "command": command,
+                    "ready_s": round(ready_s, 1),
+                    "peak_GB_after_warmup": memory.peak_gb,
+                }
+                print(f"server {quantization}: ready in {ready_s:.1f} s: {command}", flush=True)
+                memory.reset()  # from here on: the serving-time peak (loading and warm-up reported above)
+                warmed = set()
+                for variant, cache, concurrency, requests in plan(args):
+                    if variant not in warmed:  # one untimed request of each variant
+                        load(url, variant, cache, 1, 1, size)
+                        warmed.add(variant)
+                    row = {"quantization": quantization, "variant": variant}
+                    row.update(cache=cache, concurrency=concurrency)
+                    row.update(load(url, variant, cache, concurrency, requests, size))
+                    row["server_peak_GB"] = memory.peak_gb
+                    results["runs"].append(row)
+                    print(f"run: {row}", flush=True)
+            finally:
+                stop_server(proc)
+                (out_dir / "bench_serving.json").write_text(json.dumps(results, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def markdown(results: dict, args, command: str) -> str:
+    import platform
+
+    device = platform.machine()
+    if args.device.startswith("cuda"):
+        import torch
+
+        device = torch.cuda.get_device_name()
+    lines = [
+        f"\n## End to end through `dicache serve` ({datetime.datetime.now():%Y-%m-%d %H:%M})\n",
+        f"Command: `{command}`  ",
+        f"Machine: {device}; model: {'tiny (embedded configs)' if args.tiny else 'full-size Krea-2'} with random "
+        f"weights (`--load-format dummy`), {'128' if args.tiny else '1024'}², workers {args.workers}, "
+        f"{'compiled' if args.compile else 'eager'}  ",
+        "Server commands: "
+        + "; ".join(
+            f"`{s['command']}` (ready in {s['ready_s']} s, {s['peak_GB_after_warmup']} GB after warm-up)"
+            for s in results["servers"].values()
+        )
+        + "  ",
+        f"SGLang published (seed docs, Turbo, default cache): {json.dumps(SGLANG_PUBLISHED)}\n",
+    ]
+    rows = results["runs"]
+    if rows:
+        keys = list(rows[0])
+        lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="the embedded checkpoint's configs (a logic check)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--servers", nargs="+", default=["none", "fp8"], choices=("none", "fp8"), help="quantization")
+    p.add_argument("--variants", nargs="+", default=["turbo", "raw"], choices=tuple(VARIANTS))
+    p.add_argument("--caches", nargs="+", default=["off", "sglang"], choices=tuple(CACHE_MODES))
+    p.add_argument("--requests-c1", type=int, default=3)
+    p.add_argument("--requests-c20", type=int, default=20)
+    p.add_argument("--raw-requests", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--results", default=None)
+    args = p.parse_args(argv)
+    results = run(args)
+    command = "python benchmarks/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = markdown(results, args, command.strip())
+    print(text)
+    if args.results:
+        with open(args.results, "a") as fh:
+            fh.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""argparse value types that check ranges, so that a bad option is a one-line usage error naming the value and
+what is allowed (never a traceback, never a nonsense limit such as a NaN timeout)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An integer in [low, high] (high None: no upper bound)."""
+    allowed = f"an integer >= {low}" if high is None else f"an integer between {low} and {high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {allowed}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {allowed}")
+        return value
+
+    return parse
+
+
+def seconds(low: float = 0.0, allow_low: bool = False) -> Callable[[str], float]:
+    """A finite number of seconds > low (>= low with `allow_low`)."""
+    allowed = f"a finite number of seconds {'>=' if allow_low else '>'} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {allowed}") from None
+        if not math.isfinite(value) or value < low or (value == low and not allow_low):
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {allowed}")
+        return value
+
+    return parse
+
+
+port = integer(1, 65535)

@@ -1,0 +1,171 @@
+"""FP8 weights for a loaded transformer: a property of the model, applied once after loading (DESIGN §9).
+
+`quantize_transformer(model, "fp8")` turns the selected `nn.Linear`s into FP8 e4m3 linears through torchao
+(`Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`): weights stored in FP8 with one scale per output
+channel, activations quantised per row at run time, GEMMs on FP8 tensor cores. Everything else (the engine, the
+offloader, `torch.compile`) sees ordinary modules.
+
+Which linears are quantised is data: `QuantizationSpec.include` (glob patterns over qualified module names) minus
+`exclude`. The defaults quantise the transformer blocks' linears and keep everything else in bf16 (embeddings,
+time modulation, text path, final layer), plus the groups measured to cost the most fidelity for the least speed
+(`DEFAULT_FP8_EXCLUDE`; benchmarks/RESULTS.md "FP8 fidelity by layer group").
+
+Where FP8 cannot run (no CUDA device, compute capability below 8.9, torchao missing) `check_fp8_support` raises a
+`QuantizationError` naming what is missing: there is no silent bf16 fallback.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import DicacheError
+
+QUANTIZATION_METHODS = ("fp8",)
+"""Accepted values of `--quantization` besides none (SGLang's flag name and value)."""
+
+FP8_MIN_CAPABILITY = (8, 9)
+"""FP8 tensor cores: Ada (8.9) and Hopper (9.0) or newer."""
+
+DEFAULT_FP8_INCLUDE: tuple[str, ...] = ("transformer_blocks.*",)
+"""Linears quantised by default: every linear inside the block stack."""
+
+DEFAULT_FP8_EXCLUDE: tuple[str, ...] = ("attn_qkv", "attn_out")
+"""Block linears kept in bf16 by default: the attention projections (q/k/v and output), the groups whose FP8 error
+cost the most fidelity (benchmarks/RESULTS.md "FP8 fidelity and speed by layer group": alone in FP8 they cost
+31.6 / 35.0 dB on Raw 28 against 39.6-44.5 dB for the feed-forward and gate groups); 22 % of a block's linear FLOPs."""
+
+LAYER_GROUPS: dict[str, tuple[str, ...]] = {
+    "attn_qkv": ("*.attn.to_q", "*.attn.to_k", "*.attn.to_v"),
+    "attn_gate": ("*.attn.to_gate",),
+    "attn_out": ("*.attn.to_out.0",),
+    "ff_in": ("*.ff.gate", "*.ff.up"),
+    "ff_out": ("*.ff.down",),
+    "first_block": ("transformer_blocks.0.*",),
+    "last_block": ("transformer_blocks.-1.*",),
+}
+"""Named groups of block linears, for `exclude` lists and the per-group fidelity measurement. `-1` in a pattern
+stands for the last block's index."""
+
+
+class QuantizationError(DicacheError, RuntimeError):
+    """Quantization was asked for but cannot run here, or its settings are invalid. The message says what is missing."""
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """A validated quantization request.
+
+    method: "fp8".
+    include / exclude: glob patterns (or `LAYER_GROUPS` names) over the transformer's qualified module names; a
+        linear is quantised iff it matches some include pattern and no exclude pattern.
+    """
+
+    method: str = "fp8"
+    include: tuple[str, ...] = DEFAULT_FP8_INCLUDE
+    exclude: tuple[str, ...] = field(default=DEFAULT_FP8_EXCLUDE)
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise QuantizationError(
+                f"quantization={self.method!r} is invalid: must be one of none, {', '.join(QUANTIZATION_METHODS)}"
+            )
+        for what, patterns in (("include", self.include), ("exclude", self.exclude)):
+            if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
+                raise QuantizationError(
+                    f"quantization {what}={patterns!r} is invalid: must be a list of glob patterns or group names "
+                    f"({', '.join(LAYER_GROUPS)})"
+                )
+
+
+def parse_quantization(method: str | None, exclude: Sequence[str] | None = None) -> QuantizationSpec | None:
+    """`--quantization` / `quantization=` to a spec: None, "none" or "" mean no quantization.
+
+    `exclude` replaces the default exclusions when given (group names from `LAYER_GROUPS` or glob patterns).
+    """
+    if method is None or str(method).strip().lower() in ("", "none"):
+        if exclude:
+            raise QuantizationError("quantization exclusions were given without --quantization fp8")
+        return None
+    method = str(method).strip().lower()
+    if exclude is None:
+        return QuantizationSpec(method=method)
+    return QuantizationSpec(method=method, exclude=tuple(exclude))
+
+
+def _expand(patterns: Sequence[str], num_blocks: int) -> list[str]:
+    out = []
+    for pattern in patterns:
+        for p in LAYER_GROUPS.get(pattern, (pattern,)):
+            out.append(p.replace("transformer_blocks.-1.", f"transformer_blocks.{num_blocks - 1}."))
+    return out
+
+
+def selected_linears(model: nn.Module, spec: QuantizationSpec) -> list[str]:
+    """Qualified names of the `nn.Linear`s of `model` that `spec` quantises, in module order."""
+    blocks = getattr(model, "transformer_blocks", None)
+    num_blocks = len(blocks) if blocks is not None else 0
+    include, exclude = _expand(spec.include, num_blocks), _expand(spec.exclude, num_blocks)
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    unknown = [p for p in spec.exclude if p not in LAYER_GROUPS and not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unknown:
+        raise QuantizationError(
+            f"quantization exclude pattern(s) {unknown} match no linear of {type(model).__name__}; allowed: group "
+            f"names {', '.join(LAYER_GROUPS)} or glob patterns such as 'transformer_blocks.*.attn.to_gate'"
+        )
+    return [
+        name
+        for name in names
+        if any(fnmatch.fnmatchcase(name, p) for p in include) and not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+    ]
+
+
+def check_fp8_support(device: torch.device | str) -> None:
+    """Raise `QuantizationError` unless FP8 linears can run on `device` (CUDA, capability >= 8.9, torchao)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise QuantizationError(
+            f"quantization='fp8' needs an NVIDIA GPU with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
+            f"newer); the model is on {device.type!r}. Drop --quantization or run on such a GPU."
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise QuantizationError(
+            f"quantization='fp8' needs compute capability >= 8.9; {name} has {capability[0]}.{capability[1]}. "
+            "Drop --quantization on this GPU."
+        )
+    try:
+        import torchao  # noqa: F401
+    except ImportError as exc:
+        raise QuantizationError(f"quantization='fp8' needs torchao: pip install 'dicache[fp8]' ({exc})") from None
+
+
+def quantize_transformer(model: nn.Module, spec: QuantizationSpec | str) -> list[str]:
+    """Quantise `model`'s selected linears in place; returns their qualified names.
+
+    The model must already sit on its CUDA device in bf16 (after any tensor-parallel split, so that each shard gets
+    its own scales). Call before `torch.compile`.
+    """
+    if isinstance(spec, str):
+        spec = QuantizationSpec(method=spec)
+    device = next(model.parameters()).device
+    check_fp8_support(device)
+    names = set(selected_linears(model, spec))
+    if not names:
+        raise QuantizationError(f"quantization={spec.method!r}: the include/exclude patterns select no linear")
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    quantize_(
+        model,
+        Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+        filter_fn=lambda module, fqn: fqn in names,
+    )
+    model.quantization = spec
+    if device.type == "cuda":  # the bf16 weights just replaced stay reserved by the caching allocator otherwise
+        torch.cuda.empty_cache()
+    return sorted(names)

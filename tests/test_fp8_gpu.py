@@ -1,0 +1,55 @@
+"""FP8 on a CUDA GPU (compute capability >= 8.9): the embedded checkpoint quantized, cached and compiled.
+
+Run on the GPU machine: `python -m pytest -m gpu tests/test_fp8_gpu.py`. Skipped on CPU.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import dicache
+from dicache.models.krea2 import Krea2Pipeline
+from dicache.quantization import selected_linears
+
+pytestmark = pytest.mark.gpu
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return 10 * np.log10(1.0 / mse) if mse > 0 else float("inf")
+
+
+def generate(pipe, prompt="grinning face", variant="raw", steps=12):
+    out = pipe(prompt, variant=variant, num_inference_steps=steps, seed=3, output_type="np")
+    return out.images[0]
+
+
+def test_fp8_weights_are_stored_in_fp8_and_stay_close_to_bf16():
+    ref_pipe = Krea2Pipeline.from_pretrained(device="cuda")
+    pipe = Krea2Pipeline.from_pretrained(device="cuda", quantization="fp8")
+    names = selected_linears(ref_pipe.transformer, pipe.transformer.quantization)
+    modules = dict(pipe.transformer.named_modules())
+    for name in names:
+        weight = modules[name].weight
+        assert "float8" in str(getattr(weight, "qdata", weight).dtype), (name, type(weight))
+    assert modules["img_in"].weight.dtype == torch.bfloat16  # excluded by default
+    ref, got = generate(ref_pipe), generate(pipe)
+    assert not np.array_equal(ref, got)  # FP8 really ran
+    assert psnr(ref, got) > 25.0
+
+
+def test_fp8_with_caching_and_compile_does_not_recompile_after_warm_up():
+    torch._dynamo.reset()
+    pipe = Krea2Pipeline.from_pretrained(device="cuda", quantization="fp8", compile=True)
+    pipe.set_progress_bar_config(disable=True)
+    dicache.enable(pipe, {"max_warmup_steps": 2, "residual_diff_threshold": 0.5})
+    generate(pipe, "red apple", "raw")
+    generate(pipe, "a much longer prompt with more words in it", "turbo", 8)
+    before = counters["stats"]["unique_graphs"]
+    generate(pipe, "grinning face", "raw")
+    generate(pipe, "dog", "turbo", 8)
+    assert dicache.stats(pipe).cached_calls > 0
+    assert counters["stats"]["unique_graphs"] == before
+    dicache.disable(pipe)
+    torch._dynamo.reset()

@@ -1,0 +1,131 @@
+"""Speed options users reach: `--compile` / `pipe.compile()` and `--quantization fp8` (plumbing and clear errors on
+CPU; FP8 itself runs only on a CUDA GPU with compute capability >= 8.9, see the `gpu` tests)."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from dicache.cli import main
+from dicache.config import CacheConfig
+from dicache.models.krea2 import Krea2Pipeline
+from dicache.quantization import (
+    LAYER_GROUPS,
+    QuantizationError,
+    QuantizationSpec,
+    check_fp8_support,
+    parse_quantization,
+    selected_linears,
+)
+from dicache.server.backend import PipelineBackend, variant_defaults
+from dicache.server.generation import GenerationSpec
+
+CUDA_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def block_linears(model):
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("transformer_")]
+
+
+def test_default_fp8_selection_is_the_block_linears_but_the_attention_projections():
+    from tiny_krea2 import random_native_model
+
+    model = random_native_model()
+    assert selected_linears(model, QuantizationSpec(exclude=())) == block_linears(model)
+    assert len(block_linears(model)) == 4 * 8  # 4 blocks x (q, k, v, gate, out, ff gate, ff up, ff down)
+    chosen = selected_linears(model, QuantizationSpec())
+    kept = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"}
+    assert chosen == [n for n in block_linears(model) if n.split(".", 2)[2] not in kept]
+    assert len(chosen) == 4 * 4
+
+
+def test_exclusions_by_group_and_glob():
+    from tiny_krea2 import random_native_model
+
+    model = random_native_model()
+    spec = QuantizationSpec(exclude=("attn_gate", "last_block", "transformer_blocks.0.ff.*"))
+    chosen = selected_linears(model, spec)
+    assert not any(n.endswith("attn.to_gate") for n in chosen)
+    assert not any(n.startswith("transformer_blocks.3.") for n in chosen)
+    assert not any(n.startswith("transformer_blocks.0.ff.") for n in chosen)
+    assert "transformer_blocks.0.attn.to_q" in chosen and "transformer_blocks.2.ff.down" in chosen
+    assert set(LAYER_GROUPS) >= {"attn_qkv", "attn_gate", "attn_out", "ff_in", "ff_out"}
+
+
+def test_bad_quantization_inputs_name_the_value():
+    from tiny_krea2 import random_native_model
+
+    with pytest.raises(QuantizationError, match="int4.*none, fp8"):
+        parse_quantization("int4")
+    with pytest.raises(QuantizationError, match="without --quantization"):
+        parse_quantization("none", ["attn_gate"])
+    assert parse_quantization(None) is None and parse_quantization("none") is None
+    with pytest.raises(QuantizationError, match="match no linear.*attn_qkv"):
+        selected_linears(random_native_model(), QuantizationSpec(exclude=("*.to_qq",)))
+
+
+@pytest.mark.skipif(CUDA_FP8, reason="checks the error where FP8 cannot run")
+def test_fp8_on_cpu_is_a_clear_error_not_a_silent_fallback(capsys):
+    with pytest.raises(QuantizationError, match="compute capability >= 8.9.*'cpu'"):
+        check_fp8_support("cpu")
+    with pytest.raises(QuantizationError, match="fp8"):
+        Krea2Pipeline.from_pretrained(quantization="fp8")
+    code = main(["generate", "red apple", "--variant", "turbo", "--device", "cpu", "--quantization", "fp8"])
+    assert code == 2
+    assert "quantization='fp8' needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_cli_rejects_an_unknown_exclusion_before_loading(capsys):
+    code = main(["generate", "x", "--device", "cpu", "--quantization-exclude", "attn_gate"])
+    assert code == 2 and "without --quantization fp8" in capsys.readouterr().err
+
+
+def _spec(defaults, prompt, variant, seed, enable_cache=True, size=None):
+    from dicache.models.krea2.pipeline import PRESETS
+
+    return GenerationSpec(
+        prompt=prompt,
+        negative_prompt=None,
+        n=1,
+        width=size or defaults.width,
+        height=size or defaults.height,
+        num_inference_steps=5,
+        guidance_scale=PRESETS[variant].guidance_scale,
+        seed=seed,
+        enable_cache=enable_cache,
+        cache_overrides={"max_warmup_steps": 2, "residual_diff_threshold": 0.5},
+        variant=variant,
+    )
+
+
+def test_compiled_server_warm_up_leaves_nothing_to_compile_for_requests():
+    """`dicache serve --compile` warms up at start-up; afterwards Turbo and Raw requests with caching on, other prompt
+    lengths and seeds compile nothing, and the images equal the eager pipeline's."""
+    torch._dynamo.reset()
+    eager_pipe = Krea2Pipeline.from_pretrained()
+    eager = PipelineBackend(eager_pipe, CacheConfig(), variant_defaults(eager_pipe, default_size=(64, 64)))
+    pipe = Krea2Pipeline.from_pretrained()
+    backend = PipelineBackend(pipe, CacheConfig(), variant_defaults(pipe, default_size=(64, 64)))
+    pipe.compile(backend="eager")  # dynamo's tracing and guards without inductor's codegen: fast on CPU
+    warm = backend.warm_up(steps=3)
+    assert warm["generations"] == 4 and warm["graphs_compiled"] > 0
+    before = counters["stats"]["unique_graphs"]
+    specs = [
+        _spec(backend.defaults, "red apple", "turbo", 3),
+        _spec(backend.defaults, "grinning face with smiling eyes", "raw", 5),
+        _spec(backend.defaults, "a dog", "raw", 1, enable_cache=False),
+    ]
+    cached = 0
+    for spec in specs:
+        got = backend.generate(spec)
+        ref = eager.generate(spec)
+        assert got.sha256 == ref.sha256
+        assert got.stats.to_dict() == ref.stats.to_dict()
+        cached += got.stats.cached_calls
+    assert cached > 0  # the cached path ran too
+    assert counters["stats"]["unique_graphs"] == before  # no recompilation after warm-up
+    backend.generate(_spec(backend.defaults, "red apple", "turbo", 3, size=80))  # a new resolution
+    assert counters["stats"]["unique_graphs"] - before <= 1
+    backend.close()
+    eager.close()
+    torch._dynamo.reset()
