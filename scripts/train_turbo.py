@@ -336,7 +336,7 @@ def train(args, student: Student, pairs: dict, states, masks, device, resume_sta
                 hist["loss_teacher_states"].append(per_item[~own].mean().detach())
             if own.any():
                 hist["loss_own_states"].append(per_item[own].mean().detach())
-        if budget.elapsed - last_print > 15 or budget.done():
+        if budget.elapsed - last_print > args.val_seconds or budget.done():
             last_print = budget.elapsed
             recent = torch.stack(hist["loss"][-50:]).mean().item()
             val = validation_psnr(student, pairs, states, masks, args.val_pairs, device)
@@ -572,6 +572,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-weight-power", type=float, default=1.0)
     ap.add_argument("--val-pairs", type=int, default=256, help="teacher pairs kept out of training for validation")
     ap.add_argument("--checkpoint-seconds", type=float, default=60.0)
+    ap.add_argument("--val-seconds", type=float, default=15.0, help="log and validate at most this often")
     ap.add_argument("--max-captions", type=int, default=0, help="use an evenly spaced subset (0 = all)")
     ap.add_argument("--eval-steps", type=int, nargs="+", default=[8, 4, 5, 6], help="student step counts evaluated")
     ap.add_argument("--eval-teacher-steps", type=int, default=TEACHER_STEPS, help="the reference's steps (raw: 50)")
@@ -635,7 +636,10 @@ def main(argv: list[str] | None = None) -> dict:
             torch.save(pairs, pairs_file)
     n_pairs = pairs["paths"].shape[0]
     if n_pairs <= args.val_pairs:
-        raise RuntimeError(f"only {n_pairs} teacher paths: need more than --val-pairs={args.val_pairs}")
+        raise RuntimeError(
+            f"only {n_pairs} teacher paths: need more than --val-pairs={args.val_pairs}; rerun with a smaller "
+            "--val-pairs (with --work and --resume the saved teacher paths are reused) or a larger --teacher-seconds"
+        )
     timings["teacher"] = pairs["seconds"]
     log(f"teacher: {n_pairs} paths of {len(targets)} states ({pairs['seconds']}s)")
 
