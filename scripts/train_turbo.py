@@ -287,7 +287,9 @@ def train(args, student: Student, pairs: dict, states, masks, device, resume_sta
         done_steps, done_seconds = resume_state["step"], resume_state["seconds"]
         log(f"resumed at step {done_steps} ({done_seconds:.0f}s)")
     budget = Budget(args.train_seconds, args.train_steps, done_steps, done_seconds)
-    gen = torch.Generator(device=device).manual_seed(args.seed + 2 + done_steps)
+    gen = torch.Generator(device=device).manual_seed(args.seed + 2)
+    if resume_state is not None and "generator" in resume_state:  # the batches an uninterrupted run would draw
+        gen.set_state(resume_state["generator"].cpu())
     x_all, cap_all = pairs["paths"], pairs["caption_idx"]
     n_train = x_all.shape[0] - args.val_pairs
     sig = torch.tensor(student.sigmas, device=device)
@@ -344,9 +346,9 @@ def train(args, student: Student, pairs: dict, states, masks, device, resume_sta
             log(f"train step {budget.step} {budget.elapsed:.0f}s loss {recent:.5f} val latent PSNR {val:.2f} dB")
         if args.work and budget.elapsed - last_ckpt > args.checkpoint_seconds:
             last_ckpt = budget.elapsed
-            save_training_state(args, transformer, opt, ema, hist, budget)
+            save_training_state(args, transformer, opt, ema, hist, budget, gen)
     if args.work:
-        save_training_state(args, transformer, opt, ema, hist, budget)
+        save_training_state(args, transformer, opt, ema, hist, budget, gen)
     transformer.eval()
     # raw vs EMA weights: keep the one closer to the teacher on the validation pairs
     val_raw = validation_psnr(student, pairs, states, masks, args.val_pairs, device)
@@ -401,7 +403,7 @@ def validation_psnr(student: Student, pairs: dict, states, masks, count: int, de
     return round(torch.cat(out).mean().item(), 3)
 
 
-def save_training_state(args, transformer, opt, ema, hist, budget) -> None:
+def save_training_state(args, transformer, opt, ema, hist, budget, gen) -> None:
     work = Path(args.work)
     tmp = work / "train_state.pt.tmp"
     torch.save(
@@ -412,6 +414,7 @@ def save_training_state(args, transformer, opt, ema, hist, budget) -> None:
             "history": hist,
             "step": budget.step,
             "seconds": budget.elapsed,
+            "generator": gen.get_state(),
         },
         tmp,
     )
