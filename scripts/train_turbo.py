@@ -287,7 +287,9 @@ def train(args, student: Student, pairs: dict, states, masks, device, resume_sta
         done_steps, done_seconds = resume_state["step"], resume_state["seconds"]
         log(f"resumed at step {done_steps} ({done_seconds:.0f}s)")
     budget = Budget(args.train_seconds, args.train_steps, done_steps, done_seconds)
-    gen = torch.Generator(device=device).manual_seed(args.seed + 2 + done_steps)
+    gen = torch.Generator(device=device).manual_seed(args.seed + 2)
+    if resume_state is not None and "generator" in resume_state:  # the batches an uninterrupted run would draw
+        gen.set_state(resume_state["generator"].cpu())
     x_all, cap_all = pairs["paths"], pairs["caption_idx"]
     n_train = x_all.shape[0] - args.val_pairs
     sig = torch.tensor(student.sigmas, device=device)
@@ -336,7 +338,7 @@ def train(args, student: Student, pairs: dict, states, masks, device, resume_sta
                 hist["loss_teacher_states"].append(per_item[~own].mean().detach())
             if own.any():
                 hist["loss_own_states"].append(per_item[own].mean().detach())
-        if budget.elapsed - last_print > 15 or budget.done():
+        if budget.elapsed - last_print > args.val_seconds or budget.done():
             last_print = budget.elapsed
             recent = torch.stack(hist["loss"][-50:]).mean().item()
             val = validation_psnr(student, pairs, states, masks, args.val_pairs, device)
@@ -344,9 +346,9 @@ def train(args, student: Student, pairs: dict, states, masks, device, resume_sta
             log(f"train step {budget.step} {budget.elapsed:.0f}s loss {recent:.5f} val latent PSNR {val:.2f} dB")
         if args.work and budget.elapsed - last_ckpt > args.checkpoint_seconds:
             last_ckpt = budget.elapsed
-            save_training_state(args, transformer, opt, ema, hist, budget)
+            save_training_state(args, transformer, opt, ema, hist, budget, gen)
     if args.work:
-        save_training_state(args, transformer, opt, ema, hist, budget)
+        save_training_state(args, transformer, opt, ema, hist, budget, gen)
     transformer.eval()
     # raw vs EMA weights: keep the one closer to the teacher on the validation pairs
     val_raw = validation_psnr(student, pairs, states, masks, args.val_pairs, device)
@@ -401,7 +403,7 @@ def validation_psnr(student: Student, pairs: dict, states, masks, count: int, de
     return round(torch.cat(out).mean().item(), 3)
 
 
-def save_training_state(args, transformer, opt, ema, hist, budget) -> None:
+def save_training_state(args, transformer, opt, ema, hist, budget, gen) -> None:
     work = Path(args.work)
     tmp = work / "train_state.pt.tmp"
     torch.save(
@@ -412,6 +414,7 @@ def save_training_state(args, transformer, opt, ema, hist, budget) -> None:
             "history": hist,
             "step": budget.step,
             "seconds": budget.elapsed,
+            "generator": gen.get_state(),
         },
         tmp,
     )
@@ -572,6 +575,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-weight-power", type=float, default=1.0)
     ap.add_argument("--val-pairs", type=int, default=256, help="teacher pairs kept out of training for validation")
     ap.add_argument("--checkpoint-seconds", type=float, default=60.0)
+    ap.add_argument("--val-seconds", type=float, default=15.0, help="log and validate at most this often")
     ap.add_argument("--max-captions", type=int, default=0, help="use an evenly spaced subset (0 = all)")
     ap.add_argument("--eval-steps", type=int, nargs="+", default=[8, 4, 5, 6], help="student step counts evaluated")
     ap.add_argument("--eval-teacher-steps", type=int, default=TEACHER_STEPS, help="the reference's steps (raw: 50)")
@@ -635,7 +639,10 @@ def main(argv: list[str] | None = None) -> dict:
             torch.save(pairs, pairs_file)
     n_pairs = pairs["paths"].shape[0]
     if n_pairs <= args.val_pairs:
-        raise RuntimeError(f"only {n_pairs} teacher paths: need more than --val-pairs={args.val_pairs}")
+        raise RuntimeError(
+            f"only {n_pairs} teacher paths: need more than --val-pairs={args.val_pairs}; rerun with a smaller "
+            "--val-pairs (with --work and --resume the saved teacher paths are reused) or a larger --teacher-seconds"
+        )
     timings["teacher"] = pairs["seconds"]
     log(f"teacher: {n_pairs} paths of {len(targets)} states ({pairs['seconds']}s)")
 

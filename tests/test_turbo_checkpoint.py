@@ -172,3 +172,37 @@ def test_teacher_reproduces_the_pipelines_cfg_sampling(checkpoints, tt, one_torc
     torch.testing.assert_close(path[:, 1], one, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(path[:, 2], 0.5 * (one + two), rtol=1e-5, atol=1e-5)  # linear within a step
     torch.testing.assert_close(path[:, 3], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_training_resumes_from_its_saved_state(checkpoints, tt, tmp_path, one_torch_thread):
+    """Two steps, saved; a resumed run with a 3-step budget does one more step from the saved weights and history,
+    and ends where an uninterrupted 3-step run ends."""
+    base_dir, _ = checkpoints
+    pipe = Krea2Pipeline.from_pretrained(base_dir)
+    states, masks = tt.encode_captions(pipe, ["a red fox", "blue heart"])
+    student_sigmas = tt.student_sigmas(pipe)
+    tokens = tt.Student(pipe.transformer, pipe, student_sigmas).positions.shape[0]
+    torch.manual_seed(0)
+    pairs = {
+        "paths": torch.randn(6, len(student_sigmas), tokens, pipe.transformer.config.in_channels),
+        "caption_idx": torch.tensor([0, 1, 0, 1, 0, 1]),
+    }
+    argv = ["--device", "cpu", "--batch", "8", "--val-pairs", "2", "--teacher-samples", "6", "--warmup", "1"]
+
+    def run(steps, work, resume_state=None):
+        args = tt.parse_args([*argv, "--train-steps", str(steps), "--work", str(work), "--onpolicy-start", "0.5"])
+        model = tt.Krea2Transformer.from_pretrained(base_dir, dtype=torch.float32)
+        log = tt.train(
+            args, tt.Student(model, pipe, student_sigmas), pairs, states, masks, torch.device("cpu"), resume_state
+        )
+        return model, log
+
+    straight, straight_log = run(3, tmp_path / "a")
+    _, first_log = run(2, tmp_path / "b")
+    saved = torch.load(tmp_path / "b" / "train_state.pt")
+    assert saved["step"] == 2 and first_log["steps"] == 2
+    resumed, resumed_log = run(3, tmp_path / "b", saved)
+    assert resumed_log["steps"] == 3 and len(resumed_log["loss_curve"]) == 3
+    assert resumed_log["loss_first"] == first_log["loss_first"]  # the history carried over
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b)

@@ -531,6 +531,7 @@ class Sweep:
             "height": self.height,
             "width": self.width,
             "num_blocks": self.native.num_blocks,
+            "is_distilled": bool(getattr(getattr(self.native, "pipe", None), "is_distilled", False)),
             "samples": [list(s) for s in self.spec.samples],
             "schedules": [s.to_dict() | {"name": s.name, "slug": s.slug} for s in self.spec.schedules],
             "methods": list(self.spec.methods),
