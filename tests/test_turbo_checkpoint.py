@@ -206,3 +206,28 @@ def test_training_resumes_from_its_saved_state(checkpoints, tt, tmp_path, one_to
     assert resumed_log["loss_first"] == first_log["loss_first"]  # the history carried over
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b)
+
+
+def test_the_shipped_turbo_checkpoint_is_a_distilled_student_of_the_embedded_base():
+    """dicache/assets/krea2-tiny-turbo: only transformer and scheduler (the base's other parts, fingerprints matching),
+    distilled, mu pinned at 1.15, its own weights (not the base's copied)."""
+    from safetensors import safe_open
+
+    turbo = krea2_pipeline.EMBEDDED_TURBO_CHECKPOINT
+    assert default_checkpoint("turbo") == turbo
+    assert sorted(p.name for p in turbo.iterdir() if p.is_dir()) == ["scheduler", "transformer"]
+    meta = json.loads((turbo / "dicache.json").read_text())
+    base = (turbo / meta["base_checkpoint"]).resolve()
+    assert base == krea2_pipeline.EMBEDDED_CHECKPOINT
+    for component, digest in meta["base_files_sha256"].items():
+        assert component_fingerprint(base / component) == digest
+    assert json.loads((turbo / "model_index.json").read_text())["is_distilled"] is True
+    scheduler = json.loads((turbo / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler["base_shift"] == scheduler["max_shift"] == 1.15
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    with safe_open(turbo / weights, "pt") as a, safe_open(base / weights, "pt") as b:
+        names = sorted(a.keys())
+        assert names == sorted(b.keys())
+        assert any(not torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in names)
+    log = json.loads((turbo / "training_log.json").read_text())
+    assert log["train"]["steps"] > 0 and "student 8 st" in log["eval_vs_teacher_psnr_db"]
