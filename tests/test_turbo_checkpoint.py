@@ -174,9 +174,9 @@ def test_teacher_reproduces_the_pipelines_cfg_sampling(checkpoints, tt, one_torc
     torch.testing.assert_close(path[:, 3], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_training_resumes_from_its_saved_state(checkpoints, tt, tmp_path, one_torch_thread):
-    """Two steps, saved; a resumed run with a 3-step budget does one more step from the saved weights and history,
-    and ends where an uninterrupted 3-step run ends."""
+def test_training_resumes_from_its_saved_state(checkpoints, tt, tmp_path, monkeypatch, one_torch_thread):
+    """A 3-step run checkpointed after every step; resuming from its step-2 checkpoint ends where it ended (same
+    weights, same history), as the checkpoint holds weights, optimizer, EMA, history and the batch generator."""
     base_dir, _ = checkpoints
     pipe = Krea2Pipeline.from_pretrained(base_dir)
     states, masks = tt.encode_captions(pipe, ["a red fox", "blue heart"])
@@ -187,23 +187,29 @@ def test_training_resumes_from_its_saved_state(checkpoints, tt, tmp_path, one_to
         "paths": torch.randn(6, len(student_sigmas), tokens, pipe.transformer.config.in_channels),
         "caption_idx": torch.tensor([0, 1, 0, 1, 0, 1]),
     }
-    argv = ["--device", "cpu", "--batch", "8", "--val-pairs", "2", "--teacher-samples", "6", "--warmup", "1"]
+    at_step_2 = {}
+    save = tt.save_training_state
 
-    def run(steps, work, resume_state=None):
-        args = tt.parse_args([*argv, "--train-steps", str(steps), "--work", str(work), "--onpolicy-start", "0.5"])
+    def keep_step_2(args, transformer, opt, ema, hist, budget, gen):
+        save(args, transformer, opt, ema, hist, budget, gen)
+        if budget.step == 2:
+            at_step_2["state"] = torch.load(Path(args.work) / "train_state.pt")
+
+    monkeypatch.setattr(tt, "save_training_state", keep_step_2)
+
+    def run(work, resume_state=None):
+        work.mkdir()
+        argv = ["--device", "cpu", "--batch", "8", "--val-pairs", "2", "--teacher-samples", "6", "--warmup", "1"]
+        argv += ["--train-steps", "3", "--work", str(work), "--onpolicy-start", "0.5", "--checkpoint-seconds", "0"]
         model = tt.Krea2Transformer.from_pretrained(base_dir, dtype=torch.float32)
-        log = tt.train(
-            args, tt.Student(model, pipe, student_sigmas), pairs, states, masks, torch.device("cpu"), resume_state
-        )
-        return model, log
+        student = tt.Student(model, pipe, student_sigmas)
+        return model, tt.train(tt.parse_args(argv), student, pairs, states, masks, torch.device("cpu"), resume_state)
 
-    straight, straight_log = run(3, tmp_path / "a")
-    _, first_log = run(2, tmp_path / "b")
-    saved = torch.load(tmp_path / "b" / "train_state.pt")
-    assert saved["step"] == 2 and first_log["steps"] == 2
-    resumed, resumed_log = run(3, tmp_path / "b", saved)
+    straight, straight_log = run(tmp_path / "a")
+    assert at_step_2["state"]["step"] == 2
+    resumed, resumed_log = run(tmp_path / "b", at_step_2["state"])
     assert resumed_log["steps"] == 3 and len(resumed_log["loss_curve"]) == 3
-    assert resumed_log["loss_first"] == first_log["loss_first"]  # the history carried over
+    assert resumed_log["loss_curve"] == straight_log["loss_curve"]
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b)
 
