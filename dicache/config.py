@@ -61,6 +61,13 @@ KNOBS: tuple[Knob, ...] = (
         "first blocks always computed; their residual drives the decision (0: a cached step runs no block)",
     ),
     Knob("Bn_compute_blocks", "BN", "an integer >= 0", "last blocks always computed, also on cached steps"),
+    Knob(
+        "cached_step_blocks",
+        "CACHED_STEP_BLOCKS",
+        "comma-separated distinct block indices in [Fn, num_blocks - Bn), e.g. 4,5 (empty: none)",
+        "middle blocks a cached step still computes (finer compute than whole steps); each run of the other middle "
+        "blocks adds its own stored (or extrapolated) residual",
+    ),
     Knob("max_warmup_steps", "WARMUP", "an integer >= 0", "steps 0..W-1 of every branch are always computed"),
     Knob(
         "residual_diff_threshold",
@@ -243,6 +250,7 @@ class CacheConfig(BaseSettings):
     enable_cache: bool = False
     Fn_compute_blocks: int = Field(1, ge=0)
     Bn_compute_blocks: int = Field(0, ge=0)
+    cached_step_blocks: Annotated[list[Annotated[int, Field(ge=0)]] | None, NoDecode] = None
     max_warmup_steps: int = Field(4, ge=0)
     residual_diff_threshold: float = Field(0.24, ge=0.0, allow_inf_nan=False)
     max_continuous_cached_steps: int = Field(3, ge=-1)
@@ -271,7 +279,7 @@ class CacheConfig(BaseSettings):
     ):
         return init_settings, _EnvironmentSource(settings_cls), _ProfileSource(settings_cls)
 
-    @field_validator("scm_compute_bins", "scm_cache_bins", mode="before")
+    @field_validator("scm_compute_bins", "scm_cache_bins", "cached_step_blocks", mode="before")
     @classmethod
     def _split_bins(cls, value: Any) -> Any:
         return _parse_bins(value)
@@ -290,6 +298,9 @@ class CacheConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check_mask_settings(self) -> CacheConfig:
+        blocks = self.cached_step_blocks
+        if blocks is not None and len(set(blocks)) != len(blocks):
+            raise ValueError(f"cached_step_blocks={blocks} lists a block more than once")
         compute, cache = self.scm_compute_bins, self.scm_cache_bins
         if (compute is None) != (cache is None):
             raise ValueError(
@@ -395,6 +406,18 @@ class CacheConfig(BaseSettings):
                 f"Fn_compute_blocks={fn} + Bn_compute_blocks={bn} must be < the model's {num_blocks} blocks "
                 f"(at least one middle block to cache); allowed: Fn >= 1 (0 with a static mask), Bn >= 0, "
                 f"Fn + Bn <= {num_blocks - 1}"
+            )
+        blocks = self.cached_step_blocks or []
+        outside = [b for b in blocks if not fn <= b < num_blocks - bn]
+        if outside:
+            raise BlockSplitError(
+                f"cached_step_blocks={blocks}: block(s) {outside} are not middle blocks; allowed: indices in "
+                f"[Fn, num_blocks - Bn) = [{fn}, {num_blocks - bn}) for this {num_blocks}-block model"
+            )
+        if len(blocks) >= num_blocks - fn - bn:
+            raise BlockSplitError(
+                f"cached_step_blocks={blocks} computes every middle block [{fn}, {num_blocks - bn}): nothing is left "
+                "to cache; list fewer blocks"
             )
 
 

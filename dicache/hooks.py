@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -196,38 +196,50 @@ class BlockStackRunner:
         # observers learn the whole call up front; otherwise they learn the Fn blocks now and the rest after them.
         early = decide_without_diff(policy, step_ctx) if observers else None
         if observers:
-            known = self._call_plan(early.cache, fn, bn) if early is not None else tuple(range(fn))
+            known = self._call_plan(early.cache, fn, bn, request.segments) if early is not None else tuple(range(fn))
             _publish(observers, BlockPlan(known, early is not None, self._upcoming(ctx, early and early.cache)))
         hf = self._run(range(fn), h0, rest, kw, observers)
         decision = early if early is not None else policy.decide(step_ctx, diff)
         if observers and early is None:
-            full = self._call_plan(decision.cache, fn, bn)
+            full = self._call_plan(decision.cache, fn, bn, request.segments)
             _publish(observers, BlockPlan(full, True, self._upcoming(ctx, decision.cache)))
 
         position = request.position(ctx.step, ctx.sigma) if config.enable_taylorseer else float(ctx.step)
+        streams_n = len(hf)
+        h, slot = hf, 0  # slot: the first calibrator of the next cached segment (segment-major, stream-minor)
         if decision.cache:
-            estimates = [c.estimate(position) for c in branch.calibrators]
-            h = tuple(a + e for a, e in zip(hf, estimates))
+            for segment in request.segments:  # skipped runs add their estimate; cached_step_blocks still run
+                if segment.cached:
+                    calibrators = branch.calibrators[slot : slot + streams_n]
+                    h = tuple(a + c.estimate(position) for a, c in zip(h, calibrators))
+                    slot += streams_n
+                else:
+                    h = self._run(range(segment.start, segment.stop), h, rest, kw, observers)
             branch.cached_total += 1
             branch.continuous_cached += 1
         else:
             if getattr(policy, "uses_diff", True):
                 branch.reference = residual()
-            h = self._run(range(fn, num_blocks - bn), hf, rest, kw, observers)
-            middle = tuple(torch.sub(a, b) for a, b in zip(h, hf))
-            for calibrator, m in zip(branch.calibrators, middle):
-                calibrator.update(position, m)
+            for segment in request.segments:
+                out = self._run(range(segment.start, segment.stop), h, rest, kw, observers)
+                if segment.cached:  # what this run adds, for the cached steps to come
+                    for calibrator, a, b in zip(branch.calibrators[slot : slot + streams_n], out, h):
+                        calibrator.update(position, torch.sub(a, b))
+                    slot += streams_n
+                h = out
             branch.continuous_cached = 0
         h = self._run(range(num_blocks - bn, num_blocks), h, rest, kw, observers)
         branch.stats.record(ctx.step, decision.cache, decision.reason, decision.diff)
         return h
 
-    def _call_plan(self, cache: bool, fn: int, bn: int) -> tuple[int, ...]:
-        """All blocks on a computed call; only the Fn then the Bn blocks on a cached one."""
+    def _call_plan(self, cache: bool, fn: int, bn: int, segments: Sequence = ()) -> tuple[int, ...]:
+        """All blocks on a computed call; on a cached one the Fn blocks, the middle blocks it still computes (the
+        uncached `segments`, i.e. `cached_step_blocks`), then the Bn blocks."""
         num_blocks = len(self.blocks)
         if not cache:
             return tuple(range(num_blocks))
-        return tuple(range(fn)) + tuple(range(num_blocks - bn, num_blocks))
+        kept = tuple(b for seg in segments if not seg.cached for b in range(seg.start, seg.stop))
+        return tuple(range(fn)) + kept + tuple(range(num_blocks - bn, num_blocks))
 
     def _upcoming(self, ctx, current_cache: bool | None) -> tuple[int, ...]:
         """The blocks of the calls after this one, as far as the policy knows them: at least one stack's worth when
@@ -256,7 +268,7 @@ class BlockStackRunner:
             if call.cache is None:
                 upcoming.extend(range(fn))
                 break
-            upcoming.extend(self._call_plan(call.cache, fn, bn))
+            upcoming.extend(self._call_plan(call.cache, fn, bn, request.segments))
             if len(upcoming) >= num_blocks:
                 break
         return tuple(upcoming)

@@ -14,7 +14,7 @@ import torch
 from .calibrators import Calibrator, make_calibrator
 from .config import CacheConfig
 from .errors import ConfigError
-from .policies import CachePolicy, make_policy
+from .policies import CachePolicy, Segment, make_policy, middle_segments
 from .stats import BranchStats, RequestStats
 
 BRANCH_NAMES = ("cond", "uncond")
@@ -30,7 +30,8 @@ class BranchState:
     """Everything one CFG branch keeps between its calls within one request.
 
     `reference`: the Fn residual of the last computed step (one tensor per stream), what diffs are measured against.
-    `calibrators`: one per stream, holding the middle residual(s) of computed steps.
+    `calibrators`: one per cached middle segment and stream (segment-major), holding the residual(s) of computed
+    steps; one per stream for the classic single middle.
     """
 
     name: str
@@ -104,6 +105,13 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.config.check_block_split(self.num_blocks)
+        self.segments: list[Segment] = middle_segments(
+            self.num_blocks,
+            self.config.Fn_compute_blocks,
+            self.config.Bn_compute_blocks,
+            self.config.cached_step_blocks,
+        )
+        """The middle's runs of skipped (`cached`) and still-computed blocks on a cached step."""
         self.stats = self._new_stats()
 
     def _new_stats(self) -> RequestStats:
@@ -111,6 +119,7 @@ class RequestState:
             num_blocks=self.num_blocks,
             fn_blocks=self.config.Fn_compute_blocks,
             bn_blocks=self.config.Bn_compute_blocks,
+            cached_step_blocks=len(self.config.cached_step_blocks or ()),
             num_steps=self.num_steps,
             enabled=self.enabled,
         )
@@ -143,7 +152,12 @@ class RequestState:
         if state is None:
             state = BranchState(
                 name=name,
-                calibrators=[make_calibrator(self.config) for _ in range(self.num_streams)],
+                calibrators=[
+                    make_calibrator(self.config)
+                    for segment in self.segments
+                    if segment.cached
+                    for _ in range(self.num_streams)
+                ],
                 stats=self.stats.branch(name),
             )
             self.branches[name] = state

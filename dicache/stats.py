@@ -41,12 +41,13 @@ class RequestStats:
     """Statistics of one request over all its branches.
 
     `compute_fraction` = transformer blocks run / blocks a plain run would have run: a computed call runs all
-    `num_blocks`, a cached call only the `Fn + Bn` always-computed blocks.
+    `num_blocks`, a cached call only the `Fn + Bn` always-computed blocks and its `cached_step_blocks` middle ones.
     """
 
     num_blocks: int
     fn_blocks: int
     bn_blocks: int
+    cached_step_blocks: int = 0
     num_steps: int | None = None
     enabled: bool = True
     branches: dict[str, BranchStats] = field(default_factory=dict)
@@ -70,7 +71,8 @@ class RequestStats:
 
     @property
     def blocks_run(self) -> int:
-        return self.computed_calls * self.num_blocks + self.cached_calls * (self.fn_blocks + self.bn_blocks)
+        per_cached = self.fn_blocks + self.bn_blocks + self.cached_step_blocks
+        return self.computed_calls * self.num_blocks + self.cached_calls * per_cached
 
     @property
     def compute_fraction(self) -> float:
@@ -88,6 +90,7 @@ class RequestStats:
             "num_blocks": self.num_blocks,
             "Fn_compute_blocks": self.fn_blocks,
             "Bn_compute_blocks": self.bn_blocks,
+            "cached_step_blocks": self.cached_step_blocks,
             "computed_calls": self.computed_calls,
             "cached_calls": self.cached_calls,
             "compute_fraction": round(self.compute_fraction, 6),
@@ -119,7 +122,9 @@ class RequestStats:
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(
             f"compute fraction {self.compute_fraction:.3f} ({self.blocks_run} of {self.total_calls * self.num_blocks} "
-            f"block evaluations; Fn={self.fn_blocks} Bn={self.bn_blocks} of {self.num_blocks} blocks)"
+            f"block evaluations; Fn={self.fn_blocks} Bn={self.bn_blocks}"
+            + (f" +{self.cached_step_blocks} middle" if self.cached_step_blocks else "")
+            + f" of {self.num_blocks} blocks)"
         )
         return "\n".join(lines)
 

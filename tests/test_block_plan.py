@@ -185,3 +185,26 @@ def test_upcoming_decisions_roll_counters_forward_and_stop_at_the_first_unknown(
     dynamic = DBCachePolicy(warmup=2, threshold=0.2, max_continuous=-1)
     calls = list(upcoming_decisions(dynamic, {}, ["cond"], 0, "cond", False, num_steps=5))
     assert [(c.step, c.cache) for c in calls] == [(1, False), (2, None)]
+
+
+def test_cached_steps_plan_and_run_their_cached_step_blocks(model):
+    rec = Recorder()
+    stop = observe_blocks(generic_spec(model), rec)
+    mask = {"scm_compute_bins": [1, 1], "scm_cache_bins": [2], "scm_policy": "static", "max_warmup_steps": 0}
+    dicache.enable(model, cfg(Fn_compute_blocks=1, Bn_compute_blocks=1, cached_step_blocks="2,3", **mask))
+    with dicache.request(model, num_inference_steps=4):
+        run(model, 4)
+    dicache.disable(model)
+    stop()
+    full, cached = tuple(range(6)), (0, 2, 3, 5)  # Fn block 0, the listed middle blocks 2 and 3, Bn block 5
+    assert [tuple(call["ran"]) for call in rec.calls] == [full, cached, cached, full]
+    plans = [call["plans"][0] for call in rec.calls]
+    assert all(p.complete for p in plans) and [p.blocks for p in plans] == [full, cached, cached, full]
+    assert plans[0].upcoming[:8] == cached + cached
+
+
+def test_offload_always_runs_the_cached_step_blocks_too():
+    from dicache.offload.pipeline import always_run_blocks
+
+    assert always_run_blocks(1, 1, 6) == (0, 5)
+    assert always_run_blocks(1, 1, 6, [3, 2]) == (0, 2, 3, 5)

@@ -423,3 +423,73 @@ def test_whole_step_reuse_with_fn_zero_runs_no_block_on_cached_steps():
                 assert not torch.allclose(reused[s], model.proj_out(model.proj_in(xs) + t * sum_c), atol=1e-4)
             xs = xs - 0.05 * reused[s]
     assert not all(torch.equal(a, b) for a, b in zip(reused, plain))
+
+
+class IndexedBlock(LinearInTimeBlock):
+    """Records the order in which blocks run (`IndexedBlock.ran`)."""
+
+    ran: list[int] = []
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.index = len(IndexedBlock.ran)
+        IndexedBlock.ran.append(self.index)
+
+    def forward(self, hidden_states, temb):
+        IndexedBlock.ran.append(self.index)
+        return super().forward(hidden_states, temb)
+
+
+def test_cached_step_blocks_still_run_and_each_skipped_run_adds_its_own_residual():
+    torch.manual_seed(3)
+    IndexedBlock.ran = []
+    model = ToyTransformer(num_blocks=4, dim=8, block=IndexedBlock).eval()
+    x = torch.randn(1, 3, 8)
+    plain = run(model, x, 10)
+    mask = dicache.policies.curved_mask(10, 0.4, 2.0)
+    static = {"scm_preset": "curved", "scm_compute_fraction": 0.4, "scm_curve": 2.0, "scm_policy": "static"}
+    dicache.enable(model, cfg(Fn_compute_blocks=0, max_warmup_steps=0, cached_step_blocks="2", **static))
+    IndexedBlock.ran = []
+    with dicache.request(model, num_inference_steps=10):
+        got = run(model, x, 10)
+    expected_order = [b for s in range(10) for b in ((0, 1, 2, 3) if mask[s] else (2,))]
+    assert IndexedBlock.ran == expected_order, "a cached step runs exactly the listed middle block"
+    stats = dicache.stats(model)
+    assert stats.blocks_run == 4 * sum(mask) + (10 - sum(mask)) and stats.to_dict()["cached_step_blocks"] == 1
+    assert stats.compute_fraction == pytest.approx((4 * sum(mask) + 10 - sum(mask)) / 40)
+    # residuals t·c_i do not depend on the input: blocks 0-1 and 3 add their last computed residuals (t_last), block 2
+    # its fresh one (t)
+    c = [b.c.detach() for b in model.blocks]
+    xs, last = x.clone(), 0
+    with torch.no_grad():
+        for s in range(10):
+            t = 1 - s / 10
+            last = s if mask[s] else last
+            t_last = 1 - last / 10
+            expected = model.proj_out(model.proj_in(xs) + t_last * (c[0] + c[1] + c[3]) + t * c[2])
+            torch.testing.assert_close(got[s], expected, rtol=1e-5, atol=1e-5)
+            xs = xs - 0.05 * got[s]
+
+    # TaylorSeer per skipped run: both runs are linear in t, so every cached step is exact
+    dicache.enable(
+        model,
+        cfg(Fn_compute_blocks=0, max_warmup_steps=0, cached_step_blocks=[2], enable_taylorseer=True, **static),
+    )
+    with dicache.request(model, num_inference_steps=10):
+        seer = run(model, x, 10)
+    for s in range(2, 10):
+        torch.testing.assert_close(seer[s], plain[s], rtol=1e-5, atol=1e-5)
+
+
+def test_cached_step_blocks_are_checked_against_the_model():
+    torch.manual_seed(0)
+    model = ToyTransformer(num_blocks=6, dim=8).eval()
+    with pytest.raises(BlockSplitError, match=r"cached_step_blocks=\[0\].*\[1, 5\)"):
+        dicache.enable(model, cfg(Fn_compute_blocks=1, Bn_compute_blocks=1, cached_step_blocks=[0]))
+    with pytest.raises(BlockSplitError, match="nothing is left to cache"):
+        dicache.enable(model, cfg(Fn_compute_blocks=1, Bn_compute_blocks=1, cached_step_blocks="1,2,3,4"))
+    with pytest.raises(ConfigError, match="more than once"):
+        cfg(cached_step_blocks="2,2")
+    with pytest.raises(ConfigError, match="SGLANG_CACHE_DIT_CACHED_STEP_BLOCKS='a'"):
+        CacheConfig.from_env({"SGLANG_CACHE_DIT_CACHED_STEP_BLOCKS": "a"})
+    assert CacheConfig.from_env({"SGLANG_CACHE_DIT_CACHED_STEP_BLOCKS": "3, 1"}).cached_step_blocks == [3, 1]

@@ -159,3 +159,19 @@ def test_make_policy_builds_curved_masks():
         CacheConfig.from_env({"SGLANG_CACHE_DIT_SCM_CURVE": "0.5"})
     with pytest.raises(ConfigError, match="SGLANG_CACHE_DIT_TS_DAMPING='2'.*0, 1"):
         CacheConfig.from_env({"SGLANG_CACHE_DIT_TS_DAMPING": "2"})
+
+
+def test_middle_segments_split_the_middle_into_skipped_and_computed_runs():
+    from dicache.policies import Segment, middle_segments
+
+    assert middle_segments(10, 1, 0, None) == [Segment(1, 10, True)]
+    assert middle_segments(10, 0, 0, [4, 5]) == [Segment(0, 4, True), Segment(4, 6, False), Segment(6, 10, True)]
+    assert middle_segments(6, 1, 1, [1, 3]) == [
+        Segment(1, 2, False),
+        Segment(2, 3, True),
+        Segment(3, 4, False),
+        Segment(4, 5, True),
+    ]
+    assert sum(s.size for s in middle_segments(10, 2, 3, [5, 2])) == 5
+    with pytest.raises(ValueError, match=r"outside the middle \[1, 9\)"):
+        middle_segments(10, 1, 1, [9])

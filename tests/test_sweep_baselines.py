@@ -344,3 +344,12 @@ def test_the_high_accuracy_reference_is_shared_by_step_counts(tmp_path):
     runs = sweep._solver_runs(Schedule(28, 4.5))
     assert ("heun", 7) in runs and ("heun", 8) in runs and ("curved", 14) in runs
     assert sweep._euler_targets(Schedule(28, 4.5)) == [8, 9, 11, 12, 14, 16, 17, 19, 20, 22, 23]
+
+
+def test_the_report_describes_the_baselines_sigmas_of_a_distilled_model():
+    from dicache.sweep.report import baselines_text
+
+    raw, distilled = baselines_text(False), baselines_text(True)
+    assert "resolution-aware" in raw and "pinned at 1.15" not in raw
+    assert "resolution-aware" not in distilled and "mu pinned at 1.15" in distilled
+    assert "every bin 0.5–0.8" in distilled and "every bin 0.5–0.8" not in raw

@@ -88,11 +88,9 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def _heldout_file(model: str | None) -> Path:
-    if model is None:
-        from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT
+    from ..models.krea2.pipeline import heldout_prompts_file
 
-        return EMBEDDED_CHECKPOINT / "heldout_prompts.json"
-    return Path(model) / "heldout_prompts.json"
+    return heldout_prompts_file(model)
 
 
 def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
@@ -199,7 +197,9 @@ def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    pipe = Krea2Pipeline.from_pretrained(args.model, dtype=dtype, device=device)
+    from ..models.krea2.pipeline import resolve_model
+
+    pipe = Krea2Pipeline.from_pretrained(resolve_model(args.model, args.variant), dtype=dtype, device=device)
     variant = args.variant or ("turbo" if pipe.is_distilled else "raw")
     preset = PRESETS[variant]
     steps = args.steps if args.steps is not None else preset.num_inference_steps

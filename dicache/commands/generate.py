@@ -15,7 +15,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *variant_aliases: st
     """`--model`, `--variant` (plus `variant_aliases`), `--steps`, `--guidance`: what to sample with, shared by the
     commands that run the pipeline (`generate`, `calibrate`)."""
     parser.add_argument(
-        "--model", default=None, help="local diffusers-layout folder or hub repo id (default: embedded)"
+        "--model",
+        default=None,
+        help="local diffusers-layout folder or hub repo id (default: the embedded checkpoint; with --variant turbo "
+        "its distilled Turbo student)",
     )
     parser.add_argument(
         "--variant",
@@ -98,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline) -> int:
+    from dicache.models.krea2.pipeline import resolve_model
     from dicache.offload.cli import cfg_of, describe, offload_options
 
     from .speed import apply_speed_options, speed_spec
@@ -114,7 +118,7 @@ def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_
     # with offload, loading quantizes, plans and places, then compiles, in that order
     speed = dict(quantization=speed_spec(args), compile=args.compile) if offload else {}
     pipe = Krea2Pipeline.from_pretrained(
-        args.model, device=ctx.device, load_format=args.load_format, **offload, **speed
+        resolve_model(args.model, args.variant), device=ctx.device, load_format=args.load_format, **offload, **speed
     )
     if describe(pipe):
         print(describe(pipe))

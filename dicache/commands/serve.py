@@ -28,7 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..server.settings import ServerSettings
 
     d = ServerSettings()
-    parser.add_argument("--model", default=None, help="checkpoint folder or hub id (default: the embedded checkpoint)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder or hub id (default: the embedded checkpoint; its Turbo student with --variant turbo)",
+    )
     from ..profiles import add_profile_argument
 
     add_profile_argument(parser)

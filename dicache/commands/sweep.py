@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "An interrupted sweep resumes: rerun the same command; finished cells are not recomputed."
     )
     parser.add_argument("--model", help="checkpoint folder or hub repo id (default: the embedded krea2-tiny)")
+    parser.add_argument(
+        "--variant",
+        choices=("turbo", "raw"),
+        help="without --model: turbo = the embedded Turbo student (krea2-tiny-turbo; default schedule 8 steps, no "
+        "CFG), raw = the embedded base (the default)",
+    )
     parser.add_argument("--out", default="sweep-results", help="output folder (default: %(default)s)")
     parser.add_argument("--grid", metavar="FILE", help="YAML/JSON grid file (keys: " + ", ".join(_file_keys()) + ")")
     parser.add_argument("--quick", action="store_true", help="a small grid, 2 prompts, 8 and 28:4.5 steps (minutes)")
@@ -144,6 +150,11 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
 
     file: dict[str, Any] = S.read_grid_file(args.grid) if args.grid else {}
     model = args.model or file.get("model")
+    variant = getattr(args, "variant", None)
+    if model is None and variant == "turbo":
+        from ..models.krea2.pipeline import default_checkpoint
+
+        model = str(default_checkpoint("turbo"))
 
     grid: Any = S.QUICK_GRID if args.quick else S.DEFAULT_GRID
     grid = file.get("grid", grid)
@@ -152,7 +163,10 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
         grid = axes
     cells = S.expand_grid(grid)
 
-    schedules = args.schedules or file.get("schedules") or (S.QUICK_SCHEDULES if args.quick else S.DEFAULT_SCHEDULES)
+    defaults = S.QUICK_SCHEDULES if args.quick else S.DEFAULT_SCHEDULES
+    if variant == "turbo":
+        defaults = S.TURBO_SCHEDULES  # a distilled model runs without CFG
+    schedules = args.schedules or file.get("schedules") or defaults
     schedules = [S.Schedule.parse(s) for s in (schedules if isinstance(schedules, list | tuple) else [schedules])]
 
     seeds = args.seeds if args.seeds is not None else file.get("seeds")
@@ -225,12 +239,10 @@ def _fraction(value: Any) -> float:
 
 
 def _heldout_file(model: str | None) -> Path:
-    """`heldout_prompts.json` beside the checkpoint (it may not exist)."""
-    if model is None:
-        from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT
+    """`heldout_prompts.json` beside the checkpoint, else beside its base checkpoint (it may not exist)."""
+    from ..models.krea2.pipeline import heldout_prompts_file
 
-        return EMBEDDED_CHECKPOINT / "heldout_prompts.json"
-    return Path(model) / "heldout_prompts.json"
+    return heldout_prompts_file(model)
 
 
 def _default_prompts(model: str | None) -> list[tuple[str, int | None]]:

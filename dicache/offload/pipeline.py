@@ -91,9 +91,12 @@ class PipelineOffload:
             self._undo.pop()()
 
 
-def always_run_blocks(fn: int, bn: int, num_blocks: int) -> tuple[int, ...]:
-    """The blocks every call runs under a cache with `fn` first and `bn` last always-computed blocks."""
-    return tuple(range(min(fn, num_blocks))) + tuple(range(max(num_blocks - bn, fn), num_blocks))
+def always_run_blocks(fn: int, bn: int, num_blocks: int, cached_step_blocks: Sequence[int] = ()) -> tuple[int, ...]:
+    """The blocks every call runs under a cache with `fn` first and `bn` last always-computed blocks and the middle
+    blocks a cached step still computes (`cached_step_blocks`), in stack order."""
+    first, last = range(min(fn, num_blocks)), range(max(num_blocks - bn, fn), num_blocks)
+    middle = sorted(b for b in set(cached_step_blocks) if fn <= b < num_blocks - bn)
+    return tuple(first) + tuple(middle) + tuple(last)
 
 
 def enable_pipeline_offload(
@@ -134,7 +137,9 @@ def enable_pipeline_offload(
     config = cache_config if cache_config is not None else _cache_config(pipe)
     blocks = transformer.transformer_blocks
     if always_run is None:
-        always_run = always_run_blocks(config.Fn_compute_blocks, config.Bn_compute_blocks, len(blocks))
+        always_run = always_run_blocks(
+            config.Fn_compute_blocks, config.Bn_compute_blocks, len(blocks), config.cached_step_blocks or ()
+        )
 
     needs = memory_needs(pipe, height, width, max_images, cfg, cfg_batched, config, size_source)
     budget, source = _budget(settings, device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import CachePolicy, Decision, StepContext
 from .dbcache import DBCachePolicy
+from .segments import Segment, middle_segments
 from .simple import AlwaysCache, NeverCache
 from .step_mask import curved_mask, preset_mask, step_mask
 
@@ -13,9 +14,11 @@ __all__ = [
     "DBCachePolicy",
     "Decision",
     "NeverCache",
+    "Segment",
     "StepContext",
     "curved_mask",
     "make_policy",
+    "middle_segments",
     "preset_mask",
     "step_mask",
 ]

@@ -259,7 +259,8 @@ def load_backend(
     load_format: str = "auto",
     offload: dict | None = None,
 ) -> PipelineBackend:
-    """Load the native Krea-2 pipeline (`model` None: the embedded checkpoint; device None: cuda if available) and
+    """Load the native Krea-2 pipeline (`model` None: the embedded checkpoint, its Turbo student for `variant`
+    "turbo"; device None: cuda if available) and
     enable caching with `cache_config` (None: the environment's, `SGLANG_CACHE_DIT_*` over the settings profile
     `profile`, default `SGLANG_CACHE_DIT_PROFILE`'s). Every request starts from these settings; its
     `cache_dit_params` merge over them. `offload`: `Krea2Pipeline.from_pretrained`'s memory options
@@ -279,5 +280,9 @@ def load_backend(
         cache_config = read_cache_config(profile)
     config = cache_config
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    pipe = Krea2Pipeline.from_pretrained(model, dtype=dtype, device=device, load_format=load_format, **(offload or {}))
+    from ..models.krea2.pipeline import resolve_model
+
+    pipe = Krea2Pipeline.from_pretrained(
+        resolve_model(model, variant), dtype=dtype, device=device, load_format=load_format, **(offload or {})
+    )
     return PipelineBackend(pipe, config, variant_defaults(pipe, variant, default_size))

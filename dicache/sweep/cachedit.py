@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ INSTALL_HINT = (
 )
 
 
-NO_EQUIVALENT = ("taylorseer_damping",)
+NO_EQUIVALENT = ("taylorseer_damping", "cached_step_blocks")
 """dicache settings cache-dit has no counterpart of (a cell that changes one is not run on cache-dit)."""
 
 
@@ -113,9 +114,23 @@ class CacheDitRunner:
     @classmethod
     def load(cls, model_dir: str, dtype: torch.dtype = torch.float32, device: str | None = None) -> CacheDitRunner:
         import_cache_dit()
-        from diffusers import Krea2Pipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Pipeline, Krea2Transformer2DModel
 
-        pipe = Krea2Pipeline.from_pretrained(model_dir, dtype=dtype)
+        from ..models.krea2.pipeline import read_dicache_json, resolve_base_checkpoint
+        from ..models.loading import read_json
+
+        root = Path(model_dir)
+        base = resolve_base_checkpoint(root, read_dicache_json(root))
+        if base is None:
+            pipe = Krea2Pipeline.from_pretrained(model_dir, dtype=dtype)
+        else:  # a partial checkpoint (the Turbo student): its transformer and scheduler over the base's other parts
+            pipe = Krea2Pipeline.from_pretrained(
+                base,
+                transformer=Krea2Transformer2DModel.from_pretrained(root, subfolder="transformer", dtype=dtype),
+                scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(root, subfolder="scheduler"),
+                is_distilled=bool(read_json(root, "model_index.json").get("is_distilled", False)),
+                dtype=dtype,
+            )
         return cls(pipe.to(device) if device else pipe)
 
     @property

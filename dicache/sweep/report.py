@@ -25,19 +25,31 @@ METHOD_NAMES = {
     "heun": "fewer steps, Heun",
     "curved": "curved step reuse",
 }
-BASELINES_TEXT = (
-    "Baselines at equal compute: fewer-steps Euler (the pipeline's sampler), fewer-steps Heun (predictor Euler, "
-    "corrector with the mean velocity, a plain Euler step to σ = 0; compute = evaluations / n), the `curved` static "
-    "schedule (n steps, the velocity computed only at round((j/(k−1))^1.5·(n−1)), j < k, and reused in between; "
-    "compute = k/n), all uncached on the pipeline's resolution-aware sigmas, and cache-dit. Each uncached baseline "
-    "runs at the counts just below and just above every compute target. Rule: each baseline's Pareto front (compute ≤, "
-    "PSNR ≥) is interpolated linearly at the dicache point's compute (outside its range: its nearest end point, "
-    "marked (b) below / (x) beyond); the best of the four is the comparison, the margin = dicache − best. "
-    "`margin, ≥ rule`: the conservative alternative, each baseline's cheapest front point with compute ≥ the dicache "
-    "point's. A bin f holds the dicache settings with compute in [f − 0.05, f + 0.05); its row shows the one with the "
-    "largest margin (a bin without one shows the baselines at f). Targets (issue): 28 and 50 steps, ≥ 1 dB above the "
-    "best baseline in every bin 0.3–0.8; 8 steps, some dicache setting with compute ≤ 0.6 at ≥ 35 dB; per measure."
-)
+
+
+def baselines_text(distilled: bool = False) -> str:
+    """How the baselines run and how the comparison is made; `distilled`: the model is a distilled few-step
+    checkpoint (no CFG, shift pinned at mu = 1.15 at every step count and resolution)."""
+    sigmas = (
+        "the pipeline's sigmas for the reduced step count (a distilled model: mu pinned at 1.15, no CFG)"
+        if distilled
+        else "the pipeline's resolution-aware sigmas for the reduced step count"
+    )
+    return (
+        "Baselines at equal compute: fewer-steps Euler (the pipeline's sampler), fewer-steps Heun (predictor Euler, "
+        "corrector with the mean velocity, a plain Euler step to σ = 0; compute = evaluations / n), the `curved` "
+        "static schedule (n steps, the velocity computed only at round((j/(k−1))^1.5·(n−1)), j < k, and reused in "
+        f"between; compute = k/n), all uncached on {sigmas}, and cache-dit. Each uncached baseline runs at the counts "
+        "just below and just above every compute target. Rule: each baseline's Pareto front (compute ≤, PSNR ≥) is "
+        "interpolated linearly at the dicache point's compute (outside its range: its nearest end point, marked (b) "
+        "below / (x) beyond); the best of the four is the comparison, the margin = dicache − best. `margin, ≥ rule`: "
+        "the conservative alternative, each baseline's cheapest front point with compute ≥ the dicache point's. A bin "
+        "f holds the dicache settings with compute in [f − 0.05, f + 0.05); its row shows the one with the largest "
+        "margin (a bin without one shows the baselines at f). Targets (issues 11, 20): 28 and 50 steps, ≥ 1 dB above "
+        "the best baseline in every bin 0.3–0.8; 8 steps, some dicache setting with compute ≤ 0.6 at ≥ 35 dB"
+        + (", and ≥ 1 dB above the student run for fewer steps in every bin 0.5–0.8" if distilled else "")
+        + "; per measure."
+    )
 
 
 def _run_cells(r: dict) -> list[str]:
@@ -127,7 +139,7 @@ def render_report(results: dict[str, Any]) -> str:
         "fraction and the FLOPs ratio are the load-independent measures. diffusers pads text to the prompt's length "
         "rounded up to 32 tokens (padding is masked; the output is unchanged within float noise).",
         "",
-        BASELINES_TEXT
+        baselines_text(bool(meta.get("is_distilled")))
         + (
             f" PSNR ref: against the uncached {meta['reference_steps']}-step Euler run of the same prompt, seed and "
             "guidance (a high-accuracy reference that does not depend on the sampler under test)."
@@ -348,7 +360,7 @@ def render_summary(results: dict[str, Any], command: str | None = None, notes: l
     ]
     lines += [f"- note: {n}" for n in [*(notes or []), *meta.get("notes", [])]]
     if comparisons:
-        lines += ["", BASELINES_TEXT]
+        lines += ["", baselines_text(bool(meta.get("is_distilled")))]
     for schedule in meta["schedules"]:
         groups = schedule_records(results, schedule["slug"])
         ours, cd, fewer = groups["ours"], groups["cache-dit"], groups["fewer-steps"]

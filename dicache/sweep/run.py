@@ -531,6 +531,7 @@ class Sweep:
             "height": self.height,
             "width": self.width,
             "num_blocks": self.native.num_blocks,
+            "is_distilled": bool(getattr(getattr(self.native, "pipe", None), "is_distilled", False)),
             "samples": [list(s) for s in self.spec.samples],
             "schedules": [s.to_dict() | {"name": s.name, "slug": s.slug} for s in self.spec.schedules],
             "methods": list(self.spec.methods),
@@ -586,10 +587,12 @@ def _sample_from_ref(ref: dict[str, Any], num_blocks: int, schedule: Schedule) -
 
 def model_identity(model: str | os.PathLike | None) -> tuple[str, str]:
     """(display name, fingerprint) of a model argument; None is the embedded checkpoint."""
-    from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT
+    from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT, EMBEDDED_TURBO_CHECKPOINT
 
     path = Path(model) if model is not None else EMBEDDED_CHECKPOINT
     name = "embedded krea2-tiny" if model is None else str(model)
+    if path.is_dir() and path.resolve() == EMBEDDED_TURBO_CHECKPOINT:
+        name = "embedded krea2-tiny-turbo"
     return name, model_fingerprint(path) if path.is_dir() else str(model)
 
 

@@ -320,6 +320,8 @@ DEFAULT_GRID: list[dict[str, list[Any]]] = [
 ]
 QUICK_SCHEDULES = ("8", "28:4.5")
 DEFAULT_SCHEDULES = ("8", "28:4.5", "50:4.5")
+TURBO_SCHEDULES = ("8",)
+"""Default schedules of a sweep of the distilled Turbo checkpoint (`dicache sweep --variant turbo`)."""
 DEFAULT_TARGETS = (30.0, 35.0, 40.0)
 FALLBACK_PROMPTS = (
     "red apple",

@@ -43,6 +43,8 @@ from dicache.quantization import QuantizationSpec, parse_quantization, quantize_
 
 EMBEDDED_CHECKPOINT = pathlib.Path(__file__).resolve().parents[2] / "assets" / "krea2-tiny"
 """The small trained Krea-2-architecture checkpoint shipped with dicache (the default model)."""
+EMBEDDED_TURBO_CHECKPOINT = EMBEDDED_CHECKPOINT.with_name("krea2-tiny-turbo")
+"""Its distilled 8-step, CFG-free student (transformer and scheduler; the rest comes from `EMBEDDED_CHECKPOINT`)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class Krea2Pipeline:
         path_or_repo_id: str | os.PathLike | None = None,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        base: str | os.PathLike | None = None,
         *,
         quantization: str | QuantizationSpec | None = None,
         compile: bool = False,
@@ -135,8 +138,11 @@ class Krea2Pipeline:
         """Load a diffusers-layout Krea-2 folder or hub repo (None: the embedded checkpoint).
 
         Reads `model_index.json` (is_distilled, patch_size, text-encoder taps) and each component's folder; an
-        optional `dicache.json` beside it gives the default image size and sample prompts. dtype: bf16 on CUDA,
-        fp32 on CPU by default. Components missing from the folder (no text encoder, no VAE) are left out.
+        optional `dicache.json` beside it gives the default image size, sample prompts and, for a checkpoint that
+        holds only what differs from another one (the embedded Turbo student), `base_checkpoint`: the folder (relative
+        to this one) or hub repo whose tokenizer, text encoder and VAE fill the components this folder lacks. `base`
+        overrides that pointer. dtype: bf16 on CUDA, fp32 on CPU by default. Components neither here nor in the base
+        (no text encoder, no VAE) are left out.
         `load_format="dummy"` draws random weights from the component configs (no weight files read; for speed
         and memory measurements). `quantization="fp8"` and `compile=True` apply `quantize` and `compile` after
         loading (for a model split over GPUs, call them yourself after `dicache.parallel.parallelize_pipeline`).
@@ -166,22 +172,34 @@ class Krea2Pipeline:
         root = resolve_component_dir(path_or_repo_id, None, **hub_kwargs)
         index = read_json(root, "model_index.json")
         check_load_format(load_format)
+        extras = _read_optional_json(root / "dicache.json")
+        base_root = resolve_base_checkpoint(root, extras, base, **hub_kwargs)
+        base_extras = _read_optional_json(base_root / "dicache.json") if base_root is not None else {}
+        if base_root is not None:
+            check_base_files(root, extras, base_root)
+
+        def source(*names: str) -> str | os.PathLike | None:
+            """Where components `names` load from: this checkpoint if it has them all, else the base (or None)."""
+            if all((root / n).is_dir() for n in names):
+                return path_or_repo_id
+            return base_root
+
         transformer = Krea2Transformer.from_pretrained(
             path_or_repo_id, subfolder="transformer", dtype=dtype, device=device, load_format=load_format, **hub_kwargs
         )
         scheduler = FlowMatchEulerScheduler.from_pretrained(path_or_repo_id, subfolder="scheduler", **hub_kwargs)
         vae = None
-        if _component_listed(index, "vae"):
+        if _component_listed(index, "vae") and source("vae") is not None:
             vae = QwenImageVAEDecoder.from_pretrained(
-                path_or_repo_id, subfolder="vae", dtype=dtype, device=device, load_format=load_format, **hub_kwargs
+                source("vae"), subfolder="vae", dtype=dtype, device=device, load_format=load_format, **hub_kwargs
             )
         text_encoder = None
-        if _component_listed(index, "text_encoder") and _component_listed(index, "tokenizer"):
+        text_source = source("tokenizer", "text_encoder")
+        if _component_listed(index, "text_encoder") and _component_listed(index, "tokenizer") and text_source:
             text_encoder = Krea2TextEncoder.from_pretrained(
-                path_or_repo_id, dtype=dtype, device=device, load_format=load_format, **hub_kwargs
+                text_source, dtype=dtype, device=device, load_format=load_format, **hub_kwargs
             )
-        extras = _read_optional_json(root / "dicache.json")
-        size = extras.get("default_size", [1024, 1024])
+        size = extras.get("default_size", base_extras.get("default_size", [1024, 1024]))
         pipe = cls(
             transformer=transformer,
             scheduler=scheduler,
@@ -190,7 +208,7 @@ class Krea2Pipeline:
             patch_size=int(index.get("patch_size", 2)),
             is_distilled=bool(index.get("is_distilled", False)),
             default_size=(int(size[0]), int(size[1])),
-            sample_prompts=extras.get("sample_prompts"),
+            sample_prompts=extras.get("sample_prompts", base_extras.get("sample_prompts")),
         )
         pipe.source = str(path_or_repo_id)
         # order: quantize (the memory plan reads the weights' actual bytes), plan and place, compile
@@ -507,6 +525,106 @@ class Krea2Pipeline:
         latents = self.denoise(cond, uncond, latents, rows, cols, sigmas, scale, cfg_batched)
         images = self.decode(latents, height, width, output_type)
         return Krea2PipelineOutput(images=images, latents=latents)
+
+
+def default_checkpoint(variant: str | None) -> pathlib.Path:
+    """The embedded checkpoint a command loads when no model is given: the Turbo student for `variant == "turbo"`,
+    else the base (`raw`, or no variant). Raises `CheckpointError` when that folder is missing."""
+    if variant == "turbo":
+        if not (EMBEDDED_TURBO_CHECKPOINT / "model_index.json").is_file():
+            raise CheckpointError(
+                f"the embedded Turbo checkpoint is missing: {EMBEDDED_TURBO_CHECKPOINT} has no model_index.json "
+                "(train it with scripts/train_turbo.py), or pass --model, or use --variant raw"
+            )
+        return EMBEDDED_TURBO_CHECKPOINT
+    return EMBEDDED_CHECKPOINT
+
+
+def resolve_model(model: str | os.PathLike | None, variant: str | None) -> str | os.PathLike:
+    """`model` when given, else `default_checkpoint(variant)`: what `--model` / `--variant` of the commands load."""
+    return model if model is not None else default_checkpoint(variant)
+
+
+def resolve_base_checkpoint(
+    root: pathlib.Path, extras: dict, base: str | os.PathLike | None = None, **hub_kwargs: Any
+) -> pathlib.Path | None:
+    """The local folder of the base checkpoint a partial checkpoint at `root` points to (None: it names none).
+
+    `base` (a folder, relative to the working directory, or a hub repo id), else `extras["base_checkpoint"]` from
+    `dicache.json` (a folder relative to `root`, or a hub repo id). A pointer that resolves nowhere raises
+    `CheckpointError` naming the checkpoint, the pointer and the folder it looked for.
+    """
+    pointer = base if base is not None else extras.get("base_checkpoint")
+    if pointer is None:
+        return None
+    if not isinstance(pointer, str | os.PathLike) or not os.fspath(pointer):
+        raise CheckpointError(f"{root / 'dicache.json'}: base_checkpoint={pointer!r} must be a folder or repo id")
+    text = os.fspath(pointer)
+    local = pathlib.Path(os.path.expanduser(text))
+    if base is None and not local.is_absolute():  # the pointer in dicache.json is relative to the checkpoint
+        local = root / local
+    if local.is_dir():
+        return local.resolve()
+    if text.startswith((".", "/", "~", "\\")):  # a path, not a hub repo id
+        shared = ", ".join(extras.get("shared_components") or ["its missing components"])
+        raise CheckpointError(
+            f"checkpoint {root} takes {shared} from its base checkpoint {text!r} (dicache.json base_checkpoint), "
+            f"but {local} does not exist; put the base there or pass base=... (another folder or a hub repo id)"
+        )
+    try:
+        return resolve_component_dir(pointer, None, **hub_kwargs)
+    except CheckpointError as err:
+        raise CheckpointError(
+            f"checkpoint {root} needs its base checkpoint {text!r} (dicache.json base_checkpoint), "
+            f"which is neither a folder at {local} nor an available hub repo: {err}"
+        ) from err
+
+
+def component_fingerprint(directory: str | os.PathLike) -> str:
+    """sha256 over the names and bytes of a component folder's `*.safetensors` files (sorted; shards included)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = sorted(pathlib.Path(directory).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {directory}")
+    for file in files:
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def check_base_files(root: pathlib.Path, extras: dict, base_root: pathlib.Path) -> None:
+    """With `extras["base_files_sha256"]` (component -> `component_fingerprint` recorded at distillation), raise
+    `CheckpointError` if the base's weights differ: the student only works with the components it was trained with."""
+    for component, digest in (extras.get("base_files_sha256") or {}).items():
+        if (root / component).is_dir():
+            continue  # this checkpoint has its own copy
+        found = component_fingerprint(base_root / component)
+        if found != digest:
+            raise CheckpointError(
+                f"checkpoint {root} was distilled with a different {component}: the weights in "
+                f"{base_root / component} have sha256 {found[:12]}…, its dicache.json base_files_sha256 expects "
+                f"{str(digest)[:12]}…; use the base checkpoint it was trained with"
+            )
+
+
+def heldout_prompts_file(model: str | os.PathLike | None) -> pathlib.Path:
+    """`heldout_prompts.json` of a local checkpoint (None: the embedded one), else of its base; may not exist."""
+    root = pathlib.Path(model) if model is not None else EMBEDDED_CHECKPOINT
+    own = root / "heldout_prompts.json"
+    if own.is_file() or not root.is_dir():
+        return own
+    try:
+        base = resolve_base_checkpoint(root, read_dicache_json(root))
+    except CheckpointError:
+        return own
+    return base / "heldout_prompts.json" if base is not None else own
+
+
+def read_dicache_json(root: str | os.PathLike) -> dict:
+    """dicache's metadata `dicache.json` of a local checkpoint folder (`{}` when it has none)."""
+    return _read_optional_json(pathlib.Path(root) / "dicache.json")
 
 
 def _component_listed(index: dict, name: str) -> bool:
