@@ -27,22 +27,14 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from dicache.calibration import RECOMMENDED_FAMILY  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT  # noqa: E402
 from dicache.quantization import LAYER_GROUPS, QuantizationSpec  # noqa: E402
 from dicache.sweep.metrics import psnr  # noqa: E402
 
 LINEAR_GROUPS = ("attn_qkv", "attn_gate", "attn_out", "ff_in", "ff_out")
-RECOMMENDED = {
-    "Fn_compute_blocks": 0,
-    "max_warmup_steps": 0,
-    "scm_preset": "curved",
-    "scm_policy": "static",
-    "scm_compute_fraction": 0.4,
-    "enable_taylorseer": True,
-    "taylorseer_distance": "sigma",
-    "taylorseer_damping": 0.5,
-}
+RECOMMENDED = {**RECOMMENDED_FAMILY, "scm_compute_fraction": 0.4}  # README "Recommended settings"
 SCHEDULES = {"raw28": (28, 4.5, "raw"), "turbo8": (8, 1.0, "turbo")}
 
 

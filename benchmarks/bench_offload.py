@@ -54,6 +54,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench_krea2_forward import TINY_CONFIG, build_models  # noqa: E402
 
 import dicache  # noqa: E402
+from dicache.calibration import RECOMMENDED_FAMILY  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler  # noqa: E402
 from dicache.offload.plan import GiB  # noqa: E402
@@ -70,16 +71,7 @@ CACHES = {
         "max_continuous_cached_steps": 3,
         "residual_diff_threshold": 1e9,
     },
-    "curved0.4": {  # README "Recommended settings"
-        "Fn_compute_blocks": 0,
-        "max_warmup_steps": 0,
-        "scm_preset": "curved",
-        "scm_policy": "static",
-        "scm_compute_fraction": 0.4,
-        "enable_taylorseer": True,
-        "taylorseer_distance": "sigma",
-        "taylorseer_damping": 0.5,
-    },
+    "curved0.4": {**RECOMMENDED_FAMILY, "scm_compute_fraction": 0.4},  # README "Recommended settings"
 }
 MODEL_BANDWIDTH = 25e9  # bytes/s, PCIe 4 x16 in practice
 

@@ -38,7 +38,7 @@ from .config import KNOBS, KNOBS_BY_KEY, CacheConfig
 from .errors import ConfigError, DicacheError
 from .sweep.metrics import PSNR_CAP_DB, psnr
 
-_WHOLE_STEP_CURVED = {
+RECOMMENDED_FAMILY = {
     "Fn_compute_blocks": 0,
     "max_warmup_steps": 0,
     "scm_preset": "curved",
@@ -54,9 +54,9 @@ TaylorSeer in sigma; `scm_compute_fraction` sets the budget, `scm_curve` where i
 CANDIDATES: tuple[dict[str, Any], ...] = (
     # Whole-step reuse on the curved mask (the recommendation), budget 0.3..0.8:
     # curve 2.5 up to 0.6, 1.5 above, 2.0 at 8 steps.
-    *({**_WHOLE_STEP_CURVED, "scm_compute_fraction": f, "scm_curve": 2.5} for f in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)),
-    *({**_WHOLE_STEP_CURVED, "scm_compute_fraction": f, "scm_curve": 2.0} for f in (0.5, 0.6, 0.7)),
-    *({**_WHOLE_STEP_CURVED, "scm_compute_fraction": f, "scm_curve": 1.5} for f in (0.7, 0.8)),
+    *({**RECOMMENDED_FAMILY, "scm_compute_fraction": f, "scm_curve": 2.5} for f in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)),
+    *({**RECOMMENDED_FAMILY, "scm_compute_fraction": f, "scm_curve": 2.0} for f in (0.5, 0.6, 0.7)),
+    *({**RECOMMENDED_FAMILY, "scm_compute_fraction": f, "scm_curve": 1.5} for f in (0.7, 0.8)),
     # Dynamic DBCache: cache when the first blocks' residual barely moved (SGLang default: RDT 0.24, W 4, MC 3).
     {"residual_diff_threshold": 0.04},
     {"residual_diff_threshold": 0.08},

@@ -6,6 +6,7 @@ import torch
 from tiny_krea2 import NATIVE_CONFIG, random_native_model
 
 import dicache
+from dicache.calibration import RECOMMENDED_FAMILY
 from dicache.config import CacheConfig
 from dicache.errors import MemoryBudgetError
 from dicache.models.krea2.pipeline import Krea2Pipeline
@@ -16,16 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SIZE, STEPS, NUM_BLOCKS = 64, 10, 6
 DYNAMIC = {"Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "max_warmup_steps": 2, "residual_diff_threshold": 0.6}
-CURVED = {  # README "Recommended settings": Fn = 0, curved static schedule at 0.4, damped TaylorSeer in sigma
-    "Fn_compute_blocks": 0,
-    "max_warmup_steps": 0,
-    "scm_preset": "curved",
-    "scm_policy": "static",
-    "scm_compute_fraction": 0.4,
-    "enable_taylorseer": True,
-    "taylorseer_distance": "sigma",
-    "taylorseer_damping": 0.5,
-}
+CURVED = {**RECOMMENDED_FAMILY, "scm_compute_fraction": 0.4}  # README "Recommended settings"
 
 
 def make_pipe():
