@@ -217,7 +217,7 @@ class Krea2Pipeline:
                 from dicache.offload.pipeline import quantize_through_device
 
                 quantize_through_device(pipe, quantization, target)
-            pipe.enable_offload(**offload.__dict__, device=target, **(offload_limits or {}))
+            pipe._install_offload(offload, device=target, **(offload_limits or {}))
         elif quantization is not None:
             pipe.quantize(quantization)
         if compile:
@@ -280,7 +280,6 @@ class Krea2Pipeline:
         needed and what was available) when nothing fits. Output images stay bitwise equal to the resident run
         with the same CFG batching.
         """
-        from dicache.offload.pipeline import enable_pipeline_offload
         from dicache.offload.plan import OffloadSettings
 
         settings = OffloadSettings(
@@ -292,6 +291,32 @@ class Krea2Pipeline:
             pin_cpu_memory=pin_cpu_memory,
             gpu_memory_budget=gpu_memory_budget,
         )
+        return self._install_offload(
+            settings,
+            device=device,
+            max_height=max_height,
+            max_width=max_width,
+            max_images=max_images,
+            cfg=cfg,
+            size_source=size_source,
+            cache_config=cache_config,
+        )
+
+    def _install_offload(
+        self,
+        settings: Any,
+        *,
+        device: str | torch.device | None = None,
+        max_height: int | None = None,
+        max_width: int | None = None,
+        max_images: int = 1,
+        cfg: bool | None = None,
+        size_source: str = "",
+        cache_config: Any = None,
+    ):
+        """`enable_offload` with already validated `OffloadSettings` (what `from_pretrained` built once)."""
+        from dicache.offload.pipeline import enable_pipeline_offload
+
         handle = enable_pipeline_offload(
             self,
             settings,
