@@ -63,6 +63,7 @@ SETTINGS_FLAGS = ["--max-side", "64", "--max-n", "2", "--max-steps", "40", "--ma
 SETTINGS = settings_from_args(parse_serve_argv(SETTINGS_FLAGS))  # what the command's replicas serve with
 CLIENT_TIMEOUT = 120.0
 START_TIMEOUT = 300.0
+METRICS_FRESH_S = 2 * ReplicaSpec.metrics_period_s + 0.5  # every replica has posted its latest figures by then
 BODIES = {
     "turbo": dict(prompt="a red fox", size="64x64", num_inference_steps=6, guidance_scale=1.0, seed=1),
     "cfg_overrides": dict(
@@ -164,15 +165,20 @@ def _post(url: str, body: dict, timeout: float = CLIENT_TIMEOUT) -> httpx.Respon
     return httpx.post(url + GENERATIONS, json=body, timeout=timeout)
 
 
-def _replica_counts(url: str, outcome: str = "ok") -> dict[str, float]:
-    """`dicache_generations_total{outcome=...}` per replica, from one scrape of /metrics."""
+def _replica_samples(url: str, name: str, **labels: str) -> dict[str, float]:
+    """Sample `name` (with `labels`) per replica, from one scrape of /metrics."""
     text = httpx.get(url + "/metrics", timeout=30).text
     return {
         s.labels["replica"]: s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == "dicache_generations_total" and s.labels.get("outcome") == outcome
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     }
+
+
+def _replica_counts(url: str, outcome: str = "ok") -> dict[str, float]:
+    """`dicache_generations_total{outcome=...}` per replica, from one scrape of /metrics."""
+    return _replica_samples(url, "dicache_generations_total", outcome=outcome)
 
 
 def _replica_ids(url: str, count: int = 6) -> set[str]:
@@ -214,7 +220,7 @@ def test_openai_client_and_error_contract_through_ray(ray_url, single_url):
 
 # ---------------------------------------------------------------------------------------------- load
 def test_both_replicas_serve_a_concurrent_load_and_metrics_count_each(ray_url):
-    time.sleep(1.5)  # let every replica post its latest figures (period 0.5 s)
+    time.sleep(METRICS_FRESH_S)
     before = _replica_counts(ray_url)
     bodies = [dict(BODIES["turbo"], seed=10 + i, num_inference_steps=4) for i in range(12)]
     with ThreadPoolExecutor(6) as pool:
@@ -232,7 +238,7 @@ def test_both_replicas_serve_a_concurrent_load_and_metrics_count_each(ray_url):
 
 def test_a_client_that_goes_away_stops_its_generation(ray_url):
     """Serve cancels the replica's handler when the client disconnects; the generation must stop, not run on."""
-    time.sleep(1.5)
+    time.sleep(METRICS_FRESH_S)
     before = sum(_replica_counts(ray_url, "stopped").values())
     # 80 uncached transformer calls: several seconds on one CPU thread
     long = dict(BODIES["turbo"], seed=77, num_inference_steps=40, guidance_scale=4.5, enable_cache=False)
@@ -249,11 +255,18 @@ def test_a_replica_killed_mid_load_fails_only_its_requests_and_comes_back(ray_ur
     replicas = _replica_ids(ray_url)
     assert len(replicas) == 2
     victim = sorted(replicas)[0]
-    bodies = [dict(BODIES["turbo"], seed=200 + i, num_inference_steps=16) for i in range(8)]
+    # 80 uncached transformer calls each (seconds on one CPU thread), so the victim still holds work when killed
+    long = dict(BODIES["turbo"], num_inference_steps=40, guidance_scale=4.5, enable_cache=False)
+    bodies = [dict(long, seed=200 + i) for i in range(6)]
+
+    def victim_holds_two() -> bool:  # one generating and one queued: more work than the metrics' staleness
+        running = _replica_samples(ray_url, "dicache_generations_running").get(victim, 0)
+        return running >= 1 and _replica_samples(ray_url, "dicache_queue_depth").get(victim, 0) >= 1
+
     started = time.monotonic()
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(_post, ray_url, body, 90.0) for body in bodies]
-        time.sleep(1.5)  # every request is routed by now: each replica has one generating, the rest queued
+        wait_until(victim_holds_two, timeout=30, what=f"replica {victim} to hold a generation and a queued one")
         assert not all(f.done() for f in futures)
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#{victim}", namespace="serve"))
         answers = [f.result(timeout=120) for f in futures]  # nothing hangs: every request is answered

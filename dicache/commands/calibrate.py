@@ -197,10 +197,10 @@ def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    from ..models.krea2.pipeline import resolve_model
+    from ..models.krea2.pipeline import resolve_model, resolve_variant
 
     pipe = Krea2Pipeline.from_pretrained(resolve_model(args.model, args.variant), dtype=dtype, device=device)
-    variant = args.variant or ("turbo" if pipe.is_distilled else "raw")
+    variant = resolve_variant(pipe, args.variant)
     preset = PRESETS[variant]
     steps = args.steps if args.steps is not None else preset.num_inference_steps
     guidance = float(args.guidance if args.guidance is not None else preset.guidance_scale)

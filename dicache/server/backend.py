@@ -228,12 +228,9 @@ def _check_stop() -> None:
 
 def variant_defaults(pipe: Any, variant: str | None = None, default_size: tuple[int, int] | None = None) -> Defaults:
     """The preset of `variant` (None: the checkpoint's own, turbo if distilled) and the default (width, height)."""
-    from ..models.krea2.pipeline import PRESETS
+    from ..models.krea2.pipeline import PRESETS, resolve_variant
 
-    variant = variant or ("turbo" if getattr(pipe, "is_distilled", False) else "raw")
-    if variant not in PRESETS:
-        raise ValueError(f"variant={variant!r} is invalid: must be one of {', '.join(PRESETS)}")
-    preset = PRESETS[variant]
+    preset = PRESETS[resolve_variant(pipe, variant)]
     if default_size is None:
         height, width = getattr(pipe, "default_size", (1024, 1024))
         default_size = (int(width), int(height))

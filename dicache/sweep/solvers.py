@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from ..models.krea2.pipeline import guided_velocity, resolve_variant
+
 SOLVERS = ("euler", "heun", "curved")
 """Baseline kinds: `euler` / `heun` with fewer steps, `curved` = n steps computing only `curved_steps(n, k)`."""
 CURVED_GAMMA = 1.5
@@ -191,7 +193,7 @@ def sample(
         embeds, mask = pipe.encode_prompt([negative_prompt])
         uncond = pipe.text_conditioning(embeds, mask, 1)
     x = pipe.initial_latents(1, height, width, torch.Generator("cpu").manual_seed(int(seed)))
-    variant = variant or ("turbo" if pipe.is_distilled else "raw")
+    variant = resolve_variant(pipe, variant)
     sigmas = pipe.sigmas(count if kind != "curved" else n, rows * cols, variant)
     model_t = pipe.scheduler.model_timesteps(sigmas).to(x.device)
     positions = pipe.position_ids(rows, cols, x.device)
@@ -205,7 +207,7 @@ def sample(
         if uncond is not None:
             u = pipe.transformer(latents, uncond, t, positions)
             forwards += 1
-            v = v + (guidance_scale - 1.0) * (v - u)
+            v = guided_velocity(v, u, guidance_scale)
         return v
 
     sig = [float(s) for s in sigmas]

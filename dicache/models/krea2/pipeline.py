@@ -61,6 +61,19 @@ PRESETS: dict[str, Preset] = {
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
+def resolve_variant(pipe: Any, variant: str | None) -> str:
+    """`variant` checked against `PRESETS`, or, when None, the checkpoint's own: turbo if distilled, else raw."""
+    variant = variant or ("turbo" if getattr(pipe, "is_distilled", False) else "raw")
+    if variant not in PRESETS:
+        raise ValueError(f"variant={variant!r} is invalid: must be one of {', '.join(PRESETS)}")
+    return variant
+
+
+def guided_velocity(cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance with the standard scale s: v_cond + (s - 1) (v_cond - v_uncond)."""
+    return cond + (guidance_scale - 1.0) * (cond - uncond)
+
+
 @dataclass
 class Krea2PipelineOutput:
     """`images`: list of PIL images, a `(B, H, W, 3)` float array in [0, 1] (np), a `(B, 3, H, W)` tensor (pt), or
@@ -452,7 +465,7 @@ class Krea2Pipeline:
                         with self.call_scope(i, "uncond", sigma):
                             uncond_velocity = self.transformer(latents, uncond, t, positions)
                 if uncond_velocity is not None:
-                    velocity = velocity + (guidance_scale - 1.0) * (velocity - uncond_velocity)
+                    velocity = guided_velocity(velocity, uncond_velocity, guidance_scale)
                 latents = self.scheduler.step(velocity, latents, sigma, step_sigmas[i + 1])
         return latents
 
@@ -497,9 +510,7 @@ class Krea2Pipeline:
         """Generate images. Unset steps/guidance come from `variant` (default: turbo for a distilled checkpoint,
         else raw); `guidance_scale` is the standard s (1 = no CFG, must be >= 1); `seed` seeds a CPU generator.
         `cfg_batched`: run cond and uncond in one transformer call per step (default: only with layerwise offload)."""
-        variant = variant or ("turbo" if self.is_distilled else "raw")
-        if variant not in PRESETS:
-            raise ValueError(f"variant={variant!r} is invalid: must be one of {', '.join(PRESETS)}")
+        variant = resolve_variant(self, variant)
         preset = PRESETS[variant]
         steps = preset.num_inference_steps if num_inference_steps is None else num_inference_steps
         scale = preset.guidance_scale if guidance_scale is None else float(guidance_scale)
