@@ -34,7 +34,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from .config import KNOBS, KNOBS_BY_KEY, CacheConfig
+from .config import SETTINGS, SETTINGS_BY_KEY, CacheConfig
 from .errors import ConfigError, DicacheError
 from .sweep.metrics import PSNR_CAP_DB, psnr
 
@@ -192,7 +192,7 @@ def label(overrides: Mapping[str, Any]) -> str:
     """A short name: the knobs' environment suffixes, e.g. ``RDT=0.24 TAYLORSEER=True``; `{}` is ``defaults``."""
     parts = []
     for key, value in overrides.items():
-        knob = KNOBS_BY_KEY.get(key)
+        knob = SETTINGS_BY_KEY.get(key)
         shown = ",".join(str(v) for v in value) if isinstance(value, list | tuple) else str(value)
         parts.append(f"{knob.env if knob else key}={shown}")
     return " ".join(parts) or "defaults"
@@ -438,7 +438,7 @@ def profile_settings(result: CandidateResult) -> dict[str, Any]:
     if config is None:
         raise ValueError("profile_settings needs a candidate that ran")
     settings: dict[str, Any] = {"enable_cache": True}
-    for knob in KNOBS:
+    for knob in SETTINGS:
         value = getattr(config, knob.key)
         if knob.key != "enable_cache" and value is not None:
             settings[knob.key] = value

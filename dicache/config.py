@@ -8,155 +8,53 @@ Every invalid value raises `ConfigError` naming the variable or key, the value a
 
 from __future__ import annotations
 
-import contextvars
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from .errors import ConfigError
+from .formatting import clip_repr
 
 ENV_PREFIX = "SGLANG_CACHE_DIT_"
 PROFILE_ENV = ENV_PREFIX + "PROFILE"
 # SGLang defines these for a second transformer (Wan2.2's low-noise expert); Krea-2 has one transformer.
 _IGNORED_ENV_PREFIXES = (ENV_PREFIX + "SECONDARY_",)
 
-SCM_PRESETS = ("none", "slow", "medium", "fast", "ultra", "curved")
 MAX_SCM_BIN = 10_000
 """Longest run in `scm_compute_bins` / `scm_cache_bins`, in steps (no schedule is that long)."""
 MAX_SCM_BINS = 1_000
 """Most runs in `scm_compute_bins` / `scm_cache_bins`."""
 
 
+def setting(default: Any, *, env: str, meaning: str, allowed: str | None = None, short: str | None = None, **rules):
+    """A `CacheConfig` field declared with everything said about it elsewhere: its environment suffix `env`
+    (``SGLANG_CACHE_DIT_<env>``), the sweep's `short` name (default: `env`), what it means and, where the
+    field's type and bounds do not say it well, the `allowed` values in words. `rules` are pydantic's (ge, le...)."""
+    extra = {"env": env, "short": short or env, "allowed": allowed}
+    return Field(default, description=meaning, json_schema_extra=extra, **rules)
+
+
 @dataclass(frozen=True)
-class Knob:
-    """One setting: its request key (= field name), its environment variable, and its documentation."""
+class Setting:
+    """One cache setting as users meet it: request key (= field name), environment variable, sweep short name,
+    allowed values and meaning. Derived from `CacheConfig`'s field declarations (`SETTINGS`)."""
 
     key: str
     env: str
+    short: str
     allowed: str
     meaning: str
 
     @property
     def env_name(self) -> str:
         return ENV_PREFIX + self.env
-
-
-KNOBS: tuple[Knob, ...] = (
-    Knob(
-        "enable_cache",
-        "ENABLED",
-        "a boolean (true/false, 1/0, yes/no, on/off)",
-        "turn caching on in the CLI and the server (an explicit dicache.enable() always turns it on)",
-    ),
-    Knob(
-        "Fn_compute_blocks",
-        "FN",
-        "an integer >= 1, or 0 with a static step mask (scm_policy=static)",
-        "first blocks always computed; their residual drives the decision (0: a cached step runs no block)",
-    ),
-    Knob("Bn_compute_blocks", "BN", "an integer >= 0", "last blocks always computed, also on cached steps"),
-    Knob(
-        "cached_step_blocks",
-        "CACHED_STEP_BLOCKS",
-        "comma-separated distinct block indices in [Fn, num_blocks - Bn), e.g. 4,5 (empty: none)",
-        "middle blocks a cached step still computes (finer compute than whole steps); each run of the other middle "
-        "blocks adds its own stored (or extrapolated) residual",
-    ),
-    Knob("max_warmup_steps", "WARMUP", "an integer >= 0", "steps 0..W-1 of every branch are always computed"),
-    Knob(
-        "residual_diff_threshold",
-        "RDT",
-        "a number >= 0",
-        "cache a step iff mean|r - r_prev| / mean|r_prev| < RDT (0 disables dynamic caching)",
-    ),
-    Knob(
-        "max_continuous_cached_steps",
-        "MC",
-        "an integer >= -1",
-        "longest run of consecutive cached steps per branch (-1: unlimited)",
-    ),
-    Knob(
-        "max_cached_steps",
-        "MAX_CACHED_STEPS",
-        "an integer >= -1",
-        "most cached steps per branch and request (-1: unlimited)",
-    ),
-    Knob("enable_taylorseer", "TAYLORSEER", "a boolean", "extrapolate the skipped residual with TaylorSeer"),
-    Knob("taylorseer_order", "TS_ORDER", "1 or 2", "TaylorSeer order"),
-    Knob(
-        "taylorseer_distance",
-        "TS_DISTANCE",
-        "'step' or 'sigma'",
-        "TaylorSeer measures distance in step indices or in the scheduler's sigmas",
-    ),
-    Knob(
-        "taylorseer_damping",
-        "TS_DAMPING",
-        "a number in [0, 1]",
-        "scale of TaylorSeer's extrapolation terms (1: plain TaylorSeer, 0: reuse)",
-    ),
-    Knob(
-        "scm_preset",
-        "SCM_PRESET",
-        "one of none, slow, medium, fast, ultra, curved",
-        "step computation mask preset (slow..ultra: defined for 28 steps, rescaled to any count >= 4; curved: "
-        "SCM_COMPUTE_FRACTION of the steps, dense at high noise as SCM_CURVE says)",
-    ),
-    Knob(
-        "scm_compute_fraction",
-        "SCM_COMPUTE_FRACTION",
-        "a number in (0, 1]",
-        "curved preset: share of the steps computed (first and last always)",
-    ),
-    Knob(
-        "scm_curve",
-        "SCM_CURVE",
-        "a number >= 1",
-        "curved preset: computed step j of k sits at round((j/(k-1))^SCM_CURVE * (n-1)); 1 = evenly spread",
-    ),
-    Knob(
-        "scm_compute_bins",
-        "SCM_COMPUTE_BINS",
-        f"at most {MAX_SCM_BINS} comma-separated integers in [1, {MAX_SCM_BIN}], e.g. 8,3,3,2,1,1",
-        "explicit mask: runs of computed steps, alternating with SCM_CACHE_BINS",
-    ),
-    Knob(
-        "scm_cache_bins",
-        "SCM_CACHE_BINS",
-        f"at most {MAX_SCM_BINS} comma-separated integers in [1, {MAX_SCM_BIN}], e.g. 1,2,2,2,3",
-        "explicit mask: runs of cacheable steps, alternating with SCM_COMPUTE_BINS",
-    ),
-    Knob(
-        "scm_policy",
-        "SCM_POLICY",
-        "'dynamic' or 'static'",
-        "dynamic: the mask only forbids caching; static: cache wherever the mask says 0",
-    ),
-    Knob(
-        "policy",
-        "POLICY",
-        "'dbcache', 'never' or 'always'",
-        "decision policy; never/always exist for testing and measurement",
-    ),
-)
-KNOBS_BY_KEY: dict[str, Knob] = {k.key: k for k in KNOBS}
-KNOBS_BY_ENV: dict[str, Knob] = {k.env_name: k for k in KNOBS}
-
-# Environment read by the settings source; tests and the server can substitute a mapping.
-_environ_override: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
-    "dicache_environ", default=None
-)
-
-
-def _environ() -> Mapping[str, str]:
-    env = _environ_override.get()
-    return os.environ if env is None else env
 
 
 def _parse_bins(value: Any) -> Any:
@@ -183,42 +81,47 @@ def _lower(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
 
 
+def read_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The raw values of the `SGLANG_CACHE_DIT_*` variables in `env`, keyed by request key; any other name under
+    the prefix (except the profile and SGLang's `SECONDARY_*`) is a `ConfigError` listing the valid names."""
+    values: dict[str, str] = {}
+    unknown = []
+    for name, raw in env.items():
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper == PROFILE_ENV or upper.startswith(_IGNORED_ENV_PREFIXES):
+            continue
+        known = SETTINGS_BY_ENV.get(upper)
+        if known is None:
+            unknown.append(name)
+        else:
+            values[known.key] = raw
+    if unknown:
+        valid = ", ".join(s.env_name for s in SETTINGS)
+        raise ConfigError(
+            f"unknown environment variable(s) {', '.join(sorted(unknown))}; the {ENV_PREFIX}* variables are: "
+            f"{valid}, {PROFILE_ENV}"
+        )
+    return values
+
+
 class _EnvironmentSource(PydanticBaseSettingsSource):
-    """Reads exactly the `SGLANG_CACHE_DIT_*` variables of `KNOBS`; any other name under the prefix is an error."""
+    """pydantic-settings source for a bare `CacheConfig()`: the process environment, as `read_environment` says."""
 
     def get_field_value(self, field, field_name):  # pragma: no cover - __call__ does the work
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        env = _environ()
-        values: dict[str, Any] = {}
-        unknown = []
-        for name, raw in env.items():
-            upper = name.upper()
-            if not upper.startswith(ENV_PREFIX) or upper == PROFILE_ENV or upper.startswith(_IGNORED_ENV_PREFIXES):
-                continue
-            knob = KNOBS_BY_ENV.get(upper)
-            if knob is None:
-                unknown.append(name)
-            else:
-                values[knob.key] = raw
-        if unknown:
-            valid = ", ".join(k.env_name for k in KNOBS)
-            raise ConfigError(
-                f"unknown environment variable(s) {', '.join(sorted(unknown))}; the {ENV_PREFIX}* variables are: "
-                f"{valid}, {PROFILE_ENV}"
-            )
-        return values
+        return read_environment(os.environ)
 
 
 class _ProfileSource(PydanticBaseSettingsSource):
-    """Reads a settings profile (JSON written by `dicache calibrate`) named by `SGLANG_CACHE_DIT_PROFILE`."""
+    """pydantic-settings source for a bare `CacheConfig()`: the profile named by `SGLANG_CACHE_DIT_PROFILE`."""
 
     def get_field_value(self, field, field_name):  # pragma: no cover
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        path = _environ().get(PROFILE_ENV)
+        path = os.environ.get(PROFILE_ENV)
         return load_profile(path) if path else {}
 
 
@@ -234,10 +137,10 @@ def load_profile(path: str | os.PathLike) -> dict[str, Any]:
     settings = data.get("settings", data) if isinstance(data, dict) else None
     if not isinstance(settings, dict):
         raise ConfigError(f"{PROFILE_ENV}={str(path)!r}: expected a JSON object with a 'settings' object")
-    unknown = sorted(set(settings) - set(KNOBS_BY_KEY))
+    unknown = sorted(set(settings) - set(SETTINGS_BY_KEY))
     if unknown:
         raise ConfigError(
-            f"{PROFILE_ENV}={str(path)!r}: unknown key(s) {unknown}; allowed keys: {', '.join(KNOBS_BY_KEY)}"
+            f"{PROFILE_ENV}={str(path)!r}: unknown key(s) {unknown}; allowed keys: {', '.join(SETTINGS_BY_KEY)}"
         )
     return settings
 
@@ -247,29 +150,106 @@ class CacheConfig(BaseSettings):
 
     model_config = SettingsConfigDict(extra="forbid", validate_default=True, frozen=True)
 
-    enable_cache: bool = False
-    Fn_compute_blocks: int = Field(1, ge=0)
-    Bn_compute_blocks: int = Field(0, ge=0)
-    cached_step_blocks: Annotated[list[Annotated[int, Field(ge=0)]] | None, NoDecode] = None
-    max_warmup_steps: int = Field(4, ge=0)
-    residual_diff_threshold: float = Field(0.24, ge=0.0, allow_inf_nan=False)
-    max_continuous_cached_steps: int = Field(3, ge=-1)
-    max_cached_steps: int = Field(-1, ge=-1)
-    enable_taylorseer: bool = False
-    taylorseer_order: Literal[1, 2] = 1
-    taylorseer_distance: Literal["step", "sigma"] = "step"
-    taylorseer_damping: float = Field(1.0, ge=0.0, le=1.0)
-    scm_preset: Literal["none", "slow", "medium", "fast", "ultra", "curved"] = "none"
-    scm_compute_fraction: float = Field(0.5, gt=0.0, le=1.0)
-    scm_curve: float = Field(2.5, ge=1.0, allow_inf_nan=False)
+    enable_cache: bool = setting(
+        False,
+        env="ENABLED",
+        meaning="turn caching on in the CLI and the server (an explicit dicache.enable() always turns it on)",
+    )
+    Fn_compute_blocks: int = setting(
+        1,
+        env="FN",
+        short="Fn",
+        ge=0,
+        allowed="an integer >= 1, or 0 with a static step mask (scm_policy=static)",
+        meaning="first blocks always computed; their residual drives the decision (0: a cached step runs no block)",
+    )
+    Bn_compute_blocks: int = setting(
+        0, env="BN", short="Bn", ge=0, meaning="last blocks always computed, also on cached steps"
+    )
+    cached_step_blocks: Annotated[list[Annotated[int, Field(ge=0)]] | None, NoDecode] = setting(
+        None,
+        env="CACHED_STEP_BLOCKS",
+        allowed="comma-separated distinct block indices in [Fn, num_blocks - Bn), e.g. 4,5 (empty: none)",
+        meaning="middle blocks a cached step still computes (finer compute than whole steps); each run of the other "
+        "middle blocks adds its own stored (or extrapolated) residual",
+    )
+    max_warmup_steps: int = setting(
+        4, env="WARMUP", short="W", ge=0, meaning="steps 0..W-1 of every branch are always computed"
+    )
+    residual_diff_threshold: float = setting(
+        0.24,
+        env="RDT",
+        ge=0.0,
+        allow_inf_nan=False,
+        meaning="cache a step iff mean|r - r_prev| / mean|r_prev| < RDT (0 disables dynamic caching)",
+    )
+    max_continuous_cached_steps: int = setting(
+        3, env="MC", ge=-1, meaning="longest run of consecutive cached steps per branch (-1: unlimited)"
+    )
+    max_cached_steps: int = setting(
+        -1, env="MAX_CACHED_STEPS", ge=-1, meaning="most cached steps per branch and request (-1: unlimited)"
+    )
+    enable_taylorseer: bool = setting(
+        False, env="TAYLORSEER", meaning="extrapolate the skipped residual with TaylorSeer"
+    )
+    taylorseer_order: Literal[1, 2] = setting(1, env="TS_ORDER", short="TS", meaning="TaylorSeer order")
+    taylorseer_distance: Literal["step", "sigma"] = setting(
+        "step",
+        env="TS_DISTANCE",
+        meaning="TaylorSeer measures distance in step indices or in the scheduler's sigmas",
+    )
+    taylorseer_damping: float = setting(
+        1.0,
+        env="TS_DAMPING",
+        ge=0.0,
+        le=1.0,
+        meaning="scale of TaylorSeer's extrapolation terms (1: plain TaylorSeer, 0: reuse)",
+    )
+    scm_preset: Literal["none", "slow", "medium", "fast", "ultra", "curved"] = setting(
+        "none",
+        env="SCM_PRESET",
+        short="SCM",
+        meaning="step computation mask preset (slow..ultra: defined for 28 steps, rescaled to any count >= 4; "
+        "curved: SCM_COMPUTE_FRACTION of the steps, dense at high noise as SCM_CURVE says)",
+    )
+    scm_compute_fraction: float = setting(
+        0.5,
+        env="SCM_COMPUTE_FRACTION",
+        gt=0.0,
+        le=1.0,
+        meaning="curved preset: share of the steps computed (first and last always)",
+    )
+    scm_curve: float = setting(
+        2.5,
+        env="SCM_CURVE",
+        ge=1.0,
+        allow_inf_nan=False,
+        meaning="curved preset: computed step j of k sits at round((j/(k-1))^SCM_CURVE * (n-1)); 1 = evenly spread",
+    )
     scm_compute_bins: Annotated[
         Annotated[list[Annotated[int, Field(ge=1, le=MAX_SCM_BIN)]], Field(max_length=MAX_SCM_BINS)] | None, NoDecode
-    ] = None
+    ] = setting(
+        None,
+        env="SCM_COMPUTE_BINS",
+        allowed=f"at most {MAX_SCM_BINS} comma-separated integers in [1, {MAX_SCM_BIN}], e.g. 8,3,3,2,1,1",
+        meaning="explicit mask: runs of computed steps, alternating with SCM_CACHE_BINS",
+    )
     scm_cache_bins: Annotated[
         Annotated[list[Annotated[int, Field(ge=1, le=MAX_SCM_BIN)]], Field(max_length=MAX_SCM_BINS)] | None, NoDecode
-    ] = None
-    scm_policy: Literal["dynamic", "static"] = "dynamic"
-    policy: Literal["dbcache", "never", "always"] = "dbcache"
+    ] = setting(
+        None,
+        env="SCM_CACHE_BINS",
+        allowed=f"at most {MAX_SCM_BINS} comma-separated integers in [1, {MAX_SCM_BIN}], e.g. 1,2,2,2,3",
+        meaning="explicit mask: runs of cacheable steps, alternating with SCM_COMPUTE_BINS",
+    )
+    scm_policy: Literal["dynamic", "static"] = setting(
+        "dynamic",
+        env="SCM_POLICY",
+        meaning="dynamic: the mask only forbids caching; static: cache wherever the mask says 0",
+    )
+    policy: Literal["dbcache", "never", "always"] = setting(
+        "dbcache", env="POLICY", meaning="decision policy; never/always exist for testing and measurement"
+    )
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
@@ -327,21 +307,17 @@ class CacheConfig(BaseSettings):
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CacheConfig:
         """Read the environment (or `environ`), then apply `overrides`; raise `ConfigError` on any bad value."""
-        token = _environ_override.set(environ)
-        try:
-            _check_keys(overrides, "override")
-            env = _environ()
-            profile_path = env.get(PROFILE_ENV)
-            profile = load_profile(profile_path) if profile_path else {}
-            env_values = _EnvironmentSource(cls)()
-            try:
-                config = cls(**overrides)
-            except ValidationError as exc:
-                raise _config_error(exc, overrides, env_values, profile, profile_path) from None
-        finally:
-            _environ_override.reset(token)
+        _check_keys(overrides, "override")
+        env = os.environ if environ is None else environ
+        env_values = read_environment(env)
+        profile_path = env.get(PROFILE_ENV)
+        profile = load_profile(profile_path) if profile_path else {}
+        try:  # model_validate skips the settings sources: the environment and profile were read once, above
+            config = cls.model_validate({**profile, **env_values, **overrides})
+        except ValidationError as exc:
+            raise _config_error(exc, overrides, env_values, profile, profile_path) from None
         sources = {}
-        for knob in KNOBS:
+        for knob in SETTINGS:
             if knob.key in overrides:
                 sources[knob.key] = "override"
             elif knob.key in env_values:
@@ -373,18 +349,13 @@ class CacheConfig(BaseSettings):
 
     def sources(self) -> dict[str, str]:
         """Where each value came from: 'default', 'env NAME', 'profile PATH' or 'override'."""
-        return {k.key: self._sources.get(k.key, "default") for k in KNOBS}
+        return {k.key: self._sources.get(k.key, "default") for k in SETTINGS}
 
     def describe(self) -> str:
         """A readable table of the effective settings and their origins (used by `dicache config`)."""
-        rows = [("key", "env variable", "value", "from")]
-        sources = self.sources()
-        for knob in KNOBS:
-            rows.append((knob.key, knob.env_name, _show(getattr(self, knob.key)), sources[knob.key]))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        from .config_docs import describe_config
+
+        return describe_config(self)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -421,24 +392,50 @@ class CacheConfig(BaseSettings):
             )
 
 
-def _show(value: Any) -> str:
-    if isinstance(value, list):
-        return ",".join(str(v) for v in value)
-    return str(value)
+def _allowed_in_words(field: FieldInfo) -> str:
+    """What a field accepts, in words, from its declaration: the explicit `allowed` text, else its type and bounds."""
+    if field.json_schema_extra["allowed"]:
+        return field.json_schema_extra["allowed"]
+    if get_origin(field.annotation) is Literal:
+        choices = get_args(field.annotation)
+        if len(choices) > 3:
+            return "one of " + ", ".join(str(v) for v in choices)
+        return ", ".join(repr(v) for v in choices[:-1]) + f" or {choices[-1]!r}"
+    if field.annotation is bool:
+        return "a boolean (true/false, 1/0, yes/no, on/off)"
+    bounds = {b: f"{getattr(rule, b):g}" for rule in field.metadata for b in ("ge", "gt", "le") if hasattr(rule, b)}
+    noun = "an integer" if field.annotation is int else "a number"
+    low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}" if "gt" in bounds else None
+    if low is not None and "le" in bounds:
+        return f"{noun} in {low}, {bounds['le']}]"
+    if low is not None:
+        return f"{noun} {'>=' if low[0] == '[' else '>'} {low[1:]}"
+    return noun
 
 
-def _clip(value: Any, limit: int = 100) -> str:
-    """`repr(value)`, cut to `limit` characters (a request can send megabytes)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} characters)"
+SETTINGS: tuple[Setting, ...] = tuple(
+    Setting(
+        key=key,
+        env=field.json_schema_extra["env"],
+        short=field.json_schema_extra["short"],
+        allowed=_allowed_in_words(field),
+        meaning=field.description,
+    )
+    for key, field in CacheConfig.model_fields.items()
+)
+"""Every cache setting, in declaration order; the README table, env.example, `dicache config`, error messages and
+the sweep's short names are all derived from it."""
+SETTINGS_BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
+SETTINGS_BY_ENV: dict[str, Setting] = {s.env_name: s for s in SETTINGS}
+SETTINGS_BY_SHORT: dict[str, Setting] = {s.short: s for s in SETTINGS}
 
 
 def _check_keys(overrides: Mapping[str, Any], what: str) -> None:
-    unknown = [k for k in overrides if k not in KNOBS_BY_KEY]
+    unknown = [k for k in overrides if k not in SETTINGS_BY_KEY]
     if unknown:
         raise ConfigError(
             f"unknown cache {what} key(s) {', '.join(repr(k) for k in unknown)}; allowed keys: "
-            f"{', '.join(KNOBS_BY_KEY)}"
+            f"{', '.join(SETTINGS_BY_KEY)}"
         )
 
 
@@ -452,12 +449,12 @@ def _config_error(
     messages = []
     for err in exc.errors():
         key = str(err["loc"][0]) if err["loc"] else None
-        knob = KNOBS_BY_KEY.get(key) if key else None
+        knob = SETTINGS_BY_KEY.get(key) if key else None
         if knob is None:  # a cross-field rule
             related = ("scm_", "Fn_compute_blocks", "policy")
-            origins = [f"{k}={_clip(v)}" for k, v in overrides.items() if k.startswith(related)]
+            origins = [f"{k}={clip_repr(v)}" for k, v in overrides.items() if k.startswith(related)]
             origins += [
-                f"{KNOBS_BY_KEY[k].env_name}={_clip(v)}" for k, v in env_values.items() if k.startswith(related)
+                f"{SETTINGS_BY_KEY[k].env_name}={clip_repr(v)}" for k, v in env_values.items() if k.startswith(related)
             ]
             detail = str(err["msg"]).removeprefix("Value error, ")
             messages.append(detail + (f" (from {', '.join(origins)})" if origins else ""))
@@ -470,24 +467,5 @@ def _config_error(
             origin, value = f"{key!r} in profile {profile_path}", profile[key]
         else:
             origin, value = key, err.get("input")
-        messages.append(f"{origin}={_clip(value)} is invalid: must be {knob.allowed}")
+        messages.append(f"{origin}={clip_repr(value)} is invalid: must be {knob.allowed}")
     return ConfigError("; ".join(messages))
-
-
-def env_example() -> str:
-    """The text of `env.example`: every variable with its default and meaning."""
-    defaults = CacheConfig.defaults()
-    lines = [
-        "# dicache reads the same variables as SGLang's cache-dit integration.",
-        "# Uncomment and edit; an invalid value is an error naming the variable, the value and what is allowed.",
-        "",
-    ]
-    for knob in KNOBS:
-        value = getattr(defaults, knob.key)
-        shown = "" if value is None else _show(value).lower() if isinstance(value, bool) else _show(value)
-        lines.append(f"# {knob.meaning}; {knob.allowed}. Request key: {knob.key}")
-        lines.append(f"# {knob.env_name}={shown}")
-        lines.append("")
-    lines.append("# A settings profile written by `dicache calibrate` (JSON); environment variables override it.")
-    lines.append(f"# {PROFILE_ENV}=")
-    return "\n".join(lines) + "\n"

@@ -25,6 +25,7 @@ from typing import Any
 
 from .config import PROFILE_ENV, CacheConfig, load_profile
 from .errors import ConfigError
+from .formatting import show_value
 
 OPTION = "--profile"
 
@@ -89,7 +90,7 @@ def describe_profile(config: CacheConfig) -> str | None:
         return None
     defaults = CacheConfig.defaults()
     taken = [key for key, origin in config.sources().items() if origin == f"profile {path}"]
-    changed = [f"{k}={_show(getattr(config, k))}" for k in taken if getattr(config, k) != getattr(defaults, k)]
+    changed = [f"{k}={show_value(getattr(config, k))}" for k in taken if getattr(config, k) != getattr(defaults, k)]
     line = f"profile {path}: {len(taken)} value(s); not the defaults: {', '.join(changed) or 'none'}"
     summary = _calibration_summary(path)
     return f"{line}\n  {summary}" if summary else line
@@ -113,10 +114,6 @@ def _calibration_summary(path: str) -> str | None:
         )
     except (KeyError, TypeError, ValueError):
         return None
-
-
-def _show(value: Any) -> str:
-    return ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
 
 
 def write_profile(path: str | os.PathLike, settings: Mapping[str, Any], calibration: Mapping[str, Any]) -> Path:

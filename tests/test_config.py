@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from dicache import CacheConfig, ConfigError
-from dicache.config import KNOBS, env_example
+from dicache.config import SETTINGS
+from dicache.config_docs import env_example, markdown_table
 
 P = "SGLANG_CACHE_DIT_"
 
@@ -166,8 +167,16 @@ def test_block_split_error_names_both_values_and_limit():
 
 def test_describe_lists_every_knob_and_env_example_is_current():
     text = CacheConfig.from_env({P + "MC": "5"}).describe()
-    for knob in KNOBS:
+    for knob in SETTINGS:
         assert knob.env_name in text
     assert "env SGLANG_CACHE_DIT_MC" in text
     committed = (Path(__file__).parent.parent / "env.example").read_text()
     assert committed == env_example(), "env.example is stale: run `dicache config --env-example > env.example`"
+
+
+def test_readme_settings_table_is_generated_from_the_field_declarations():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = markdown_table()
+    assert table in readme, "README's settings table is stale: paste the output of `dicache config --markdown`"
+    for setting in SETTINGS:
+        assert f"| `{setting.env_name}` | `{setting.key}` |" in table and setting.meaning in table.replace("\\|", "|")

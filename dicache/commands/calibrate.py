@@ -113,9 +113,9 @@ def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
 
 
 def _env_knobs() -> list[str]:
-    from ..config import KNOBS
+    from ..config import SETTINGS
 
-    return [k.env_name for k in KNOBS if k.env_name in os.environ and k.key != "enable_cache"]
+    return [k.env_name for k in SETTINGS if k.env_name in os.environ and k.key != "enable_cache"]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,15 +16,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--env-example", action="store_true", help="print env.example (every variable and default)")
+    parser.add_argument("--markdown", action="store_true", help="print the README's settings table (Markdown)")
     add_profile_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config import env_example
+    from ..config_docs import env_example, markdown_table
     from ..profiles import cache_config, describe_profile, profile_source
 
     if args.env_example:
         print(env_example(), end="")
+        return 0
+    if args.markdown:
+        print(markdown_table(), end="")
         return 0
     config = cache_config(args.profile)
     if args.json:

@@ -230,7 +230,8 @@ def variant_defaults(pipe: Any, variant: str | None = None, default_size: tuple[
     """The preset of `variant` (None: the checkpoint's own, turbo if distilled) and the default (width, height)."""
     from ..models.krea2.pipeline import PRESETS, resolve_variant
 
-    preset = PRESETS[resolve_variant(pipe, variant)]
+    variant = resolve_variant(pipe, variant)
+    preset = PRESETS[variant]
     if default_size is None:
         height, width = getattr(pipe, "default_size", (1024, 1024))
         default_size = (int(width), int(height))

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
+from ..formatting import clip_repr
 from .schemas import ErrorDetail, ErrorResponse, ImageGenerationRequest
 
 log = logging.getLogger("dicache.server")
@@ -78,11 +79,6 @@ async def send_error(send: Send, status: int, message: str, code: str | None = N
     await send({"type": "http.response.body", "body": payload})
 
 
-def _show(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """One readable message for pydantic's errors (field, value, what is allowed) and the first field's name.
 
@@ -99,19 +95,20 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
         if kind in ("model_type", "model_attributes_type", "dict_type") and not loc:
             if isinstance(err.get("input"), bytes):
                 return "request body is not JSON: send a JSON object with 'Content-Type: application/json'", None
-            return f"request body must be a JSON object, got {_show(err.get('input'))}", None
+            return f"request body must be a JSON object, got {clip_repr(err.get('input'), 80)}", None
         if kind == "missing" and not loc:
             return "request body is missing: send a JSON object with at least 'prompt'", None
         field = ".".join(loc) or "body"
         first_param = first_param or field
         if kind == "extra_forbidden":
             allowed = ", ".join(ImageGenerationRequest.model_fields)
-            messages.append(f"unknown field {field!r} (got {_show(err.get('input'))}); accepted fields: {allowed}")
+            got = clip_repr(err.get("input"), 80)
+            messages.append(f"unknown field {field!r} (got {got}); accepted fields: {allowed}")
         elif kind == "missing":
             messages.append(f"{field} is required")
         else:
             msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-            messages.append(f"{field}={_show(err.get('input'))} is invalid: {msg}")
+            messages.append(f"{field}={clip_repr(err.get('input'), 80)} is invalid: {msg}")
     return "; ".join(messages) or "invalid request", first_param
 
 

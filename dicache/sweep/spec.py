@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import KNOBS_BY_KEY, CacheConfig
+from ..config import SETTINGS, CacheConfig
 from ..errors import ConfigError
 
 METHODS = ("ours", "cache-dit", "ours-fp8")
@@ -35,17 +35,9 @@ DEFAULT_REFERENCE_STEPS = 200
 DEFAULT_COMPUTE_TARGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 """Compute fractions at which the baselines run (and the report's bins are centred)."""
 
-ALIASES = {
-    "Fn": "Fn_compute_blocks",
-    "Bn": "Bn_compute_blocks",
-    "W": "max_warmup_steps",
-    "RDT": "residual_diff_threshold",
-    "MC": "max_continuous_cached_steps",
-    "TS": "taylorseer_order",
-    "SCM": "scm_preset",
-    "SCM_POLICY": "scm_policy",
-}
-GRID_KEYS = tuple(k for k in KNOBS_BY_KEY if k != "enable_cache")
+ALIASES = {s.short: s.key for s in SETTINGS if s.short != s.key and s.key != "enable_cache"}
+"""Short names a grid may use for a key: each setting's declared short name (`Fn`, `W`, `RDT`, `TS`, `SCM`...)."""
+GRID_KEYS = tuple(s.key for s in SETTINGS if s.key != "enable_cache")
 FILE_KEYS = (
     "model",
     "prompts",
