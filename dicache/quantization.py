@@ -1,4 +1,4 @@
-"""FP8 weights for a loaded transformer: a property of the model, applied once after loading (DESIGN §9).
+"""FP8 weights for a loaded transformer: a property of the model, applied once after loading (docs/architecture.md §9).
 
 `quantize_transformer(model, "fp8")` turns the selected `nn.Linear`s into FP8 e4m3 linears through torchao
 (`Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`): weights stored in FP8 with one scale per output

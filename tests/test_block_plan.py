@@ -1,4 +1,4 @@
-"""The block plan the hook layer publishes to block observers (DESIGN §9), and the policy lookahead behind it."""
+"""The block plan the hook layer publishes to block observers (docs/architecture.md §9), and the policy lookahead behind it."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The hook layer and DBCache semantics on small block-stack models (DESIGN §2)."""
+"""The hook layer and DBCache semantics on small block-stack models (docs/architecture.md §2)."""
 
 import copy
 import threading

@@ -137,7 +137,7 @@ def test_curved_mask_count_placement_and_design_formula():
             assert len(mask) == n and sum(mask) == max(2, round(f * n)) and mask[0] == mask[-1] == 1
             if sum(mask) > 2:
                 assert sum(mask[: n // 2]) > sum(mask[n // 2 :]), "a curve > 1 computes more steps at high noise"
-    # DESIGN §8's static schedule: round((j/(k−1))^1.5·(n−1)) when the targets do not collide
+    # docs/architecture.md §8's static schedule: round((j/(k−1))^1.5·(n−1)) when the targets do not collide
     assert curved_positions(28, 8, 1.5) == [round((j / 7) ** 1.5 * 27) for j in range(8)]
     assert curved_positions(9, 5, 1.0) == [0, 2, 4, 6, 8]  # curve 1: evenly spread
     assert curved_mask(10, 1.0, 3.0) == [1] * 10

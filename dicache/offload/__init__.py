@@ -1,5 +1,5 @@
 """Memory for small GPUs: a byte-budget plan made once at load time, layerwise streaming of the transformer's blocks
-driven by the cache's block plan (DESIGN §9), and whole-component offload.
+driven by the cache's block plan (docs/architecture.md §9), and whole-component offload.
 
 Modules: `plan` (pure: settings, the memory plan, the resident layout), `estimate` (pure: working-memory bounds),
 `schedule` (pure: which copies to issue when), `timeline` (pure: a timing model of a copy/compute trace), `packing`

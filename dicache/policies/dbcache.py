@@ -1,4 +1,4 @@
-"""DBCache's dynamic decision (DESIGN §2), with optional step masks. First rule that applies wins."""
+"""DBCache's dynamic decision (docs/architecture.md §2), with optional step masks. First rule that applies wins."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Presets are defined for 28 steps as alternating runs (compute, cache, compute, �
 count >= 4 keeping the compute fraction and its placement; the first and last steps are always computed.
 Explicit bins are used as given (truncated to the step count; too short is an error).
 The `curved` preset computes a chosen share of the steps, placed densely where the noise is high: computed step j of k
-sits at `round((j/(k−1))^γ·(n−1))` (γ = `scm_curve`; DESIGN §8's static schedule is γ = 1.5).
+sits at `round((j/(k−1))^γ·(n−1))` (γ = `scm_curve`; docs/architecture.md §8's static schedule is γ = 1.5).
 """
 
 from __future__ import annotations
