@@ -51,7 +51,8 @@ from dicache.models.krea2.scheduler import FlowMatchEulerScheduler  # noqa: E402
 from dicache.policies.step_mask import preset_mask  # noqa: E402
 
 SECTIONS = ("forward", "masks", "sglang", "overhead", "profile")
-# the step-mask presets; masks are cache-dit's (cache_dit.steps_mask) when it is importable, else ours (docs/architecture.md §2)
+# the step-mask presets; masks are cache-dit's (cache_dit.steps_mask) when it is importable, else ours
+# (docs/architecture.md §2)
 PRESETS = ("slow", "medium", "fast", "ultra")
 
 

@@ -1,7 +1,7 @@
 """The hook layer: the only code that touches `nn.Module`s.
 
-`BlockStackRunner` runs a block stack as Fn / middle / Bn (docs/architecture.md §2): it runs the first Fn blocks, asks the
-request's policy whether the middle can be skipped, and either runs the middle blocks (storing the residuals) or
+`BlockStackRunner` runs a block stack as Fn / middle / Bn (docs/architecture.md §2): it runs the first Fn blocks, asks
+the request's policy whether the middle can be skipped, and either runs the middle blocks (storing the residuals) or
 adds the calibrator's estimate of the middle residual, then runs the last Bn blocks.
 
 `install` attaches a runner to a model described by a `ModelSpec`, in one of two ways, both reversible:
@@ -12,12 +12,11 @@ Blocks themselves are never modified, so their own hooks and `torch.compile` kee
 wrapped to give each call its (step, branch): declared by the pipeline, or derived from the timestep.
 A model split over processes carries a `ReductionLayout` (`parallel_layout`); the diff is then reduced over its group.
 
-The block plan is the seam between caching and memory (docs/architecture.md §9): before a call runs blocks, the runner tells every
-`BlockObserver` of the stack (`observe_blocks`, e.g. the layerwise offloader) which blocks it will run, in order, and
-which blocks later calls will run as far as the policy already knows; then it reports each block's start and end. A
-model with observers but no cache gets a runner too (every call runs all blocks). Policies never see the observers,
-and observers never see the policies.
-"""
+The block plan is the seam between caching and memory (docs/architecture.md §9): before a call runs blocks, the runner
+tells every `BlockObserver` of the stack (`observe_blocks`, e.g. the layerwise offloader) which blocks it will run, in
+order, and which blocks later calls will run as far as the policy already knows; then it reports each block's start and
+end. A model with observers but no cache gets a runner too (every call runs all blocks). Policies never see the
+observers, and observers never see the policies."""
 
 from __future__ import annotations
 

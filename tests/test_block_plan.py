@@ -1,4 +1,5 @@
-"""The block plan the hook layer publishes to block observers (docs/architecture.md §9), and the policy lookahead behind it."""
+"""The block plan the hook layer publishes to block observers, and the policy lookahead behind it
+(docs/architecture.md §9)."""
 
 import pytest
 import torch

@@ -219,7 +219,7 @@ def test_model_time_is_bounded_by_the_copies_when_they_are_slower():
 
 
 def test_spreading_streamed_blocks_hides_copies_that_a_streamed_tail_cannot():
-    # docs/architecture.md §7 figures: a block computes in 6.4 ms and streams in 15.7 ms; 23 of 28 blocks resident, 2 slots
+    # docs/architecture.md §7: a block computes in 6.4 ms and streams in 15.7 ms; 23 of 28 blocks resident, 2 slots
     calls = [list(range(28))] * 4
     bytes_per_block, bandwidth, compute = 868_000_000, 55.2e9, 0.0064
     spread = [b for b in range(28) if b not in resident_layout(28, (0,), 23)]

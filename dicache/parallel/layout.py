@@ -1,8 +1,8 @@
 """The cache's view of a split Krea-2 transformer: which elements of this process's residual streams to count.
 
 DBCache's diff `mean|r − r_prev| / mean|r_prev|` must be one number on every process of the model-parallel group
-(docs/architecture.md §5), equal to the single-process one. The hook layer sums what `counted` returns and all-reduces the
-numerator and denominator over `group`, so each element of the whole joint sequence must be counted exactly once:
+(docs/architecture.md §5), equal to the single-process one. The hook layer sums what `counted` returns and all-reduces
+the numerator and denominator over `group`, so each element of the whole joint sequence must be counted exactly once:
 
 - tensor parallelism: the hidden states are replicated on the TP ranks; only TP rank 0 counts them (the others
   count nothing). Reducing over the whole model-parallel group (not only over Ulysses) makes the decision agree on

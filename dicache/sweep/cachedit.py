@@ -1,12 +1,11 @@
 """The cache-dit side of a sweep: diffusers' `Krea2Pipeline` cached by cache-dit 1.5.3 with the equivalent settings.
 
 cache-dit is an optional benchmark dependency (`pip install "dicache[bench]"`); it is imported only here, lazily.
-Mapping of our settings (docs/architecture.md §2) to cache-dit's `DBCacheConfig`: Fn, Bn, W, RDT, MC and max_cached_steps carry
-over by name; a step-mask preset or explicit bins become the same 0/1 `steps_computation_mask` our policy uses at that
-step count, with the same `steps_computation_policy`; TaylorSeer becomes `TaylorSeerCalibratorConfig(order)`;
-`enable_separate_cfg` is on iff the schedule uses CFG. Guidance: diffusers' `cond + g·(cond − uncond)` is our
-standard `s` with `g = s − 1`.
-"""
+Mapping of our settings (docs/architecture.md §2) to cache-dit's `DBCacheConfig`: Fn, Bn, W, RDT, MC and
+max_cached_steps carry over by name; a step-mask preset or explicit bins become the same 0/1 `steps_computation_mask`
+our policy uses at that step count, with the same `steps_computation_policy`; TaylorSeer becomes
+`TaylorSeerCalibratorConfig(order)`; `enable_separate_cfg` is on iff the schedule uses CFG. Guidance: diffusers' `cond +
+g·(cond − uncond)` is our standard `s` with `g = s − 1`."""
 
 from __future__ import annotations
 

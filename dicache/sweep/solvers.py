@@ -1,7 +1,7 @@
 """Same-compute baseline samplers: fewer-steps Euler, fewer-steps Heun and the `curved` static step-reuse schedule.
 
-These are what a cache must beat (docs/architecture.md §8), so they use no dicache hooks: they run the uncached transformer over a
-pipeline's public pieces (`encode_prompt`, `text_conditioning`, `initial_latents`, `sigmas`,
+These are what a cache must beat (docs/architecture.md §8), so they use no dicache hooks: they run the uncached
+transformer over a pipeline's public pieces (`encode_prompt`, `text_conditioning`, `initial_latents`, `sigmas`,
 `scheduler.model_timesteps`, `transformer`, `scheduler.step`, `decode`).
 
 Contract
