@@ -8,7 +8,7 @@ print(dicache.stats(pipe))      # computed / cached steps per CFG branch
 
 from .api import disable, enable, is_enabled, request, session_of, stats, step
 from .config import CacheConfig
-from .errors import BlockSplitError, ConfigError, DicacheError, UnsupportedModelError
+from .errors import BlockSplitError, ConfigError, DicacheError, NotEnabledError, UnsupportedModelError
 from .stats import BranchStats, RequestStats
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ __all__ = [
     "CacheConfig",
     "ConfigError",
     "DicacheError",
+    "NotEnabledError",
     "RequestStats",
     "UnsupportedModelError",
     "disable",

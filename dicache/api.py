@@ -12,7 +12,7 @@ from torch import nn
 
 from .adapters import BlockForm, find_pipeline_adapter, generic_spec
 from .config import CacheConfig
-from .errors import UnsupportedModelError
+from .errors import NotEnabledError, UnsupportedModelError
 from .hooks import InstalledHooks, install
 from .session import CacheSession
 from .state import RequestState
@@ -106,9 +106,13 @@ def is_enabled(obj: Any) -> bool:
 
 
 def session_of(obj: Any) -> CacheSession:
+    """The `CacheSession` `dicache.enable` attached to `obj`; `NotEnabledError` if there is none."""
     handle = _HANDLES.get(obj)
     if handle is None:
-        raise RuntimeError(f"dicache: caching is not enabled on this {type(obj).__name__}; call dicache.enable first")
+        raise NotEnabledError(
+            f"dicache: caching is not enabled on this {type(obj).__name__} (never enabled, or disabled since); "
+            "call dicache.enable(obj) first"
+        )
     return handle.session
 
 

@@ -15,6 +15,11 @@ class BlockSplitError(ConfigError):
     """`Fn + Bn` leaves no middle block for the model the config is applied to."""
 
 
+class NotEnabledError(DicacheError, RuntimeError):
+    """A per-model call (`dicache.stats`, `request`, `step`, `session_of`) on an object `dicache.enable` was not
+    called on (or that was disabled since)."""
+
+
 class UnsupportedModelError(DicacheError, TypeError):
     """`dicache.enable` was given an object it cannot find a block stack in."""
 

@@ -311,9 +311,6 @@ def _timestep_key(value: Any) -> float:
 class InstalledHooks:
     """What `install` changed on a model; `remove()` restores it exactly."""
 
-    spec: ModelSpec
-    session: CacheSession
-    runner: BlockStackRunner
     _undo: list[Callable[[], None]] = field(default_factory=list)
 
     def remove(self) -> None:
@@ -438,4 +435,4 @@ def install(spec: ModelSpec, session: CacheSession) -> InstalledHooks:
             session.end_call(token)
 
     _set_instance_attr(owner, "forward", forward, undo)
-    return InstalledHooks(spec=spec, session=session, runner=runner, _undo=undo)
+    return InstalledHooks(undo)

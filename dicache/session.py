@@ -112,6 +112,9 @@ class CacheSession:
             finally:
                 outer.key_source = previous_source
             return
+        if outer is not None:  # an implicit request (bare forwards before this scope) ends here
+            self._request.set(None)
+            self._record(outer.stats)
         state = self.new_request(num_steps, sigmas, overrides, config)
         state.explicit, state.key_source = True, key_source
         token = self._request.set(state)

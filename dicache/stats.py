@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,9 +95,6 @@ class RequestStats:
             "compute_fraction": round(self.compute_fraction, 6),
             "branches": {name: b.to_dict() for name, b in self.branches.items()},
         }
-
-    def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
 
     def table(self) -> str:
         """A readable summary: one row per branch."""

@@ -92,15 +92,3 @@ class ModelSpec:
     form: BlockForm
     seam: str | None
     timestep: Callable[[tuple, dict], Any]
-
-
-class PipelineAdapter(Protocol):
-    """Connects a pipeline's calls to a `CacheSession`: request start/end and how calls map to (step, branch)."""
-
-    def matches(self, obj: Any) -> bool: ...
-
-    def transformer(self, obj: Any) -> nn.Module: ...
-
-    def attach(self, obj: Any, session: Any) -> Callable[[], None]:
-        """Install; return a function that restores the pipeline exactly."""
-        ...
