@@ -30,15 +30,16 @@ class _Handle:
 _HANDLES: weakref.WeakKeyDictionary[Any, _Handle] = weakref.WeakKeyDictionary()
 
 
-def _resolve_config(config: CacheConfig | Mapping[str, Any] | None) -> CacheConfig:
-    if config is None:
-        return CacheConfig.from_env()
+def _as_config(config: CacheConfig | Mapping[str, Any] | None, base: CacheConfig | None, caller: str) -> CacheConfig:
+    """What the public functions accept, as one validated config: a config as it is, a dict of override keys over
+    `base` (None: the environment), None as `base` (None: the environment)."""
     if isinstance(config, CacheConfig):
         return config
-    if isinstance(config, Mapping):
-        return CacheConfig.from_env(**dict(config))
+    if config is None or isinstance(config, Mapping):
+        overrides = dict(config or {})
+        return base.merged(overrides) if base is not None else CacheConfig.from_env(**overrides)
     raise TypeError(
-        f"dicache.enable: config must be a dicache.CacheConfig, a dict of override keys or None, "
+        f"dicache.{caller}: config must be a dicache.CacheConfig, a dict of override keys or None, "
         f"not {type(config).__name__}"
     )
 
@@ -55,7 +56,7 @@ def enable(obj: Any, config: CacheConfig | Mapping[str, Any] | None = None, *, f
 
     Enabling an already enabled object replaces its settings.
     """
-    resolved = _resolve_config(config)
+    resolved = _as_config(config, None, "enable")
     if obj in _HANDLES:
         disable(obj)
     adapter = find_pipeline_adapter(obj)
@@ -71,8 +72,7 @@ def enable(obj: Any, config: CacheConfig | Mapping[str, Any] | None = None, *, f
         handle = _Handle(session=session, hooks=install(spec, session))
         _HANDLES[transformer] = handle
     elif config is not None:
-        resolved.check_block_split(handle.session.num_blocks)
-        handle.session.config = resolved
+        handle.session.configure(resolved)
     if adapter is not None:
         pipe_handle = _Handle(session=handle.session, detach=[adapter.attach(obj, handle.session)])
         handle.pipelines += 1
@@ -128,17 +128,15 @@ def request(
     config: CacheConfig | Mapping[str, Any] | None = None,
     sigmas: list[float] | None = None,
 ) -> Iterator[RequestState]:
-    """Delimit one request explicitly, optionally with per-request overrides (a dict of override keys or a config).
+    """Delimit one request explicitly, optionally with its own settings: a dict of override keys (merged over the
+    model's settings) or a whole `CacheConfig` (whose `enable_cache` says whether this request caches).
 
     Calls inside share one request state; pipeline calls inside refine it rather than open a new one.
     """
     session = session_of(obj)
-    if isinstance(config, CacheConfig):
-        with session.request(num_steps=num_inference_steps, sigmas=sigmas, config=config) as state:
-            yield state
-    else:
-        with session.request(num_steps=num_inference_steps, sigmas=sigmas, overrides=config) as state:
-            yield state
+    own = None if config is None else session.fit(_as_config(config, session.config, "request"))
+    with session.request(num_steps=num_inference_steps, sigmas=sigmas, config=own) as state:
+        yield state
 
 
 @contextmanager

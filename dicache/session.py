@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import contextvars
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from .config import CacheConfig
 from .state import BranchState, RequestState, branch_name
@@ -37,16 +36,15 @@ class CacheSession:
     """Everything `dicache.enable` attaches to one model, except the hooks themselves.
 
     Args:
-        config: the base settings; each request merges its overrides over them.
+        config: the base settings: requests that bring no config of their own run with them.
         num_blocks: blocks in the hooked stack.
         num_streams: residual streams per block (1 for single-stream models).
     """
 
     def __init__(self, config: CacheConfig, num_blocks: int, num_streams: int = 1) -> None:
-        config.check_block_split(num_blocks)
-        self.config = config
         self.num_blocks = num_blocks
         self.num_streams = num_streams
+        self.configure(config)
         uid = next(_ids)
         self._request: contextvars.ContextVar[RequestState | None] = contextvars.ContextVar(
             f"dicache_request_{uid}", default=None
@@ -65,29 +63,33 @@ class CacheSession:
             "and enable the copy separately"
         )
 
+    # ------------------------------------------------------------------ settings
+    def fit(self, config: CacheConfig) -> CacheConfig:
+        """`config`, once it is known to fit this model's stack (`check_block_split`; else `BlockSplitError`).
+        Every config the session runs with passes here, and only here."""
+        config.check_block_split(self.num_blocks)
+        return config
+
+    def configure(self, config: CacheConfig) -> None:
+        """Make `config` the base settings. An enabled model caches whatever `config.enable_cache` says (that field
+        tells the CLI and the server whether to cache by default); a request turns caching off with its own config."""
+        self.fit(config)
+        self.config = config if config.enable_cache else config.merged({"enable_cache": True})
+
     # ------------------------------------------------------------------ requests
     def active_request(self) -> RequestState | None:
         return self._request.get()
 
     def new_request(
-        self,
-        num_steps: int | None = None,
-        sigmas: list[float] | None = None,
-        overrides: Mapping[str, Any] | None = None,
-        config: CacheConfig | None = None,
+        self, num_steps: int | None = None, sigmas: list[float] | None = None, config: CacheConfig | None = None
     ) -> RequestState:
-        """A fresh `RequestState` (validates the overrides and the block split)."""
-        effective = (config or self.config).merged(overrides)
-        enabled = True
-        if overrides and "enable_cache" in overrides:
-            enabled = bool(effective.enable_cache)
+        """A fresh `RequestState` running `config` (already `fit`; None: the base settings)."""
         return RequestState(
-            config=effective,
+            config=config or self.config,
             num_blocks=self.num_blocks,
             num_streams=self.num_streams,
             num_steps=num_steps,
             sigmas=sigmas,
-            enabled=enabled,
         )
 
     @contextmanager
@@ -95,11 +97,11 @@ class CacheSession:
         self,
         num_steps: int | None = None,
         sigmas: list[float] | None = None,
-        overrides: Mapping[str, Any] | None = None,
         config: CacheConfig | None = None,
         key_source: Callable[[], float] | None = None,
     ) -> Iterator[RequestState]:
-        """Scope one request. Inside an already open request (e.g. the server's), refine that one instead."""
+        """Scope one request running `config` (already `fit`; None: the base settings). Inside an already open
+        explicit request (e.g. the server's), refine that one instead; an open implicit request ends here."""
         outer = self._request.get()
         if outer is not None and outer.explicit:
             if num_steps is not None or sigmas is not None:
@@ -115,7 +117,7 @@ class CacheSession:
         if outer is not None:  # an implicit request (bare forwards before this scope) ends here
             self._request.set(None)
             self._record(outer.stats)
-        state = self.new_request(num_steps, sigmas, overrides, config)
+        state = self.new_request(num_steps, sigmas, config)
         state.explicit, state.key_source = True, key_source
         token = self._request.set(state)
         try:

@@ -81,8 +81,9 @@ class RequestState:
     """Cache state of one request. Created per request, never shared.
 
     Args:
-        config: the effective settings (environment merged with the request's overrides).
-        num_blocks: blocks in the hooked stack; `Fn + Bn < num_blocks` is checked here.
+        config: the request's settings, already checked against the stack (`CacheSession.fit`); caching runs iff
+            `config.enable_cache`.
+        num_blocks: blocks in the hooked stack.
         num_streams: residual streams per block (1 for single-stream Krea-2).
         num_steps: denoising steps, when known (needed by step masks).
         sigmas: the scheduler's noise levels per step, when known.
@@ -93,7 +94,6 @@ class RequestState:
     num_streams: int = 1
     num_steps: int | None = None
     sigmas: list[float] | None = None
-    enabled: bool = True
     explicit: bool = False
     """Opened by `dicache.request` or a pipeline call (ends with its scope), not implicitly by a bare forward."""
     key_source: Callable[[], float] | None = None
@@ -104,7 +104,6 @@ class RequestState:
     _policy: CachePolicy | None = None
 
     def __post_init__(self) -> None:
-        self.config.check_block_split(self.num_blocks)
         self.segments: list[Segment] = middle_segments(
             self.num_blocks,
             self.config.Fn_compute_blocks,
@@ -113,6 +112,11 @@ class RequestState:
         )
         """The middle's runs of skipped (`cached`) and still-computed blocks on a cached step."""
         self.stats = self._new_stats()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this request caches (else every call runs every block and records reason `disabled`)."""
+        return self.config.enable_cache
 
     def _new_stats(self) -> RequestStats:
         return RequestStats(

@@ -114,7 +114,9 @@ def test_serve_backend_plans_for_the_largest_request_it_accepts(tiny_dir):
     backend = load_backend(str(tiny_dir), device="cpu", cache_config=CacheConfig.from_env({}), offload=options)
     offload = backend.pipe.offload
     assert offload.max_pixels == 64 * 64 and offload.max_images == 2 and offload.cfg and offload.cfg_batched
-    spec = GenerationSpec("a cat", None, 1, 32, 32, 3, 2.0, 7, enable_cache=True)
+    spec = GenerationSpec(
+        "a cat", None, 1, 32, 32, 3, 2.0, 7, cache=backend.cache_config.merged({"enable_cache": True})
+    )
     result = backend.generate(spec)
     assert len(result.images_b64) == 1 and offload.last_request.calls  # one batched call per step
     assert {c.branch for c in offload.last_request.calls} == {"batched"}

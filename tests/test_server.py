@@ -530,7 +530,7 @@ def test_generation_stops_between_blocks_and_before_the_vae(backend):
 
     spec = GenerationSpec(
         prompt="a fox", negative_prompt=None, n=1, width=32, height=32, num_inference_steps=4, guidance_scale=1.0,
-        seed=0, enable_cache=False, variant=backend.defaults.variant,
+        seed=0, cache=dicache.CacheConfig.defaults(), variant=backend.defaults.variant,
     )  # fmt: skip
     blocks = backend.pipe.transformer.transformer_blocks
     ran: list[str] = []

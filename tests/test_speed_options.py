@@ -92,8 +92,9 @@ def _spec(defaults, prompt, variant, seed, enable_cache=True, size=None):
         num_inference_steps=5,
         guidance_scale=PRESETS[variant].guidance_scale,
         seed=seed,
-        enable_cache=enable_cache,
-        cache_overrides={"max_warmup_steps": 2, "residual_diff_threshold": 0.5},
+        cache=CacheConfig.defaults().merged(
+            {"enable_cache": enable_cache, "max_warmup_steps": 2, "residual_diff_threshold": 0.5}
+        ),
         variant=variant,
     )
 

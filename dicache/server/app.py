@@ -337,7 +337,7 @@ class _Probe:
             num_inference_steps=1,
             guidance_scale=1.0,
             seed=0,
-            enable_cache=False,
+            cache=CacheConfig.defaults(),  # caching off
             variant=defaults.variant,
             probe=True,
         )

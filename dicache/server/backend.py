@@ -1,9 +1,10 @@
 """`PipelineBackend`: runs one `GenerationSpec` on a cache-enabled Krea-2 pipeline, in the calling (worker) thread.
 
-Each generation runs inside its own `dicache.request(pipe, config=overrides)` scope, so its cache state (residuals,
-counters, statistics) lives in the worker's context and is never shared with another request; the pipeline's random
-generator is seeded from the request's seed. Output images come back base64-encoded (PNG, JPEG or WebP) plus a
-SHA-256 of the decoded float32 array, a bitwise fingerprint of what the model produced whatever the encoding.
+Each generation runs inside its own request scope with the settings `resolve` validated (`GenerationSpec.cache`),
+so its cache state (residuals, counters, statistics) lives in the worker's context and is never shared with another
+request; the pipeline's random generator is seeded from the request's seed. Output images come back base64-encoded
+(PNG, JPEG or WebP) plus a SHA-256 of the decoded float32 array, a bitwise fingerprint of what the model produced
+whatever the encoding.
 
 A generation asked to stop (`should_stop()` true: its client left, its time ran out or the server is shutting down)
 ends with `GenerationStopped` at its next stop point: before each transformer call, before each block of the
@@ -102,7 +103,8 @@ class PipelineBackend:
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
         self.pipe, self.cache_config, self.defaults = pipe, cache_config, defaults
-        self.num_blocks = dicache_api.session_of(pipe).num_blocks
+        self.session = dicache_api.session_of(pipe)
+        self.num_blocks = self.session.num_blocks
         self._install_stop_checks()
 
     def _install_stop_checks(self) -> None:
@@ -128,7 +130,7 @@ class PipelineBackend:
         token = _should_stop.set(should_stop)
         try:
             _check_stop()  # abandoned while it waited for this worker
-            with torch.inference_mode(), dicache_api.request(self.pipe, config=spec.engine_overrides()):
+            with torch.inference_mode(), self.session.request(config=spec.cache):  # checked by `resolve`
                 output = self.pipe(
                     prompt=spec.prompt,
                     negative_prompt=spec.negative_prompt,
@@ -195,8 +197,9 @@ class PipelineBackend:
                     num_inference_steps=steps,
                     guidance_scale=float(preset.guidance_scale),
                     seed=0,
-                    enable_cache=enable_cache,
-                    cache_overrides={"max_warmup_steps": 1} if enable_cache else {},
+                    cache=self.cache_config.merged(
+                        {"enable_cache": True, "max_warmup_steps": 1} if enable_cache else {"enable_cache": False}
+                    ),
                     variant=variant,
                 )
                 self.generate(spec)

@@ -45,16 +45,19 @@ class GenerationSpec:
     num_inference_steps: int
     guidance_scale: float
     seed: int
-    enable_cache: bool
+    cache: CacheConfig
+    """The request's settings, validated and checked against the model (`resolve`); `cache.enable_cache` says
+    whether it caches. The worker runs exactly these."""
     cache_overrides: dict[str, Any] = field(default_factory=dict)
+    """The `cache_dit_params` the request set (without `enable_cache`), echoed in the response."""
     variant: str | None = None
     output_format: str = "png"  # png | jpeg | webp
     output_quality: int = 100  # jpeg / webp quality in percent (OpenAI's output_compression)
     probe: bool = False  # a /health_generate check: not counted in the image and step metrics
 
-    def engine_overrides(self) -> dict[str, Any]:
-        """The dict given to `dicache.request(pipe, config=...)`: the request's overrides + its enable_cache."""
-        return {**self.cache_overrides, "enable_cache": self.enable_cache}
+    @property
+    def enable_cache(self) -> bool:
+        return self.cache.enable_cache
 
 
 def parse_size(size: str | None, settings: ServerSettings, defaults: Defaults) -> tuple[int, int]:
@@ -135,9 +138,8 @@ def resolve(
     overrides = dict(request.cache_dit_params or {})
     if request.enable_cache is not None:  # the top-level field wins over cache_dit_params["enable_cache"]
         overrides["enable_cache"] = request.enable_cache
-    overrides.setdefault("enable_cache", base_config.enable_cache)  # default: SGLANG_CACHE_DIT_ENABLED
-    effective = effective_cache_config(overrides, base_config, num_blocks)
-    del overrides["enable_cache"]
+    effective = effective_cache_config(overrides, base_config, num_blocks)  # default: SGLANG_CACHE_DIT_ENABLED
+    overrides.pop("enable_cache", None)
     if effective.enable_cache:
         check_step_mask(effective, steps, overrides)
     return GenerationSpec(
@@ -149,7 +151,7 @@ def resolve(
         num_inference_steps=steps,
         guidance_scale=float(guidance),
         seed=request.seed if request.seed is not None else secrets.randbits(63),
-        enable_cache=bool(effective.enable_cache),
+        cache=effective,
         cache_overrides=overrides,
         variant=defaults.variant,
         output_format=request.output_format or "png",
