@@ -13,7 +13,7 @@ from torch import nn
 from .adapters import BlockForm, find_pipeline_adapter, generic_spec
 from .config import CacheConfig
 from .errors import NotEnabledError, UnsupportedModelError
-from .hooks import InstalledHooks, install
+from .install import InstalledHooks, install
 from .session import CacheSession
 from .state import RequestState
 from .stats import RequestStats

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 import dicache
-from dicache.hooks import PARALLEL_LAYOUT_ATTR, relative_change
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT, Krea2Pipeline
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler
 from dicache.models.krea2.transformer import Krea2Transformer
 from dicache.parallel import build_context, init_parallel, lockstep, parallelize
+from dicache.reduction import PARALLEL_LAYOUT_ATTR, relative_change
 
 RANDOM_CONFIG = dict(
     in_channels=64,

@@ -8,7 +8,7 @@ from toymodels import SeamTransformer, ToyTransformer, sample
 import dicache
 from dicache import CacheConfig, UnsupportedModelError
 from dicache.adapters import generic_spec
-from dicache.hooks import observe_blocks
+from dicache.install import observe_blocks
 from dicache.policies import DBCachePolicy
 from dicache.policies.lookahead import BranchCounters, decide_without_diff, next_call, upcoming_decisions
 

@@ -11,7 +11,7 @@ from tiny_krea2 import tiny_transformer as shared_tiny_transformer
 from torch import nn
 
 import dicache
-import dicache.hooks
+import dicache.install
 from dicache import CacheConfig
 
 TEXT = dict(num_text_layers=3, text_hidden_dim=32)
@@ -104,7 +104,7 @@ def test_turbo_caches_right_after_warmup_without_reading_the_timestep(monkeypatc
     def forbidden(value):
         raise AssertionError("the pipeline path must take the step from the scheduler, not the timestep tensor")
 
-    monkeypatch.setattr(dicache.hooks, "_timestep_key", forbidden)
+    monkeypatch.setattr(dicache.install, "_timestep_key", forbidden)
     generate(pipe, 8, 0.0)
     st = dicache.stats(pipe)
     assert list(st.branches) == ["cond"] and st.num_steps == 8

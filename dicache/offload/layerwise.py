@@ -24,7 +24,8 @@ from torch import nn
 
 from ..adapters import generic_spec
 from ..adapters.base import ModelSpec
-from ..hooks import BlockPlan, CallInfo, observe_blocks
+from ..block_plan import BlockPlan, CallInfo
+from ..install import observe_blocks
 from .packing import PackedWeights
 from .schedule import Copy, SlotSchedule
 from .timeline import TraceEvent
