@@ -1,4 +1,4 @@
-"""`dicache.stats` describes the request the caller just ran (docs/architecture.md §4)."""
+"""The public per-request API: `dicache.request` configs and `dicache.stats` (docs/architecture.md §4)."""
 
 import pytest
 import torch
@@ -50,3 +50,36 @@ def test_per_model_calls_on_a_model_without_cache_raise_a_dicache_error(model):
     with pytest.raises(NotEnabledError, match="not enabled on this ToyTransformer"):
         dicache.stats(model)
     assert issubclass(NotEnabledError, dicache.DicacheError) and issubclass(NotEnabledError, RuntimeError)
+
+
+def test_a_request_caches_iff_its_config_says_so(model):
+    """One representation of "enabled": the request's `config.enable_cache`. `dicache.enable` turns it on for the
+    model's base settings; a request's dict merges over them, a request's `CacheConfig` is taken whole."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, 16)
+    base = CacheConfig.from_env({}, max_warmup_steps=1, residual_diff_threshold=1e9)
+    assert base.enable_cache is False
+    dicache.enable(model, base)
+    assert dicache.session_of(model).config.enable_cache is True
+    forms = {
+        "base": None,
+        "dict": {"max_warmup_steps": 2},
+        "dict off": {"enable_cache": False},
+        "config off": base,
+        "config on": base.merged({"enable_cache": True}),
+    }
+    seen = {}
+    for name, config in forms.items():
+        with torch.no_grad(), dicache.request(model, config=config) as state:
+            sample(model, x, 4)
+        st = dicache.stats(model)
+        assert st.enabled is state.enabled is state.config.enable_cache
+        seen[name] = (st.enabled, st.cached_calls)
+    dicache.disable(model)
+    assert seen == {
+        "base": (True, 3),
+        "dict": (True, 2),
+        "dict off": (False, 0),
+        "config off": (False, 0),
+        "config on": (True, 3),
+    }
