@@ -65,8 +65,9 @@ class CacheSession:
 
     # ------------------------------------------------------------------ settings
     def fit(self, config: CacheConfig) -> CacheConfig:
-        """`config`, once it is known to fit this model's stack (`check_block_split`; else `BlockSplitError`).
-        Every config the session runs with passes here, and only here."""
+        """`config`, once it is known to fit this model's stack (`check_block_split`; else `BlockSplitError`): the
+        engine's one check, on the base settings (`configure`) and on a request's own (`dicache.request`). The server
+        checks at its edge instead (`server.generation.resolve`, a 400 before queueing) and passes the result on."""
         config.check_block_split(self.num_blocks)
         return config
 
