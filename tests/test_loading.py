@@ -212,3 +212,12 @@ def test_load_component_builds_from_config_loads_weights_or_draws_them(tmp_path)
     assert not any(p.is_meta for p in dummy.parameters()) and dummy.proj.weight.dtype == torch.float32
     with pytest.raises(CheckpointError, match=r"load_format='fast' is invalid"):
         load_component(tmp_path, None, build, load_format="fast")
+
+
+def test_lazy_package_exports_import_on_first_use():
+    import dicache.models.krea2 as krea2
+    from dicache.models.krea2.scheduler import FlowMatchEulerScheduler
+
+    assert krea2.FlowMatchEulerScheduler is FlowMatchEulerScheduler
+    with pytest.raises(AttributeError, match=r"module 'dicache.models.krea2' has no attribute 'Nope'"):
+        krea2.Nope  # noqa: B018
