@@ -118,19 +118,18 @@ def materialize_random(
     device: torch.device | str,
     dtype: torch.dtype,
     keep_fp32: Callable[[str], bool] | None = None,
-    seed: int = 0,
 ) -> torch.nn.Module:
     """Give a module built on the meta device random weights on `device`, without a float32 copy of the whole.
 
     Floating parameters become `dtype` (float32 where `keep_fp32(name)`), are allocated on `device` and drawn there:
-    matrices and kernels from N(0, 1/fan_in), vectors (biases, norm gains, tables) zero. Deterministic in `seed`.
+    matrices and kernels from N(0, 1/fan_in), vectors (biases, norm gains, tables) zero. Deterministic (seed 0).
     """
     for name, param in module.named_parameters():
         if param.is_floating_point():
             target = torch.float32 if keep_fp32 is not None and keep_fp32(name) else dtype
             param.data = param.data.to(target)
     module.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(0)
     for param in module.parameters():
         if not param.is_floating_point():
             continue
