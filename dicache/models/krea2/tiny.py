@@ -62,7 +62,7 @@ def parallel_transformer_config() -> dict:
 def reference_transformer_config(**overrides) -> dict:
     """2 blocks, 8 input channels, 2 refiner text blocks and rope_theta 1000: the base of the comparisons against
     diffusers' transformer."""
-    config = tiny_transformer_config(
+    base = dict(
         in_channels=8,
         num_layers=2,
         intermediate_size=48,
@@ -72,13 +72,12 @@ def reference_transformer_config(**overrides) -> dict:
         num_refiner_text_blocks=2,
         rope_theta=1000.0,
     )
-    config.update(overrides)
-    return config
+    return tiny_transformer_config(**{**base, **overrides})
 
 
 def small_transformer_config(**overrides) -> dict:
     """Heads of 32 (4 query / 2 key-value), 4 blocks, text 64 wide from 4 layers: the benchmarks' `--tiny` model."""
-    config = tiny_transformer_config(
+    base = dict(
         attention_head_dim=32,
         intermediate_size=256,
         timestep_embed_dim=64,
@@ -91,8 +90,7 @@ def small_transformer_config(**overrides) -> dict:
         num_refiner_text_blocks=2,
         axes_dims_rope=(8, 12, 12),
     )
-    config.update(overrides)
-    return config
+    return tiny_transformer_config(**{**base, **overrides})
 
 
 def tiny_vae_config(**overrides) -> dict:
