@@ -31,25 +31,10 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from dicache.models.krea2.tiny import small_transformer_config  # noqa: E402
 from dicache.models.krea2.transformer import Krea2Transformer  # noqa: E402
 
-TINY_CONFIG = dict(
-    in_channels=16,
-    num_layers=4,
-    attention_head_dim=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=256,
-    timestep_embed_dim=64,
-    text_hidden_dim=64,
-    num_text_layers=4,
-    text_num_attention_heads=4,
-    text_num_key_value_heads=4,
-    text_intermediate_size=128,
-    num_layerwise_text_blocks=2,
-    num_refiner_text_blocks=2,
-    axes_dims_rope=(8, 12, 12),
-)
+TINY_CONFIG = small_transformer_config()
 SUFFIX_TOKENS = 5  # Krea's template ends with `<|im_end|>\n<|im_start|>assistant\n`, always real
 
 

@@ -46,26 +46,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import dicache  # noqa: E402
 from dicache.models.krea2.pipeline import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler  # noqa: E402
+from dicache.models.krea2.tiny import small_transformer_config  # noqa: E402
 from dicache.models.krea2.transformer import Krea2Transformer  # noqa: E402
 from dicache.parallel import ParallelContext, build_context, init_parallel, parallelize  # noqa: E402
 
-TINY_CONFIG = dict(
-    in_channels=64,
-    num_layers=4,
-    attention_head_dim=32,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=256,
-    timestep_embed_dim=64,
-    text_hidden_dim=64,
-    num_text_layers=4,
-    text_num_attention_heads=4,
-    text_num_key_value_heads=4,
-    text_intermediate_size=128,
-    num_layerwise_text_blocks=2,
-    num_refiner_text_blocks=2,
-    axes_dims_rope=(8, 12, 12),
-)
+TINY_CONFIG = small_transformer_config(in_channels=64, num_attention_heads=8, num_key_value_heads=4)
 SUFFIX_TOKENS = 5  # Krea's template ends with 5 real tokens after the padding
 CACHE_OFF = {"enable_cache": False}
 CACHE_ON = {  # the default settings' pattern on 8 steps (compute 0-3, cache 4-6 by diff, compute 7 by MC)

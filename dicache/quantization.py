@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ class QuantizationSpec:
 
     method: str = "fp8"
     include: tuple[str, ...] = DEFAULT_FP8_INCLUDE
-    exclude: tuple[str, ...] = field(default=DEFAULT_FP8_EXCLUDE)
+    exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -166,6 +166,5 @@ def quantize_transformer(model: nn.Module, spec: QuantizationSpec | str) -> list
         filter_fn=lambda module, fqn: fqn in names,
     )
     model.quantization = spec
-    if device.type == "cuda":  # the bf16 weights just replaced stay reserved by the caching allocator otherwise
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # the bf16 weights just replaced stay reserved by the caching allocator otherwise
     return sorted(names)

@@ -25,27 +25,11 @@ import torch.distributed as dist
 import dicache
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT, Krea2Pipeline
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler
+from dicache.models.krea2.tiny import parallel_transformer_config, random_tiny_transformer
 from dicache.models.krea2.transformer import Krea2Transformer
 from dicache.parallel import build_context, init_parallel, lockstep, parallelize
 from dicache.reduction import PARALLEL_LAYOUT_ATTR, relative_change
 
-RANDOM_CONFIG = dict(
-    in_channels=64,
-    num_layers=4,
-    attention_head_dim=16,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=192,
-    timestep_embed_dim=32,
-    text_hidden_dim=32,
-    num_text_layers=3,
-    text_num_attention_heads=4,
-    text_num_key_value_heads=4,
-    text_intermediate_size=64,
-    num_layerwise_text_blocks=1,
-    num_refiner_text_blocks=1,
-    axes_dims_rope=(4, 6, 6),
-)
 HEIGHT = WIDTH = 128  # no VAE: latent ×8, patch 2 -> 8 × 8 = 64 image tokens
 TEXT_LEN = 24
 ALWAYS_CACHE_AFTER_WARMUP = dict(max_warmup_steps=2, residual_diff_threshold=1e9, max_continuous_cached_steps=-1)
@@ -69,12 +53,7 @@ def load_model() -> TinyModel:
         model = Krea2Transformer.from_pretrained(EMBEDDED_CHECKPOINT, dtype=torch.float32, device="cpu")
         scheduler = FlowMatchEulerScheduler.from_pretrained(EMBEDDED_CHECKPOINT, subfolder="scheduler")
         return TinyModel(dict(model.config), model.state_dict(), scheduler, "embedded")
-    torch.manual_seed(0)
-    model = Krea2Transformer(**RANDOM_CONFIG)
-    with torch.no_grad():  # zero-initialised tables and norms: randomise so blocks are not identities
-        for name, param in model.named_parameters():
-            if "scale_shift_table" in name or "norm" in name:
-                param.normal_(0, 0.3)
+    model = random_tiny_transformer(parallel_transformer_config(), seed=0, std=0.3)
     return TinyModel(dict(model.config), model.state_dict(), FlowMatchEulerScheduler(), "random")
 
 

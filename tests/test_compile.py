@@ -2,15 +2,15 @@
 
 import torch
 import torch._dynamo
-from tiny_krea2 import random_native_model
 from torch._dynamo.testing import CompileCounter
 
 import dicache
 from dicache.models.krea2.pipeline import Krea2Pipeline
+from dicache.models.krea2.tiny import random_tiny_transformer
 
 
 def make_pipe():
-    pipe = Krea2Pipeline(transformer=random_native_model())
+    pipe = Krea2Pipeline(transformer=random_tiny_transformer())
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -13,6 +13,7 @@ from torch import nn
 import dicache
 import dicache.install
 from dicache import CacheConfig
+from dicache.models.krea2.tiny import tiny_vae_config
 
 TEXT = dict(num_text_layers=3, text_hidden_dim=32)
 
@@ -24,14 +25,8 @@ def tiny_transformer(seed=0):
 
 
 def make_pipe(transformer, distilled):
-    vae = AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=16,
-        dim_mult=[1, 2, 2, 2],
-        num_res_blocks=1,
-        attn_scales=[],
-        temperal_downsample=[False, True, True],
-    ).eval()
+    vae = AutoencoderKLQwenImage(**tiny_vae_config(dim_mult=[1, 2, 2, 2], temperal_downsample=[False, True, True]))
+    vae.eval()
     sched = FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=6400
     )

@@ -16,6 +16,7 @@ from dicache.models.krea2.text import (
     Krea2TextEncoder,
     template_token_counts,
 )
+from dicache.models.krea2.tiny import tiny_text_encoder_config
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -52,28 +53,7 @@ def word_tokenizer(directory: pathlib.Path, *, split_punctuation: bool = True):
 
 
 def tiny_qwen3_vl(vocab_size: int, seed: int = 0) -> torch.nn.Module:
-    config = transformers.Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=32,
-            patch_size=4,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0],
-        ),
-    )
+    config = transformers.Qwen3VLConfig(**tiny_text_encoder_config(vocab_size, num_hidden_layers=4))
     torch.manual_seed(seed)
     return transformers.Qwen3VLModel(config).eval()
 

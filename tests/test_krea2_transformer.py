@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dicache.models.krea2.tiny import reference_transformer_config
 from dicache.models.krea2.transformer import (
     Krea2Transformer,
     RMSNorm,
@@ -20,40 +21,18 @@ from dicache.models.loading import CheckpointError
 diffusers = pytest.importorskip("diffusers")
 from diffusers import Krea2Transformer2DModel  # noqa: E402
 
-TEXT_LAYERS, TEXT_DIM, IN_CHANNELS = 3, 32, 8
+_BASE = reference_transformer_config()
+TEXT_LAYERS, TEXT_DIM, IN_CHANNELS = _BASE["num_text_layers"], _BASE["text_hidden_dim"], _BASE["in_channels"]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def tiny_config(**overrides) -> dict:
-    config = dict(
-        in_channels=IN_CHANNELS,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        timestep_embed_dim=32,
-        text_hidden_dim=TEXT_DIM,
-        num_text_layers=TEXT_LAYERS,
-        text_num_attention_heads=4,
-        text_num_key_value_heads=2,
-        text_intermediate_size=40,
-        num_layerwise_text_blocks=1,
-        num_refiner_text_blocks=2,
-        axes_dims_rope=(4, 6, 6),
-        rope_theta=1000.0,
-    )
-    config.update(overrides)
-    return config
-
-
 # Depths 1-3; GQA ratios 1, 2 and 4 in the image blocks (and 1 / 2 in the text fusion blocks).
 CONFIGS = {
-    "gqa1_depth1": tiny_config(num_layers=1, num_key_value_heads=4, text_num_key_value_heads=4),
-    "gqa2_depth2": tiny_config(),
-    "gqa4_depth3": tiny_config(
+    "gqa1_depth1": reference_transformer_config(num_layers=1, num_key_value_heads=4, text_num_key_value_heads=4),
+    "gqa2_depth2": reference_transformer_config(),
+    "gqa4_depth3": reference_transformer_config(
         num_layers=3, attention_head_dim=8, num_attention_heads=8, num_key_value_heads=2, axes_dims_rope=(2, 2, 4)
     ),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dicache.models.krea2.tiny import tiny_vae_config
 from dicache.models.krea2.vae import QwenImageVAEConfig, QwenImageVAEDecoder
 from dicache.models.loading import CheckpointError
 
@@ -12,8 +13,10 @@ diffusers = pytest.importorskip("diffusers")
 
 # Same channel multipliers as Qwen-Image (x8) at a tiny width, and a x4 variant like the embedded checkpoint's.
 CONFIGS = {
-    "x8": dict(base_dim=4, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]),
-    "x4": dict(base_dim=4, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True]),
+    "x8": tiny_vae_config(
+        base_dim=4, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
+    ),
+    "x4": tiny_vae_config(base_dim=4, z_dim=4),
 }
 
 

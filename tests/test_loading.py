@@ -13,6 +13,7 @@ from torch import nn
 from dicache.models.loading import (
     CheckpointError,
     default_dtype,
+    load_component,
     load_into_module,
     load_state_dict_files,
     read_json,
@@ -186,3 +187,37 @@ def test_default_dtype():
     assert default_dtype("cpu") == torch.float32
     assert default_dtype(None) == torch.float32
     assert default_dtype(torch.device("cuda", 0)) == torch.bfloat16
+
+
+def test_load_component_builds_from_config_loads_weights_or_draws_them(tmp_path):
+    state = random_state()
+    save_file(state, str(tmp_path / "diffusion_pytorch_model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"width": 3}))
+    seen = []
+
+    def build(config, directory):
+        seen.append((config, directory))
+        return TwoLayer()
+
+    model = load_component(tmp_path, None, build, dtype=torch.bfloat16, keep_fp32=lambda key: key.startswith("norm."))
+    assert seen == [({"width": 3}, tmp_path)] and not model.training
+    assert (model.proj.weight.dtype, model.norm.weight.dtype) == (torch.bfloat16, torch.float32)
+    torch.testing.assert_close(model.proj.bias, state["proj.bias"].bfloat16())
+
+    calls = []
+    load_component(tmp_path, None, build, load_weights=lambda m, sd, source: calls.append((sorted(sd), source)))
+    assert calls == [(sorted(state), str(tmp_path))]
+
+    dummy = load_component(tmp_path, None, build, load_format="dummy")
+    assert not any(p.is_meta for p in dummy.parameters()) and dummy.proj.weight.dtype == torch.float32
+    with pytest.raises(CheckpointError, match=r"load_format='fast' is invalid"):
+        load_component(tmp_path, None, build, load_format="fast")
+
+
+def test_lazy_package_exports_import_on_first_use():
+    import dicache.models.krea2 as krea2
+    from dicache.models.krea2.scheduler import FlowMatchEulerScheduler
+
+    assert krea2.FlowMatchEulerScheduler is FlowMatchEulerScheduler
+    with pytest.raises(AttributeError, match=r"module 'dicache.models.krea2' has no attribute 'Nope'"):
+        krea2.Nope  # noqa: B018

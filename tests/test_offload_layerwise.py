@@ -3,13 +3,13 @@ only the blocks a call runs are copied (counted)."""
 
 import pytest
 import torch
-from tiny_krea2 import NATIVE_CONFIG, random_native_model
 
 import dicache
 from dicache.calibration import RECOMMENDED_FAMILY
 from dicache.config import CacheConfig
 from dicache.errors import MemoryBudgetError
 from dicache.models.krea2.pipeline import Krea2Pipeline
+from dicache.models.krea2.tiny import random_tiny_transformer, tiny_transformer_config
 from dicache.offload.pipeline import memory_needs
 from dicache.offload.plan import GiB
 
@@ -21,7 +21,7 @@ CURVED = {**RECOMMENDED_FAMILY, "scm_compute_fraction": 0.4}  # README "Recommen
 
 
 def make_pipe():
-    pipe = Krea2Pipeline(transformer=random_native_model({**NATIVE_CONFIG, "num_layers": NUM_BLOCKS}))
+    pipe = Krea2Pipeline(transformer=random_tiny_transformer(tiny_transformer_config(num_layers=NUM_BLOCKS)))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

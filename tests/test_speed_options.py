@@ -28,9 +28,9 @@ def block_linears(model):
 
 
 def test_default_fp8_selection_is_the_block_linears_but_the_attention_projections():
-    from tiny_krea2 import random_native_model
+    from dicache.models.krea2.tiny import random_tiny_transformer
 
-    model = random_native_model()
+    model = random_tiny_transformer()
     assert selected_linears(model, QuantizationSpec(exclude=())) == block_linears(model)
     assert len(block_linears(model)) == 4 * 8  # 4 blocks x (q, k, v, gate, out, ff gate, ff up, ff down)
     chosen = selected_linears(model, QuantizationSpec())
@@ -40,9 +40,9 @@ def test_default_fp8_selection_is_the_block_linears_but_the_attention_projection
 
 
 def test_exclusions_by_group_and_glob():
-    from tiny_krea2 import random_native_model
+    from dicache.models.krea2.tiny import random_tiny_transformer
 
-    model = random_native_model()
+    model = random_tiny_transformer()
     spec = QuantizationSpec(exclude=("attn_gate", "last_block", "transformer_blocks.0.ff.*"))
     chosen = selected_linears(model, spec)
     assert not any(n.endswith("attn.to_gate") for n in chosen)
@@ -53,7 +53,7 @@ def test_exclusions_by_group_and_glob():
 
 
 def test_bad_quantization_inputs_name_the_value():
-    from tiny_krea2 import random_native_model
+    from dicache.models.krea2.tiny import random_tiny_transformer
 
     with pytest.raises(QuantizationError, match="int4.*none, fp8"):
         parse_quantization("int4")
@@ -61,7 +61,7 @@ def test_bad_quantization_inputs_name_the_value():
         parse_quantization("none", ["attn_gate"])
     assert parse_quantization(None) is None and parse_quantization("none") is None
     with pytest.raises(QuantizationError, match="match no linear.*attn_qkv"):
-        selected_linears(random_native_model(), QuantizationSpec(exclude=("*.to_qq",)))
+        selected_linears(random_tiny_transformer(), QuantizationSpec(exclude=("*.to_qq",)))
 
 
 @pytest.mark.skipif(CUDA_FP8, reason="checks the error where FP8 cannot run")

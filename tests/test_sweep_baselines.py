@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from tiny_krea2 import NATIVE_CONFIG, random_native_model
 
 from dicache.models.krea2.pipeline import Krea2Pipeline
+from dicache.models.krea2.tiny import random_tiny_transformer, tiny_transformer_config
 from dicache.stats import RequestStats
 from dicache.sweep import compare, solvers
 from dicache.sweep.flops import CallFlops, flops_ratio
@@ -92,7 +92,7 @@ def test_curved_schedule_and_counts_per_compute_target():
 
 # ---------------------------------------------------------------------------------------------------- a tiny pipeline
 
-CONFIG = dict(NATIVE_CONFIG, num_layers=2)
+CONFIG = tiny_transformer_config(num_layers=2)
 SIZE = 64  # no VAE: 16 px per token side, 16 image tokens
 
 
@@ -111,7 +111,7 @@ def pipe():
     any solver out of its asymptotic regime at affordable step counts."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = random_native_model(CONFIG)
+    model = random_tiny_transformer(CONFIG)
     with torch.no_grad():
         half = model.time_embed.embed_dim // 2
         fast = [k for k in range(half) if 1000 * math.exp(-k * math.log(1e4) / half) > 3]

@@ -1,7 +1,8 @@
 """A tiny random Krea-2 pipeline in the diffusers layout, built with diffusers' classes (the reference), for tests.
 
-`save_tiny_pipeline(dir)` writes transformer/, vae/ (×4), scheduler/, text_encoder/ (tiny Qwen3-VL), tokenizer/
+`build_tiny_pipeline(dir)` writes transformer/, vae/ (×4), scheduler/, text_encoder/ (tiny Qwen3-VL), tokenizer/
 (word-level, Qwen's template token counts 34/5) and model_index.json, exactly as `diffusers.Krea2Pipeline` saves.
+The sizes come from `dicache.models.krea2.tiny`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ import re
 
 import torch
 
+from dicache.models.krea2.tiny import (
+    pipeline_transformer_config,
+    pipeline_vae_config,
+    randomise_tables_and_norms,
+    tiny_text_encoder_config,
+)
+
 PREFIX = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
     "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
@@ -19,45 +27,6 @@ SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
 WORDS = "a red green blue apple fox cat dog face smiling grinning rocket snow sun heart house car tree with in the of"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 SELECT_LAYERS = (1, 2, 3)
-TEXT_DIM = 32
-
-NATIVE_CONFIG = dict(
-    in_channels=16,
-    num_layers=4,
-    attention_head_dim=16,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    timestep_embed_dim=32,
-    text_hidden_dim=32,
-    num_text_layers=2,
-    text_num_attention_heads=2,
-    text_num_key_value_heads=2,
-    text_intermediate_size=64,
-    num_layerwise_text_blocks=1,
-    num_refiner_text_blocks=1,
-    axes_dims_rope=(4, 6, 6),
-)
-"""A tiny native `Krea2Transformer` config (4 blocks, GQA 2) for tests that build the model directly."""
-
-
-def random_native_model(config: dict = NATIVE_CONFIG, seed: int = 0, std: float = 0.2):
-    """A native `Krea2Transformer(**config)` in eval mode, seeded, with its zero-initialised modulation tables and norm
-    weights drawn from N(0, std) so that no block is an identity."""
-    from dicache.models.krea2 import Krea2Transformer
-
-    torch.manual_seed(seed)
-    model = Krea2Transformer(**config).eval()
-    randomise_tables_and_norms(model, std)
-    return model
-
-
-def randomise_tables_and_norms(model: torch.nn.Module, std: float) -> None:
-    """Draw the `scale_shift_table` and norm parameters of `model` from N(0, std) in place."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "scale_shift_table" in name or "norm" in name:
-                p.normal_(0, std)
 
 
 def tiny_tokenizer(directory: pathlib.Path):
@@ -85,51 +54,13 @@ def tiny_tokenizer(directory: pathlib.Path):
 def tiny_text_encoder(vocab_size: int):
     import transformers
 
-    config = transformers.Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=vocab_size,
-            hidden_size=TEXT_DIM,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=TEXT_DIM,
-            patch_size=4,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0],
-        ),
-    )
-    return transformers.Qwen3VLModel(config).eval()
+    return transformers.Qwen3VLModel(transformers.Qwen3VLConfig(**tiny_text_encoder_config(vocab_size))).eval()
 
 
 def tiny_transformer(num_layers: int = 6):
     from diffusers import Krea2Transformer2DModel
 
-    model = Krea2Transformer2DModel(
-        in_channels=64,
-        num_layers=num_layers,
-        attention_head_dim=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        timestep_embed_dim=32,
-        text_hidden_dim=TEXT_DIM,
-        num_text_layers=len(SELECT_LAYERS),
-        text_num_attention_heads=2,
-        text_num_key_value_heads=2,
-        text_intermediate_size=64,
-        num_layerwise_text_blocks=1,
-        num_refiner_text_blocks=1,
-        axes_dims_rope=(4, 6, 6),
-    )
+    model = Krea2Transformer2DModel(**pipeline_transformer_config(num_layers))
     randomise_tables_and_norms(model, 0.3)  # zero-initialised, they would make every block an identity
     return model.eval()
 
@@ -137,16 +68,7 @@ def tiny_transformer(num_layers: int = 6):
 def tiny_vae():
     from diffusers import AutoencoderKLQwenImage
 
-    return AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=16,
-        dim_mult=[1, 2, 2],
-        num_res_blocks=1,
-        attn_scales=[],
-        temperal_downsample=[False, True],
-        latents_mean=[0.1 * i for i in range(16)],
-        latents_std=[1.0 + 0.05 * i for i in range(16)],
-    ).eval()
+    return AutoencoderKLQwenImage(**pipeline_vae_config()).eval()
 
 
 def build_tiny_pipeline(directory: pathlib.Path, distilled: bool = False, seed: int = 0, num_layers: int = 6):

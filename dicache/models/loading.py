@@ -118,19 +118,18 @@ def materialize_random(
     device: torch.device | str,
     dtype: torch.dtype,
     keep_fp32: Callable[[str], bool] | None = None,
-    seed: int = 0,
 ) -> torch.nn.Module:
     """Give a module built on the meta device random weights on `device`, without a float32 copy of the whole.
 
     Floating parameters become `dtype` (float32 where `keep_fp32(name)`), are allocated on `device` and drawn there:
-    matrices and kernels from N(0, 1/fan_in), vectors (biases, norm gains, tables) zero. Deterministic in `seed`.
+    matrices and kernels from N(0, 1/fan_in), vectors (biases, norm gains, tables) zero. Deterministic (seed 0).
     """
     for name, param in module.named_parameters():
         if param.is_floating_point():
             target = torch.float32 if keep_fp32 is not None and keep_fp32(name) else dtype
             param.data = param.data.to(target)
     module.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(0)
     for param in module.parameters():
         if not param.is_floating_point():
             continue
@@ -213,6 +212,42 @@ def load_into_module(
             f"after loading {source}, {type(module).__name__} still has tensors on the meta device "
             f"(not stored in the checkpoint): {_listing(still_meta)}"
         )
+
+
+def load_component(
+    path_or_repo_id: str | os.PathLike,
+    subfolder: str | None,
+    build: Callable[[dict, pathlib.Path], torch.nn.Module],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    load_format: str = "auto",
+    keep_fp32: Callable[[str], bool] | None = None,
+    load_weights: Callable[[torch.nn.Module, dict[str, torch.Tensor], str], None] | None = None,
+    **hub_kwargs,
+) -> torch.nn.Module:
+    """Build one component from its folder's `config.json` and fill it with its safetensors weights; eval mode.
+
+    `build(config, directory)` makes the module from the parsed `config.json` (it runs on the meta device and raises
+    `CheckpointError` for a bad config). The weights are then read straight onto `device` (default CPU) as `dtype`
+    (default: `default_dtype(device)`), float32 where `keep_fp32(key)`, and given to `load_weights(module,
+    state_dict, source)` (default: `load_into_module`, strict). `load_format="dummy"`: random weights instead
+    (`materialize_random`). `hub_kwargs` go to `resolve_component_dir`.
+    """
+    directory = resolve_component_dir(path_or_repo_id, subfolder, **hub_kwargs)
+    device = torch.device(device if device is not None else "cpu")
+    dtype = dtype if dtype is not None else default_dtype(device)
+    config = read_json(directory, "config.json")
+    with torch.device("meta"):
+        model = build(config, directory)
+    if check_load_format(load_format) == "dummy":
+        return materialize_random(model, device=device, dtype=dtype, keep_fp32=keep_fp32).eval()
+    state_dict = load_state_dict_files(directory, device=device, dtype=dtype, keep_fp32=keep_fp32)
+    if load_weights is None:
+        load_into_module(model, state_dict, source=str(directory))
+    else:
+        load_weights(model, state_dict, str(directory))
+    return model.eval()
 
 
 def _require_subfolder(root: pathlib.Path, subfolder: str | None, *, origin: str) -> pathlib.Path:

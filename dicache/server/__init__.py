@@ -18,7 +18,7 @@ OpenAI shape).
 
 from __future__ import annotations
 
-import importlib
+from dicache._lazy import lazy_getattr
 
 _EXPORTS = {
     "create_app": ".app",
@@ -28,10 +28,5 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    """Imported on first use, so that `dicache --help` and `dicache generate` work without the serve extra."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module, __name__), name)
+# Imported on first use, so that `dicache --help` and `dicache generate` work without the serve extra.
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -5,7 +5,7 @@ Names are imported lazily so that importing one component does not pull in the o
 
 from __future__ import annotations
 
-import importlib
+from dicache._lazy import lazy_getattr
 
 _EXPORTS = {
     "Krea2Transformer": ".transformer",
@@ -20,9 +20,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module, __name__), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -26,16 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dicache.models.krea2.attention import gqa_attention
-from dicache.models.loading import (
-    CheckpointError,
-    check_load_format,
-    default_dtype,
-    load_into_module,
-    load_state_dict_files,
-    materialize_random,
-    read_json,
-    resolve_component_dir,
-)
+from dicache.models.loading import CheckpointError, load_component
 
 # Submodule names whose weights stay float32 when the model runs in bf16/fp16 (diffusers' `_keep_in_fp32_modules`).
 FP32_MODULE_NAMES = frozenset({"norm", "norm1", "norm2", "norm_q", "norm_k"})
@@ -583,17 +574,16 @@ class Krea2Transformer(nn.Module):
         config.json alone (see `materialize_random`). `hub_kwargs` go to `resolve_component_dir`
         (cache_dir, revision, local_files_only). Errors: `CheckpointError` naming the file / key.
         """
-        directory = resolve_component_dir(path_or_repo_id, subfolder, **hub_kwargs)
-        device = torch.device(device if device is not None else "cpu")
-        dtype = dtype if dtype is not None else default_dtype(device)
-        kwargs = _constructor_kwargs(cls, read_json(directory, "config.json"), str(directory / "config.json"))
-        with torch.device("meta"):
-            model = cls(**kwargs)
-        if check_load_format(load_format) == "dummy":
-            return materialize_random(model, device=device, dtype=dtype, keep_fp32=keeps_fp32).eval()
-        state_dict = load_state_dict_files(directory, device=device, dtype=dtype, keep_fp32=keeps_fp32)
-        load_into_module(model, state_dict, source=str(directory))
-        return model.eval()
+        return load_component(
+            path_or_repo_id,
+            subfolder,
+            lambda config, directory: cls(**_constructor_kwargs(cls, config, str(directory / "config.json"))),
+            dtype=dtype,
+            device=device,
+            load_format=load_format,
+            keep_fp32=keeps_fp32,
+            **hub_kwargs,
+        )
 
 
 def _constructor_kwargs(cls: type, config: dict, source: str) -> dict:

@@ -24,16 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dicache.models.loading import (
-    CheckpointError,
-    check_load_format,
-    default_dtype,
-    load_into_module,
-    load_state_dict_files,
-    materialize_random,
-    read_json,
-    resolve_component_dir,
-)
+from dicache.models.loading import CheckpointError, load_component, load_into_module
 
 # Qwen-Image per-channel latent statistics (diffusers' defaults for `AutoencoderKLQwenImage`).
 QWEN_IMAGE_LATENTS_MEAN = (
@@ -299,20 +290,23 @@ class QwenImageVAEDecoder(nn.Module):
         """Load from a diffusers `AutoencoderKLQwenImage` folder (local or Hub; `hub_kwargs`: `cache_dir`,
         `revision`, `local_files_only`). dtype defaults to bf16 on CUDA, fp32 otherwise. Returns an eval-mode module.
         """
-        directory = resolve_component_dir(path_or_repo_id, subfolder, **hub_kwargs)
-        device = torch.device(device if device is not None else "cpu")
-        dtype = dtype if dtype is not None else default_dtype(device)
-        try:
-            config = QwenImageVAEConfig.from_dict(read_json(directory, "config.json"))
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"invalid config.json in {directory}: {err}") from err
-        with torch.device("meta"):
-            model = cls(config)
-        if check_load_format(load_format) == "dummy":
-            return materialize_random(model, device=device, dtype=dtype).eval()
-        state_dict = load_state_dict_files(directory, device=device, dtype=dtype)
-        model.load_diffusers_state_dict(state_dict, source=str(directory))
-        return model.eval()
+        return load_component(
+            path_or_repo_id,
+            subfolder,
+            lambda config, directory: cls(_parse_config(config, directory)),
+            dtype=dtype,
+            device=device,
+            load_format=load_format,
+            load_weights=lambda model, state_dict, source: model.load_diffusers_state_dict(state_dict, source=source),
+            **hub_kwargs,
+        )
+
+
+def _parse_config(config: dict, directory: os.PathLike) -> QwenImageVAEConfig:
+    try:
+        return QwenImageVAEConfig.from_dict(config)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"invalid config.json in {directory}: {err}") from err
 
 
 def convert_diffusers_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
