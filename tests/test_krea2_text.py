@@ -6,6 +6,7 @@ import importlib.util
 import json
 import pathlib
 import re
+import threading
 
 import pytest
 import torch
@@ -192,3 +193,23 @@ def test_rejects_bad_arguments(tokenizer, text_encoder):
         Krea2TextEncoder(tokenizer, text_encoder, (1, 5))
     with pytest.raises(ValueError, match="max_sequence_length=5"):
         Krea2TextEncoder(tokenizer, text_encoder, (1,), max_sequence_length=5)
+
+
+def test_concurrent_tokenization_gives_each_thread_its_own_padding(tokenizer, text_encoder):
+    """A fast tokenizer's padding/truncation mode is shared state that each call resets (the suffix is tokenized
+    unpadded): server workers tokenizing at once must still get exactly what a lone call gets."""
+    encoder = Krea2TextEncoder(tokenizer, text_encoder, SELECT_LAYERS, max_sequence_length=MAX_LEN)
+    expected = {p: [t.tolist() for t in encoder.tokenize(p)] for p in PROMPTS}
+    wrong = []
+
+    def tokenize_repeatedly(prompt):
+        for _ in range(200):
+            if [t.tolist() for t in encoder.tokenize(prompt)] != expected[prompt]:
+                wrong.append(prompt)
+
+    threads = [threading.Thread(target=tokenize_repeatedly, args=(p,)) for p in PROMPTS for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []

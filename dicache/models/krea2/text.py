@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import threading
 
 import torch
 
@@ -45,6 +46,9 @@ class Krea2TextEncoder:
         max_sequence_length: int = 512,
     ):
         self.tokenizer = tokenizer
+        # A fast tokenizer keeps its padding/truncation mode in shared state that every call resets: concurrent
+        # requests (server workers) would pad each other's prompts. One call at a time.
+        self._tokenizer_lock = threading.Lock()
         self.text_encoder = text_encoder
         self.select_layers = tuple(int(i) for i in select_layers)
         self.max_sequence_length = int(max_sequence_length)
@@ -78,6 +82,10 @@ class Krea2TextEncoder:
     def tokenize(self, prompts: str | list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and bool mask of the full template, prefix included: both `(B, prefix_len + L)`, on CPU."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        with self._tokenizer_lock:
+            return self._tokenize_locked(prompts)
+
+    def _tokenize_locked(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         body = self.tokenizer(
             [KREA2_PROMPT_PREFIX + p for p in prompts],
             truncation=True,
