@@ -124,7 +124,7 @@ class BlockStackRunner:
             branch.cached_total += 1
             branch.continuous_cached += 1
         else:
-            if getattr(policy, "uses_diff", True):
+            if policy.uses_diff:
                 branch.reference = residual()
             for segment in request.segments:
                 out = self._run(range(segment.start, segment.stop), h, rest, kw, observers)

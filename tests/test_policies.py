@@ -175,3 +175,12 @@ def test_middle_segments_split_the_middle_into_skipped_and_computed_runs():
     assert sum(s.size for s in middle_segments(10, 2, 3, [5, 2])) == 5
     with pytest.raises(ValueError, match=r"outside the middle \[1, 9\)"):
         middle_segments(10, 1, 1, [9])
+
+
+def test_every_policy_declares_uses_diff():
+    """`uses_diff` is part of the `CachePolicy` contract: the engine reads it, it does not guess a default."""
+    assert NeverCache().uses_diff is False and AlwaysCache().uses_diff is False
+    assert DBCachePolicy(warmup=0, threshold=0.2, max_continuous=-1).uses_diff is True
+    assert DBCachePolicy(warmup=0, threshold=0.0, max_continuous=-1).uses_diff is False
+    static = DBCachePolicy(warmup=0, threshold=0.2, max_continuous=-1, mask=[1, 0], static_mask=True)
+    assert static.uses_diff is False

@@ -48,6 +48,16 @@ DiffFn = Callable[[], float]
 
 
 class CachePolicy(Protocol):
+    """What the engine asks of a policy.
+
+    `uses_diff`: whether any decision of this policy can measure a diff; when False the engine never stores the Fn
+    reference residual a diff needs (a class attribute or a property). `decide`: the decision for one call; it calls
+    `diff()` only when the diff decides the outcome.
+    """
+
+    @property
+    def uses_diff(self) -> bool: ...
+
     def decide(self, ctx: StepContext, diff: DiffFn) -> Decision: ...
 
 

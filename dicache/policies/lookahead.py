@@ -92,7 +92,7 @@ def upcoming_decisions(
     not known yet). Stops after the first call whose decision is unknown, at the end of the request (`num_steps`),
     or after `max_calls` calls. A branch never seen yet starts from empty counters.
     """
-    uses_diff = getattr(policy, "uses_diff", True)
+    uses_diff = policy.uses_diff
     state: dict[str, BranchCounters | None] = dict(counters)
     before = state.get(branch, BranchCounters())
     state[branch] = None if current_cache is None else before.after(current_cache, uses_diff)
