@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_krea2 import build_tiny_pipeline
 
-from dicache.models.krea2 import pipeline as krea2_pipeline
+from dicache.models.krea2 import checkpoints as krea2_checkpoints
 from dicache.models.krea2.pipeline import Krea2Pipeline, component_fingerprint, default_checkpoint, resolve_model
 from dicache.models.loading import CheckpointError
 
@@ -87,12 +87,12 @@ def test_base_pointer_errors_and_override(checkpoints, tmp_path):
 def test_variant_turbo_picks_the_turbo_checkpoint_by_default(checkpoints, tmp_path, monkeypatch):
     _, turbo_dir = checkpoints
     assert resolve_model("some/dir", "turbo") == "some/dir"
-    assert resolve_model(None, "raw") == krea2_pipeline.EMBEDDED_CHECKPOINT
-    assert resolve_model(None, None) == krea2_pipeline.EMBEDDED_CHECKPOINT
-    monkeypatch.setattr(krea2_pipeline, "EMBEDDED_TURBO_CHECKPOINT", tmp_path / "missing")
+    assert resolve_model(None, "raw") == krea2_checkpoints.EMBEDDED_CHECKPOINT
+    assert resolve_model(None, None) == krea2_checkpoints.EMBEDDED_CHECKPOINT
+    monkeypatch.setattr(krea2_checkpoints, "EMBEDDED_TURBO_CHECKPOINT", tmp_path / "missing")
     with pytest.raises(CheckpointError, match=r"Turbo checkpoint is missing.*--model.*--variant raw"):
         default_checkpoint("turbo")
-    monkeypatch.setattr(krea2_pipeline, "EMBEDDED_TURBO_CHECKPOINT", turbo_dir)
+    monkeypatch.setattr(krea2_checkpoints, "EMBEDDED_TURBO_CHECKPOINT", turbo_dir)
     assert resolve_model(None, "turbo") == turbo_dir
 
 
@@ -103,7 +103,7 @@ def test_commands_load_the_turbo_checkpoint_for_variant_turbo(checkpoints, tmp_p
     from dicache.server.backend import load_backend
 
     base_dir, turbo_dir = checkpoints
-    monkeypatch.setattr(krea2_pipeline, "EMBEDDED_TURBO_CHECKPOINT", turbo_dir)
+    monkeypatch.setattr(krea2_checkpoints, "EMBEDDED_TURBO_CHECKPOINT", turbo_dir)
     args = ["generate", "a cat", "--variant", "turbo", "--steps", "1", "--cache", "off", "--device", "cpu"]
     assert main([*args, "--out", str(tmp_path / "a.png")]) == 0
     assert f"(model: {turbo_dir})" in capsys.readouterr().out
@@ -219,12 +219,12 @@ def test_the_shipped_turbo_checkpoint_is_a_distilled_student_of_the_embedded_bas
     distilled, mu pinned at 1.15, its own weights (not the base's copied)."""
     from safetensors import safe_open
 
-    turbo = krea2_pipeline.EMBEDDED_TURBO_CHECKPOINT
+    turbo = krea2_checkpoints.EMBEDDED_TURBO_CHECKPOINT
     assert default_checkpoint("turbo") == turbo
     assert sorted(p.name for p in turbo.iterdir() if p.is_dir()) == ["scheduler", "transformer"]
     meta = json.loads((turbo / "dicache.json").read_text())
     base = (turbo / meta["base_checkpoint"]).resolve()
-    assert base == krea2_pipeline.EMBEDDED_CHECKPOINT
+    assert base == krea2_checkpoints.EMBEDDED_CHECKPOINT
     for component, digest in meta["base_files_sha256"].items():
         assert component_fingerprint(base / component) == digest
     assert json.loads((turbo / "model_index.json").read_text())["is_distilled"] is True

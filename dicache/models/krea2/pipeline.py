@@ -1,13 +1,14 @@
 """Krea-2 text-to-image: prompts -> text conditioning -> flow-match Euler denoising -> VAE decode.
 
-Guidance follows the standard convention used by the serving docs: `v = uncond + s·(cond − uncond)`, `s = 1` means
-no CFG (no uncond pass). Krea's reference form (and diffusers' `Krea2Pipeline`) writes `cond + g·(cond − uncond)`;
-the two are the same with `g = s − 1` (Raw's s = 4.5 is g = 3.5), and this pipeline computes the reference form so
-its numbers match diffusers'. Presets: `turbo` = 8 steps, no CFG, shift pinned at mu = 1.15; `raw` = 50 steps, s = 4.5.
+`Krea2Pipeline` holds the components and runs the sampling loop; the conventions it follows live beside it:
+`presets` (variants, guidance formula), `checkpoints` (what `from_pretrained` reads), `latents` (token layout and
+image outputs). Their names are re-exported here, where most callers import them from.
 
 Model code has no cache logic. Two neutral seams let a cache engine observe the loop: `request_scope(num_steps,
 sigmas)` around one generation, `call_scope(step, branch, sigma)` around each transformer call, where `branch` is
-"cond", "uncond" or "batched" (cond and uncond in one batch).
+"cond", "uncond" or "batched" (cond and uncond in one batch). Callers observe or steer the loop through
+`__call__`'s `callback_on_step_end` (diffusers' contract) and stop it through `interrupt` or by raising from the
+callback; neither needs a seam to be wrapped.
 
 Memory (small GPUs): `enable_offload(...)` (or the same options on `from_pretrained`) installs `dicache.offload`'s
 planner and offloaders. A call runs its phases in order (encode every prompt, text conditioning, denoise, decode) so
@@ -17,61 +18,56 @@ an offloaded component is brought in once per call.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from dicache.models.krea2.scheduler import TURBO_MU, FlowMatchEulerScheduler
+from dicache.models.krea2 import latents as layout
+from dicache.models.krea2.callbacks import StepCallback, callback_inputs, run_callback
+from dicache.models.krea2.checkpoints import (
+    EMBEDDED_CHECKPOINT,
+    EMBEDDED_TURBO_CHECKPOINT,
+    check_base_files,
+    component_fingerprint,
+    default_checkpoint,
+    heldout_prompts_file,
+    load_components,
+    read_dicache_json,
+    resolve_base_checkpoint,
+    resolve_model,
+)
+from dicache.models.krea2.optimizations import PipelineOptimizations, offload_settings
+from dicache.models.krea2.presets import OUTPUT_TYPES, PRESETS, Preset, guided_velocity, resolve_variant, schedule_mu
+from dicache.models.krea2.scheduler import FlowMatchEulerScheduler
 from dicache.models.krea2.text import Krea2TextEncoder
 from dicache.models.krea2.transformer import Krea2Transformer, TextConditioning
 from dicache.models.krea2.vae import QwenImageVAEDecoder
-from dicache.models.loading import (
-    CheckpointError,
-    check_load_format,
-    default_dtype,
-    read_json,
-    resolve_component_dir,
-)
-from dicache.quantization import QuantizationSpec, parse_quantization, quantize_transformer
+from dicache.models.loading import CheckpointError, default_dtype
+from dicache.quantization import QuantizationSpec
 
-EMBEDDED_CHECKPOINT = pathlib.Path(__file__).resolve().parents[2] / "assets" / "krea2-tiny"
-"""The small trained Krea-2-architecture checkpoint shipped with dicache (the default model)."""
-EMBEDDED_TURBO_CHECKPOINT = EMBEDDED_CHECKPOINT.with_name("krea2-tiny-turbo")
-"""Its distilled 8-step, CFG-free student (transformer and scheduler; the rest comes from `EMBEDDED_CHECKPOINT`)."""
-
-
-@dataclass(frozen=True)
-class Preset:
-    num_inference_steps: int
-    guidance_scale: float
-    mu: float | None  # None: resolution-aware shift
-
-
-PRESETS: dict[str, Preset] = {
-    "turbo": Preset(num_inference_steps=8, guidance_scale=1.0, mu=TURBO_MU),
-    "raw": Preset(num_inference_steps=50, guidance_scale=4.5, mu=None),
-}
-OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-
-
-def resolve_variant(pipe: Any, variant: str | None) -> str:
-    """`variant` checked against `PRESETS`, or, when None, the checkpoint's own: turbo if distilled, else raw."""
-    variant = variant or ("turbo" if getattr(pipe, "is_distilled", False) else "raw")
-    if variant not in PRESETS:
-        raise ValueError(f"variant={variant!r} is invalid: must be one of {', '.join(PRESETS)}")
-    return variant
-
-
-def guided_velocity(cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-    """Classifier-free guidance with the standard scale s: v_cond + (s - 1) (v_cond - v_uncond)."""
-    return cond + (guidance_scale - 1.0) * (cond - uncond)
+__all__ = [
+    "EMBEDDED_CHECKPOINT",
+    "EMBEDDED_TURBO_CHECKPOINT",
+    "OUTPUT_TYPES",
+    "PRESETS",
+    "Krea2Pipeline",
+    "Krea2PipelineOutput",
+    "Preset",
+    "StepCallback",
+    "check_base_files",
+    "component_fingerprint",
+    "default_checkpoint",
+    "guided_velocity",
+    "heldout_prompts_file",
+    "read_dicache_json",
+    "resolve_base_checkpoint",
+    "resolve_model",
+    "resolve_variant",
+]
 
 
 @dataclass
@@ -87,7 +83,7 @@ def _null_scope(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-class Krea2Pipeline:
+class Krea2Pipeline(PipelineOptimizations):
     """Krea-2 text-to-image pipeline.
 
     Args:
@@ -102,6 +98,8 @@ class Krea2Pipeline:
 
     request_scope: Callable[..., contextlib.AbstractContextManager] = staticmethod(_null_scope)
     call_scope: Callable[..., contextlib.AbstractContextManager] = staticmethod(_null_scope)
+    _callback_tensor_inputs = ["latents"]  # what `callback_on_step_end` may read and replace
+    _interrupt = False
 
     def __init__(
         self,
@@ -170,183 +168,25 @@ class Krea2Pipeline:
                 raise CheckpointError(f"the embedded checkpoint is missing: {EMBEDDED_CHECKPOINT} is not a directory")
         device = torch.device(device) if device is not None else torch.device("cpu")
         dtype = dtype or default_dtype(device)
-        from dicache.offload.plan import OffloadSettings
-
-        offload = OffloadSettings(
-            dit_layerwise_offload=dit_layerwise_offload,
-            dit_offload_prefetch_size=dit_offload_prefetch_size,
-            dit_cpu_offload=dit_cpu_offload,
-            text_encoder_cpu_offload=text_encoder_cpu_offload,
-            vae_cpu_offload=vae_cpu_offload,
-            pin_cpu_memory=pin_cpu_memory,
-            gpu_memory_budget=gpu_memory_budget,
-        )
+        offload = offload_settings(
+            dit_layerwise_offload, dit_offload_prefetch_size, dit_cpu_offload, text_encoder_cpu_offload,
+            vae_cpu_offload, pin_cpu_memory, gpu_memory_budget,
+        )  # fmt: skip
         target, device = device, (torch.device("cpu") if offload.any else device)  # offload: load on the host
-        root = resolve_component_dir(path_or_repo_id, None, **hub_kwargs)
-        index = read_json(root, "model_index.json")
-        check_load_format(load_format)
-        extras = _read_optional_json(root / "dicache.json")
-        base_root = resolve_base_checkpoint(root, extras, base, **hub_kwargs)
-        base_extras = _read_optional_json(base_root / "dicache.json") if base_root is not None else {}
-        if base_root is not None:
-            check_base_files(root, extras, base_root)
-
-        def source(*names: str) -> str | os.PathLike | None:
-            """Where components `names` load from: this checkpoint if it has them all, else the base (or None)."""
-            if all((root / n).is_dir() for n in names):
-                return path_or_repo_id
-            return base_root
-
-        transformer = Krea2Transformer.from_pretrained(
-            path_or_repo_id, subfolder="transformer", dtype=dtype, device=device, load_format=load_format, **hub_kwargs
-        )
-        scheduler = FlowMatchEulerScheduler.from_pretrained(path_or_repo_id, subfolder="scheduler", **hub_kwargs)
-        vae = None
-        if _component_listed(index, "vae") and source("vae") is not None:
-            vae = QwenImageVAEDecoder.from_pretrained(
-                source("vae"), subfolder="vae", dtype=dtype, device=device, load_format=load_format, **hub_kwargs
-            )
-        text_encoder = None
-        text_source = source("tokenizer", "text_encoder")
-        if _component_listed(index, "text_encoder") and _component_listed(index, "tokenizer") and text_source:
-            text_encoder = Krea2TextEncoder.from_pretrained(
-                text_source, dtype=dtype, device=device, load_format=load_format, **hub_kwargs
-            )
-        size = extras.get("default_size", base_extras.get("default_size", [1024, 1024]))
-        pipe = cls(
-            transformer=transformer,
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=text_encoder,
-            patch_size=int(index.get("patch_size", 2)),
-            is_distilled=bool(index.get("is_distilled", False)),
-            default_size=(int(size[0]), int(size[1])),
-            sample_prompts=extras.get("sample_prompts", base_extras.get("sample_prompts")),
-        )
+        pipe = cls(**load_components(path_or_repo_id, dtype, device, base, load_format, **hub_kwargs))
         pipe.source = str(path_or_repo_id)
         # order: quantize (the memory plan reads the weights' actual bytes), plan and place, compile
         if offload.any:
-            if quantization is not None:
-                from dicache.offload.pipeline import quantize_through_device
+            from dicache.offload.pipeline import enable_pipeline_offload, quantize_through_device
 
+            if quantization is not None:
                 quantize_through_device(pipe, quantization, target)
-            pipe._install_offload(offload, device=target, **(offload_limits or {}))
+            enable_pipeline_offload(pipe, offload, target, **(offload_limits or {}))
         elif quantization is not None:
             pipe.quantize(quantization)
         if compile:
             pipe.compile()
         return pipe
-
-    # ------------------------------------------------------------------ speed
-    def quantize(self, quantization: str | QuantizationSpec) -> list[str]:
-        """Quantise the transformer in place (`"fp8"` or a `QuantizationSpec`); returns the quantised linears.
-
-        Raises `QuantizationError` where FP8 cannot run (CPU, GPU below compute capability 8.9, no torchao).
-        """
-        spec = parse_quantization(quantization) if isinstance(quantization, str) else quantization
-        if spec is None:
-            return []
-        return quantize_transformer(self.transformer, spec)
-
-    def compile(self, *, dynamic: bool | None = None, backend: str = "inductor") -> Krea2Pipeline:
-        """`torch.compile` the transformer blocks (see `Krea2Transformer.compile_blocks`); the first call at a new
-        shape compiles (tens of seconds at full size), later calls reuse the graphs. Returns self."""
-        self.transformer.compile_blocks(dynamic=dynamic, backend=backend)
-        return self
-
-    # ------------------------------------------------------------------ memory
-    def enable_offload(
-        self,
-        dit_layerwise_offload: bool = False,
-        dit_offload_prefetch_size: float = 0.0,
-        dit_cpu_offload: bool = False,
-        text_encoder_cpu_offload: bool = False,
-        vae_cpu_offload: bool = False,
-        pin_cpu_memory: bool = True,
-        gpu_memory_budget: float | None = None,
-        *,
-        device: str | torch.device | None = None,
-        max_height: int | None = None,
-        max_width: int | None = None,
-        max_images: int = 1,
-        cfg: bool | None = None,
-        size_source: str = "",
-        cache_config: Any = None,
-    ):
-        """Fit the pipeline in a GPU memory budget, with SGLang's option names and meanings.
-
-        dit_layerwise_offload: keep as many transformer blocks resident as the budget allows and stream the rest,
-            copying only the blocks each call runs (a cached step's skipped blocks are never copied); CFG then runs
-            batched (one transformer call per step for cond and uncond).
-        dit_offload_prefetch_size: blocks copied ahead of the running one (< 1: fraction of the layers, >= 1: count).
-        dit_cpu_offload: keep the whole transformer on the host, brought in for each denoising.
-        text_encoder_cpu_offload / vae_cpu_offload: same for the text encoder / the VAE, around their use.
-        pin_cpu_memory: page-lock host copies (fast asynchronous copies).
-        gpu_memory_budget: GiB the pipeline may use (default: free device memory at this point).
-        device: where to compute (default CUDA if available). max_height, max_width, max_images (images per call),
-            cfg: the largest request to plan for (defaults: the default size, 1 image, CFG unless distilled); larger
-            requests are refused before they start.
-        cache_config: the cache settings requests will use (its Fn/Bn blocks are kept resident first; default: the
-            enabled cache's, else the environment's).
-
-        Call it after any quantization. Returns the memory plan; raises `MemoryBudgetError` (naming what was
-        needed and what was available) when nothing fits. Output images stay bitwise equal to the resident run
-        with the same CFG batching.
-        """
-        from dicache.offload.plan import OffloadSettings
-
-        settings = OffloadSettings(
-            dit_layerwise_offload=dit_layerwise_offload,
-            dit_offload_prefetch_size=dit_offload_prefetch_size,
-            dit_cpu_offload=dit_cpu_offload,
-            text_encoder_cpu_offload=text_encoder_cpu_offload,
-            vae_cpu_offload=vae_cpu_offload,
-            pin_cpu_memory=pin_cpu_memory,
-            gpu_memory_budget=gpu_memory_budget,
-        )
-        return self._install_offload(
-            settings,
-            device=device,
-            max_height=max_height,
-            max_width=max_width,
-            max_images=max_images,
-            cfg=cfg,
-            size_source=size_source,
-            cache_config=cache_config,
-        )
-
-    def _install_offload(
-        self,
-        settings: Any,
-        *,
-        device: str | torch.device | None = None,
-        max_height: int | None = None,
-        max_width: int | None = None,
-        max_images: int = 1,
-        cfg: bool | None = None,
-        size_source: str = "",
-        cache_config: Any = None,
-    ):
-        """`enable_offload` with already validated `OffloadSettings` (what `from_pretrained` built once)."""
-        from dicache.offload.pipeline import enable_pipeline_offload
-
-        handle = enable_pipeline_offload(
-            self,
-            settings,
-            device,
-            max_height,
-            max_width,
-            max_images,
-            cfg,
-            size_source=size_source,
-            cache_config=cache_config,
-        )
-        return handle.plan
-
-    def disable_offload(self) -> None:
-        """Stop offloading: streamed / offloaded weights stay in host memory, the rest on the device."""
-        if self.offload is not None:
-            self.offload.remove()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -398,33 +238,24 @@ class Krea2Pipeline:
 
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         """`(B, C, h, w)` -> `(B, (h/p)(w/p), C·p²)`."""
-        b, c, h, w = latents.shape
-        p = self.patch_size
-        x = latents.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(b, (h // p) * (w // p), c * p * p)
+        return layout.pack(latents, self.patch_size)
 
     def unpack(self, tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """`(B, N, C·p²)` -> `(B, C, h, w)`."""
-        b, _, cp = tokens.shape
-        p = self.patch_size
-        rows, cols = height // self.size_multiple, width // self.size_multiple
-        x = tokens.view(b, rows, cols, cp // (p * p), p, p).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, cp // (p * p), rows * p, cols * p)
+        m = self.size_multiple
+        return layout.unpack(tokens, height // m, width // m, self.patch_size)
 
-    @staticmethod
-    def position_ids(rows: int, cols: int, device: torch.device) -> torch.Tensor:
-        """`(rows·cols, 3)` RoPE coordinates `(0, h, w)` of the image tokens (text tokens sit at the origin)."""
-        ids = torch.zeros(rows, cols, 3, device=device)
-        ids[..., 1] = torch.arange(rows, device=device)[:, None]
-        ids[..., 2] = torch.arange(cols, device=device)[None, :]
-        return ids.reshape(rows * cols, 3)
+    position_ids = staticmethod(layout.position_ids)
 
     # ------------------------------------------------------------------ sampling
     def sigmas(self, num_steps: int, image_tokens: int, variant: str) -> torch.Tensor:
-        mu = PRESETS[variant].mu if variant == "turbo" or self.is_distilled else None
-        if self.is_distilled:
-            mu = TURBO_MU
-        return self.scheduler.sigmas_for(num_steps, image_tokens, mu=mu)
+        return self.scheduler.sigmas_for(num_steps, image_tokens, mu=schedule_mu(variant, self.is_distilled))
+
+    @property
+    def interrupt(self) -> bool:
+        """Set `pipe._interrupt = True` (from `callback_on_step_end`) to skip the remaining steps, as in diffusers:
+        the latents so far are decoded and returned. `__call__` clears it when it starts."""
+        return self._interrupt
 
     @torch.no_grad()
     def denoise(
@@ -437,20 +268,28 @@ class Krea2Pipeline:
         sigmas: torch.Tensor,
         guidance_scale: float,
         cfg_batched: bool = False,
+        *,
+        callback_on_step_end: StepCallback | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
     ) -> torch.Tensor:
         """Euler sampling of packed `latents` `(B, N, C·p²)` (fp32) over `sigmas` (N+1 values). Returns fp32 latents.
 
         With `uncond`, each step runs the cond and the uncond branch (two calls, or one batched call with
-        `cfg_batched`) and combines them in the reference form `cond + (s − 1)·(cond − uncond)`.
+        `cfg_batched`) and combines them in the reference form `cond + (s − 1)·(cond − uncond)`. Before each step the
+        loop ends if `interrupt` is set; after each step it runs `callback_on_step_end` (see `__call__`).
         """
+        inputs = callback_inputs(callback_on_step_end, callback_on_step_end_tensor_inputs, self._callback_tensor_inputs)
         positions = self.position_ids(rows, cols, latents.device)
         model_t = self.scheduler.model_timesteps(sigmas).to(latents.device)
+        timesteps = self.scheduler.timesteps(sigmas)
         num_steps = len(sigmas) - 1
         step_sigmas = [float(s) for s in sigmas]
         both = TextConditioning.concat([cond, uncond]) if (uncond is not None and cfg_batched) else None
         batch = latents.shape[0]
         with self.request_scope(num_steps=num_steps, sigmas=step_sigmas[:-1]):
             for i in tqdm(range(num_steps), disable=not self.progress, desc="denoise", leave=False):
+                if self.interrupt:
+                    break
                 sigma = step_sigmas[i]
                 t = model_t[i].expand(batch)
                 if both is not None:
@@ -467,6 +306,9 @@ class Krea2Pipeline:
                 if uncond_velocity is not None:
                     velocity = guided_velocity(velocity, uncond_velocity, guidance_scale)
                 latents = self.scheduler.step(velocity, latents, sigma, step_sigmas[i + 1])
+                if callback_on_step_end is not None:
+                    tensors = run_callback(callback_on_step_end, self, i, timesteps[i], inputs, {"latents": latents})
+                    latents = tensors["latents"]
         return latents
 
     @torch.no_grad()
@@ -475,16 +317,7 @@ class Krea2Pipeline:
             return latents
         if self.vae is None:
             raise ValueError(f"output_type={output_type!r} needs a VAE; this pipeline has none (use 'latent')")
-        images = self.vae.decode(self.unpack(latents, height, width).to(self.vae.dtype)).float()
-        images = (images / 2 + 0.5).clamp(0, 1)
-        if output_type == "pt":
-            return images
-        array = images.permute(0, 2, 3, 1).cpu().numpy()
-        if output_type == "np":
-            return array
-        from PIL import Image
-
-        return [Image.fromarray((a * 255).round().astype(np.uint8)) for a in array]
+        return layout.to_output(self.vae.decode(self.unpack(latents, height, width).to(self.vae.dtype)), output_type)
 
     @torch.no_grad()
     def __call__(
@@ -506,10 +339,21 @@ class Krea2Pipeline:
         negative_prompt_embeds: torch.Tensor | None = None,
         negative_prompt_embeds_mask: torch.Tensor | None = None,
         cfg_batched: bool | None = None,
+        callback_on_step_end: StepCallback | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
     ) -> Krea2PipelineOutput:
         """Generate images. Unset steps/guidance come from `variant` (default: turbo for a distilled checkpoint,
         else raw); `guidance_scale` is the standard s (1 = no CFG, must be >= 1); `seed` seeds a CPU generator.
-        `cfg_batched`: run cond and uncond in one transformer call per step (default: only with layerwise offload)."""
+        `cfg_batched`: run cond and uncond in one transformer call per step (default: only with layerwise offload).
+
+        `callback_on_step_end(pipe, step_index, timestep, callback_kwargs) -> dict`, as in diffusers: called after
+        each denoising step with the step's index, its scheduler timestep (`sigma · 1000`, a 0-d tensor) and the
+        tensors named in `callback_on_step_end_tensor_inputs` (a subset of `_callback_tensor_inputs`: "latents");
+        a returned "latents" replaces the latents for the following steps and the output. To stop early, either set
+        `pipe._interrupt = True` in the callback (diffusers' way: the remaining steps are skipped, the latents so far
+        are decoded and returned), or raise: the exception leaves the call at once, nothing is decoded.
+        """
+        self._interrupt = False
         variant = resolve_variant(self, variant)
         preset = PRESETS[variant]
         steps = preset.num_inference_steps if num_inference_steps is None else num_inference_steps
@@ -558,120 +402,10 @@ class Krea2Pipeline:
         else:
             latents = latents.to(self.device, torch.float32)
         sigmas = self.sigmas(steps, rows * cols, variant)
-        latents = self.denoise(cond, uncond, latents, rows, cols, sigmas, scale, cfg_batched)
+        latents = self.denoise(
+            cond, uncond, latents, rows, cols, sigmas, scale, cfg_batched,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+        )  # fmt: skip
         images = self.decode(latents, height, width, output_type)
         return Krea2PipelineOutput(images=images, latents=latents)
-
-
-def default_checkpoint(variant: str | None) -> pathlib.Path:
-    """The embedded checkpoint a command loads when no model is given: the Turbo student for `variant == "turbo"`,
-    else the base (`raw`, or no variant). Raises `CheckpointError` when that folder is missing."""
-    if variant == "turbo":
-        if not (EMBEDDED_TURBO_CHECKPOINT / "model_index.json").is_file():
-            raise CheckpointError(
-                f"the embedded Turbo checkpoint is missing: {EMBEDDED_TURBO_CHECKPOINT} has no model_index.json "
-                "(train it with scripts/train_turbo.py), or pass --model, or use --variant raw"
-            )
-        return EMBEDDED_TURBO_CHECKPOINT
-    return EMBEDDED_CHECKPOINT
-
-
-def resolve_model(model: str | os.PathLike | None, variant: str | None) -> str | os.PathLike:
-    """`model` when given, else `default_checkpoint(variant)`: what `--model` / `--variant` of the commands load."""
-    return model if model is not None else default_checkpoint(variant)
-
-
-def resolve_base_checkpoint(
-    root: pathlib.Path, extras: dict, base: str | os.PathLike | None = None, **hub_kwargs: Any
-) -> pathlib.Path | None:
-    """The local folder of the base checkpoint a partial checkpoint at `root` points to (None: it names none).
-
-    `base` (a folder, relative to the working directory, or a hub repo id), else `extras["base_checkpoint"]` from
-    `dicache.json` (a folder relative to `root`, or a hub repo id). A pointer that resolves nowhere raises
-    `CheckpointError` naming the checkpoint, the pointer and the folder it looked for.
-    """
-    pointer = base if base is not None else extras.get("base_checkpoint")
-    if pointer is None:
-        return None
-    if not isinstance(pointer, str | os.PathLike) or not os.fspath(pointer):
-        raise CheckpointError(f"{root / 'dicache.json'}: base_checkpoint={pointer!r} must be a folder or repo id")
-    text = os.fspath(pointer)
-    local = pathlib.Path(os.path.expanduser(text))
-    if base is None and not local.is_absolute():  # the pointer in dicache.json is relative to the checkpoint
-        local = root / local
-    if local.is_dir():
-        return local.resolve()
-    if text.startswith((".", "/", "~", "\\")):  # a path, not a hub repo id
-        shared = ", ".join(extras.get("shared_components") or ["its missing components"])
-        raise CheckpointError(
-            f"checkpoint {root} takes {shared} from its base checkpoint {text!r} (dicache.json base_checkpoint), "
-            f"but {local} does not exist; put the base there or pass base=... (another folder or a hub repo id)"
-        )
-    try:
-        return resolve_component_dir(pointer, None, **hub_kwargs)
-    except CheckpointError as err:
-        raise CheckpointError(
-            f"checkpoint {root} needs its base checkpoint {text!r} (dicache.json base_checkpoint), "
-            f"which is neither a folder at {local} nor an available hub repo: {err}"
-        ) from err
-
-
-def component_fingerprint(directory: str | os.PathLike) -> str:
-    """sha256 over the names and bytes of a component folder's `*.safetensors` files (sorted; shards included)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    files = sorted(pathlib.Path(directory).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors weights in {directory}")
-    for file in files:
-        digest.update(file.name.encode())
-        digest.update(file.read_bytes())
-    return digest.hexdigest()
-
-
-def check_base_files(root: pathlib.Path, extras: dict, base_root: pathlib.Path) -> None:
-    """With `extras["base_files_sha256"]` (component -> `component_fingerprint` recorded at distillation), raise
-    `CheckpointError` if the base's weights differ: the student only works with the components it was trained with."""
-    for component, digest in (extras.get("base_files_sha256") or {}).items():
-        if (root / component).is_dir():
-            continue  # this checkpoint has its own copy
-        found = component_fingerprint(base_root / component)
-        if found != digest:
-            raise CheckpointError(
-                f"checkpoint {root} was distilled with a different {component}: the weights in "
-                f"{base_root / component} have sha256 {found[:12]}…, its dicache.json base_files_sha256 expects "
-                f"{str(digest)[:12]}…; use the base checkpoint it was trained with"
-            )
-
-
-def heldout_prompts_file(model: str | os.PathLike | None) -> pathlib.Path:
-    """`heldout_prompts.json` of a local checkpoint (None: the embedded one), else of its base; may not exist."""
-    root = pathlib.Path(model) if model is not None else EMBEDDED_CHECKPOINT
-    own = root / "heldout_prompts.json"
-    if own.is_file() or not root.is_dir():
-        return own
-    try:
-        base = resolve_base_checkpoint(root, read_dicache_json(root))
-    except CheckpointError:
-        return own
-    return base / "heldout_prompts.json" if base is not None else own
-
-
-def read_dicache_json(root: str | os.PathLike) -> dict:
-    """dicache's metadata `dicache.json` of a local checkpoint folder (`{}` when it has none)."""
-    return _read_optional_json(pathlib.Path(root) / "dicache.json")
-
-
-def _component_listed(index: dict, name: str) -> bool:
-    entry = index.get(name)
-    return isinstance(entry, list | tuple) and len(entry) == 2 and entry[0] is not None and entry[1] is not None
-
-
-def _read_optional_json(path: pathlib.Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from err

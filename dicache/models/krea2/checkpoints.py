@@ -1,0 +1,193 @@
+"""Krea-2 checkpoints on disk: the embedded ones, partial checkpoints and their base, and loading the components.
+
+A diffusers-layout folder holds `model_index.json` and one folder per component; an optional `dicache.json` beside
+it gives the default image size, sample prompts and, for a checkpoint that holds only what differs from another one
+(the embedded Turbo student), `base_checkpoint`: the folder or hub repo whose components fill what it lacks, with
+`base_files_sha256` fingerprints of the components it was trained with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any
+
+import torch
+
+from dicache.models.krea2.scheduler import FlowMatchEulerScheduler
+from dicache.models.krea2.text import Krea2TextEncoder
+from dicache.models.krea2.transformer import Krea2Transformer
+from dicache.models.krea2.vae import QwenImageVAEDecoder
+from dicache.models.loading import CheckpointError, check_load_format, read_json, resolve_component_dir
+
+EMBEDDED_CHECKPOINT = pathlib.Path(__file__).resolve().parents[2] / "assets" / "krea2-tiny"
+"""The small trained Krea-2-architecture checkpoint shipped with dicache (the default model)."""
+EMBEDDED_TURBO_CHECKPOINT = EMBEDDED_CHECKPOINT.with_name("krea2-tiny-turbo")
+"""Its distilled 8-step, CFG-free student (transformer and scheduler; the rest comes from `EMBEDDED_CHECKPOINT`)."""
+
+
+def load_components(
+    path_or_repo_id: str | os.PathLike,
+    dtype: torch.dtype,
+    device: torch.device,
+    base: str | os.PathLike | None = None,
+    load_format: str = "auto",
+    **hub_kwargs: Any,
+) -> dict[str, Any]:
+    """The keyword arguments of `Krea2Pipeline(...)` for the checkpoint at `path_or_repo_id` (see
+    `Krea2Pipeline.from_pretrained`): its components, loaded on `device` in `dtype`, and its metadata.
+
+    Components this checkpoint lacks come from its base checkpoint (`base`, else `dicache.json`'s pointer), whose
+    fingerprints are checked first; components in neither (no text encoder, no VAE) are None.
+    """
+    root = resolve_component_dir(path_or_repo_id, None, **hub_kwargs)
+    index = read_json(root, "model_index.json")
+    check_load_format(load_format)
+    extras = _read_optional_json(root / "dicache.json")
+    base_root = resolve_base_checkpoint(root, extras, base, **hub_kwargs)
+    base_extras = _read_optional_json(base_root / "dicache.json") if base_root is not None else {}
+    if base_root is not None:
+        check_base_files(root, extras, base_root)
+
+    def source(*names: str) -> str | os.PathLike | None:
+        """Where components `names` load from: this checkpoint if it has them all, else the base (or None)."""
+        if all((root / n).is_dir() for n in names):
+            return path_or_repo_id
+        return base_root
+
+    weights = dict(dtype=dtype, device=device, load_format=load_format, **hub_kwargs)
+    transformer = Krea2Transformer.from_pretrained(path_or_repo_id, subfolder="transformer", **weights)
+    scheduler = FlowMatchEulerScheduler.from_pretrained(path_or_repo_id, subfolder="scheduler", **hub_kwargs)
+    vae = None
+    if _component_listed(index, "vae") and source("vae") is not None:
+        vae = QwenImageVAEDecoder.from_pretrained(source("vae"), subfolder="vae", **weights)
+    text_encoder = None
+    text_source = source("tokenizer", "text_encoder")
+    if _component_listed(index, "text_encoder") and _component_listed(index, "tokenizer") and text_source:
+        text_encoder = Krea2TextEncoder.from_pretrained(text_source, **weights)
+    size = extras.get("default_size", base_extras.get("default_size", [1024, 1024]))
+    return dict(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        patch_size=int(index.get("patch_size", 2)),
+        is_distilled=bool(index.get("is_distilled", False)),
+        default_size=(int(size[0]), int(size[1])),
+        sample_prompts=extras.get("sample_prompts", base_extras.get("sample_prompts")),
+    )
+
+
+def default_checkpoint(variant: str | None) -> pathlib.Path:
+    """The embedded checkpoint a command loads when no model is given: the Turbo student for `variant == "turbo"`,
+    else the base (`raw`, or no variant). Raises `CheckpointError` when that folder is missing."""
+    if variant == "turbo":
+        if not (EMBEDDED_TURBO_CHECKPOINT / "model_index.json").is_file():
+            raise CheckpointError(
+                f"the embedded Turbo checkpoint is missing: {EMBEDDED_TURBO_CHECKPOINT} has no model_index.json "
+                "(train it with scripts/train_turbo.py), or pass --model, or use --variant raw"
+            )
+        return EMBEDDED_TURBO_CHECKPOINT
+    return EMBEDDED_CHECKPOINT
+
+
+def resolve_model(model: str | os.PathLike | None, variant: str | None) -> str | os.PathLike:
+    """`model` when given, else `default_checkpoint(variant)`: what `--model` / `--variant` of the commands load."""
+    return model if model is not None else default_checkpoint(variant)
+
+
+def resolve_base_checkpoint(
+    root: pathlib.Path, extras: dict, base: str | os.PathLike | None = None, **hub_kwargs: Any
+) -> pathlib.Path | None:
+    """The local folder of the base checkpoint a partial checkpoint at `root` points to (None: it names none).
+
+    `base` (a folder, relative to the working directory, or a hub repo id), else `extras["base_checkpoint"]` from
+    `dicache.json` (a folder relative to `root`, or a hub repo id). A pointer that resolves nowhere raises
+    `CheckpointError` naming the checkpoint, the pointer and the folder it looked for.
+    """
+    pointer = base if base is not None else extras.get("base_checkpoint")
+    if pointer is None:
+        return None
+    if not isinstance(pointer, str | os.PathLike) or not os.fspath(pointer):
+        raise CheckpointError(f"{root / 'dicache.json'}: base_checkpoint={pointer!r} must be a folder or repo id")
+    text = os.fspath(pointer)
+    local = pathlib.Path(os.path.expanduser(text))
+    if base is None and not local.is_absolute():  # the pointer in dicache.json is relative to the checkpoint
+        local = root / local
+    if local.is_dir():
+        return local.resolve()
+    if text.startswith((".", "/", "~", "\\")):  # a path, not a hub repo id
+        shared = ", ".join(extras.get("shared_components") or ["its missing components"])
+        raise CheckpointError(
+            f"checkpoint {root} takes {shared} from its base checkpoint {text!r} (dicache.json base_checkpoint), "
+            f"but {local} does not exist; put the base there or pass base=... (another folder or a hub repo id)"
+        )
+    try:
+        return resolve_component_dir(pointer, None, **hub_kwargs)
+    except CheckpointError as err:
+        raise CheckpointError(
+            f"checkpoint {root} needs its base checkpoint {text!r} (dicache.json base_checkpoint), "
+            f"which is neither a folder at {local} nor an available hub repo: {err}"
+        ) from err
+
+
+def component_fingerprint(directory: str | os.PathLike) -> str:
+    """sha256 over the names and bytes of a component folder's `*.safetensors` files (sorted; shards included)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = sorted(pathlib.Path(directory).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {directory}")
+    for file in files:
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def check_base_files(root: pathlib.Path, extras: dict, base_root: pathlib.Path) -> None:
+    """With `extras["base_files_sha256"]` (component -> `component_fingerprint` recorded at distillation), raise
+    `CheckpointError` if the base's weights differ: the student only works with the components it was trained with."""
+    for component, digest in (extras.get("base_files_sha256") or {}).items():
+        if (root / component).is_dir():
+            continue  # this checkpoint has its own copy
+        found = component_fingerprint(base_root / component)
+        if found != digest:
+            raise CheckpointError(
+                f"checkpoint {root} was distilled with a different {component}: the weights in "
+                f"{base_root / component} have sha256 {found[:12]}…, its dicache.json base_files_sha256 expects "
+                f"{str(digest)[:12]}…; use the base checkpoint it was trained with"
+            )
+
+
+def heldout_prompts_file(model: str | os.PathLike | None) -> pathlib.Path:
+    """`heldout_prompts.json` of a local checkpoint (None: the embedded one), else of its base; may not exist."""
+    root = pathlib.Path(model) if model is not None else EMBEDDED_CHECKPOINT
+    own = root / "heldout_prompts.json"
+    if own.is_file() or not root.is_dir():
+        return own
+    try:
+        base = resolve_base_checkpoint(root, read_dicache_json(root))
+    except CheckpointError:
+        return own
+    return base / "heldout_prompts.json" if base is not None else own
+
+
+def read_dicache_json(root: str | os.PathLike) -> dict:
+    """dicache's metadata `dicache.json` of a local checkpoint folder (`{}` when it has none)."""
+    return _read_optional_json(pathlib.Path(root) / "dicache.json")
+
+
+def _component_listed(index: dict, name: str) -> bool:
+    entry = index.get(name)
+    return isinstance(entry, list | tuple) and len(entry) == 2 and entry[0] is not None and entry[1] is not None
+
+
+def _read_optional_json(path: pathlib.Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
