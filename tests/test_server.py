@@ -567,6 +567,55 @@ def test_generation_stops_between_blocks_and_before_the_vae(backend):
     assert len(backend.generate(spec).images_b64) == 1  # the backend still serves
 
 
+def test_stop_survives_enabling_the_cache_again(model_source, monkeypatch):
+    """The stop checks use declared seams (module pre-hooks, `callback_on_step_end`), not a wrapped `call_scope`:
+    `dicache.enable` called again on the served pipeline (it disables first) keeps them. Blocks run as if compiled
+    (their stop points inactive), so only the per-call and per-step checks can stop the generation."""
+    from dicache.server.backend import GenerationStopped
+    from dicache.server.generation import GenerationSpec
+
+    served = backend_with_env(model_source, ENV)
+    spec = GenerationSpec(
+        prompt="a fox", negative_prompt=None, n=1, width=32, height=32, num_inference_steps=4, guidance_scale=2.0,
+        seed=0, enable_cache=False, variant=served.defaults.variant,
+    )  # fmt: skip
+    pipe = served.pipe
+    dicache.enable(pipe, served.cache_config)
+    dicache.enable(pipe, served.cache_config)
+    calls: list[int] = []
+    stop = threading.Event()
+    hooks = [
+        pipe.transformer.transformer_blocks[-1].register_forward_hook(lambda *a: calls.append(1)),
+        pipe.vae.decoder.register_forward_pre_hook(lambda *a: calls.append(-1)),
+    ]
+    inside = []  # the blocks run as if compiled: their stop points are traced as no-ops, the pipeline's are not
+    for block in pipe.transformer.transformer_blocks:
+        hooks.append(block.register_forward_pre_hook(lambda *a: inside.append(1), prepend=True))
+        hooks.append(block.register_forward_hook(lambda *a: inside.clear()))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: bool(inside))
+    try:
+        hooks.append(pipe.transformer.transformer_blocks[0].register_forward_hook(lambda *a: stop.set()))
+        with pytest.raises(GenerationStopped):  # asked to stop during the 1st call: the 2nd (uncond) never starts
+            served.generate(spec, should_stop=stop.is_set)
+        assert calls == [1]
+        hooks.pop().remove()
+        calls.clear()
+        stop.clear()
+
+        def after_call(*args):
+            if len(calls) == 2 * spec.num_inference_steps:
+                stop.set()  # the client leaves during the last transformer call
+
+        hooks.append(pipe.transformer.transformer_blocks[-1].register_forward_hook(after_call))
+        with pytest.raises(GenerationStopped):  # stopped after the last step, before the VAE decode
+            served.generate(spec, should_stop=stop.is_set)
+        assert calls == [1] * 8  # every call ran, the VAE decode did not
+    finally:
+        for hook in hooks:
+            hook.remove()
+        served.close()
+
+
 # ---------------------------------------------------------------------------------------------- robustness
 def test_full_queue_is_429_and_a_disconnect_frees_its_slot(backend):
     gated = GatedBackend(backend)

@@ -7,9 +7,11 @@ request; the pipeline's random generator is seeded from the request's seed. Outp
 whatever the encoding.
 
 A generation asked to stop (`should_stop()` true: its client left, its time ran out or the server is shutting down)
-ends with `GenerationStopped` at its next stop point: before each transformer call, before each block of the
-transformer and of the VAE decoder (`stop_points`), and before the VAE decode. The worker is therefore busy at most
-one block longer than the request (one transformer call when the blocks are compiled).
+ends with `GenerationStopped` at its next stop point: before each transformer call and each block of the
+transformer and of the VAE decoder (`stop_points`), and after each denoising step, hence before the VAE decode (the
+pipeline's `callback_on_step_end`). Both are declared seams, so `dicache.enable` / `disable` on the pipeline leave
+them in place. The worker is therefore busy at most one block longer than the request (one transformer call when
+the blocks are compiled).
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ class PipelineBackend:
     """One pipeline, cache-enabled with `cache_config` (the environment's, read once at start-up).
 
     Args:
-        pipe: a pipeline with the native call signature (`dicache.models.krea2.Krea2Pipeline`) and `call_scope` seam.
+        pipe: a pipeline with the native call signature (`dicache.models.krea2.Krea2Pipeline`), including its
+            `callback_on_step_end`.
         cache_config: the server-wide settings; `enable_cache` is the default of requests that do not say.
         defaults: what requests that leave fields out get.
     """
@@ -108,19 +111,9 @@ class PipelineBackend:
         self._install_stop_checks()
 
     def _install_stop_checks(self) -> None:
-        """Honour `should_stop` before each transformer call (the pipeline's per-call seam, set by `dicache.enable`),
-        before each block of the transformer and the VAE decoder, and before the VAE decode."""
-        inner_scope, inner_decode = self.pipe.call_scope, self.pipe.decode
-
-        def call_scope(*args: Any, **kwargs: Any):
-            _check_stop()
-            return inner_scope(*args, **kwargs)
-
-        def decode(*args: Any, **kwargs: Any):
-            _check_stop()
-            return inner_decode(*args, **kwargs)
-
-        self.pipe.call_scope, self.pipe.decode = call_scope, decode
+        """Honour `should_stop` before each transformer call and each block of the transformer and the VAE decoder
+        (`stop_points`: forward pre-hooks, untouched by `dicache.enable` / `disable`); the pipeline's declared
+        `callback_on_step_end` seam adds a check after each step, so that the VAE decode does not start."""
         self.stop_points = install_stop_points(
             (getattr(self.pipe, "transformer", None), getattr(self.pipe, "vae", None)), _check_stop
         )
@@ -142,6 +135,7 @@ class PipelineBackend:
                     num_images_per_prompt=spec.n,
                     output_type="np",
                     variant=spec.variant,
+                    callback_on_step_end=_stop_after_step,
                 )
         finally:
             _should_stop.reset(token)
@@ -227,6 +221,12 @@ def _check_stop() -> None:
     should_stop = _should_stop.get()
     if should_stop is not None and should_stop():
         raise GenerationStopped("generation stopped: its request was abandoned")
+
+
+def _stop_after_step(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
+    """`callback_on_step_end`: stop between steps, and before the VAE decode after the last one."""
+    _check_stop()
+    return {}
 
 
 def variant_defaults(pipe: Any, variant: str | None = None, default_size: tuple[int, int] | None = None) -> Defaults:
