@@ -6,9 +6,10 @@
 Modules: `settings` (limits, API key, drain grace), `schemas` (request/response bodies), `generation` (request ->
 validated spec), `backend` (runs a spec on the cache-enabled pipeline), `stop_points` (abandoned generations stop
 between blocks), `jobs` (bounded queue + worker threads), `metrics` (Prometheus), `auth` (API key), `drain`
-(graceful shutdown), `body_limit` (413 / 408 on oversize or slow bodies), `errors` (OpenAI-shaped errors), `app`
-(the endpoints), `runner` (uvicorn with connection limits and SIGTERM -> drain -> exit 0), `background` (the runner
-on loopback in a thread, for tests and benchmarks).
+(graceful shutdown), `body_limit` (413 / 408 on oversize or slow bodies), `errors` (OpenAI-shaped errors),
+`handling` (a generation request parsed, queued, run, awaited and answered), `app` (the endpoints), `runner`
+(uvicorn with connection limits and SIGTERM -> drain -> exit 0), `background` (the runner on loopback in a thread,
+for tests and benchmarks).
 
 On Ray Serve (the optional `dicache[ray]` extra; nothing here imports Ray otherwise): `ray_serve` (replicas of this
 app, the `serve run` / KubeRay application builder), `ray_group` (a replica split over tp × ulysses processes),

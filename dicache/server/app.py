@@ -2,8 +2,8 @@
 
 Endpoints: `POST /v1/images/generations`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /v1/server_info`,
 `GET /health`, `GET /health_generate`, `GET /metrics` (and `/docs`, `/openapi.json` with `ServerSettings.docs`).
-Generations run in `JobQueue` worker threads; the event loop only parses, validates, waits and answers, so a slow
-generation never blocks `/health` or `/metrics`.
+Generations run in `JobQueue` worker threads; the event loop only parses, validates, waits and answers (`handling`),
+so a slow generation never blocks `/health` or `/metrics`.
 
 Everything a deployment relies on lives inside the app, so that any ASGI host serves it alike (uvicorn through
 `dicache serve`, Ray Serve): the API key (`auth`), the drain on shutdown (`drain`, run by the lifespan shutdown or
@@ -16,25 +16,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from ..config import CacheConfig
-from ..errors import DicacheError
 from ..profiles import profile_source
 from .auth import ApiKeyMiddleware
-from .backend import GenerationStopped
 from .body_limit import BodyLimitMiddleware
-from .drain import UNFINISHED_MESSAGE, Drain, DrainMiddleware
-from .errors import ApiError, describe_validation_error, install_error_handlers
+from .drain import Drain, DrainMiddleware
+from .errors import ApiError, install_error_handlers
 from .generation import Defaults, GenerationSpec, resolve
-from .jobs import Job, JobQueue, QueueFullError, ShuttingDownError
+from .handling import GenerationProbe, await_job, job_runner, parse_generation_request, submit
+from .jobs import JobQueue
 from .metrics import MetricsMiddleware, ServerMetrics
 from .schemas import (
     GUIDANCE_DOC,
@@ -56,7 +53,6 @@ GENERATIONS = "/v1/images/generations"
 ENDPOINTS = frozenset(
     {GENERATIONS, "/v1/models", "/v1/server_info", "/health", "/health_generate", "/metrics", "/docs", "/openapi.json"}
 )
-DISCONNECT_POLL_S = 0.05
 ANSWER_TIMEOUT_S = 10.0  # after the drain stopped the unfinished generations, wait this long for their answers
 
 
@@ -109,37 +105,11 @@ def create_app(
     metrics.set_model_info(model_info(backend, settings))
     started = int(time.time())
 
-    def run_job(job: Job) -> Any:
-        spec: GenerationSpec = job.payload
-        try:
-            result = backend.generate(spec, should_stop=job.stop.is_set)
-        except GenerationStopped:
-            if not spec.probe:
-                metrics.generations.labels("stopped").inc()
-            raise
-        except BaseException:
-            if not spec.probe:
-                metrics.generations.labels("failed").inc()
-            raise
-        if spec.probe:
-            return result
-        metrics.generations.labels("ok").inc()
-        stats = getattr(result, "stats", None)
-        if stats is not None:
-            metrics.observe_generation(stats.computed_calls, stats.cached_calls, stats.compute_fraction)
-        metrics.observe_work(
-            images=spec.n,
-            steps=spec.num_inference_steps,
-            wait_s=job.queued_s,
-            generate_s=job.run_s,
-            flops=getattr(result, "flops", None),
-            pipeline_s=getattr(result, "pipeline_s", 0.0),
-        )
-        return result
-
-    queue = JobQueue(run_job, capacity=settings.max_queue, workers=settings.workers, on_change=metrics.set_queue)
+    queue = JobQueue(
+        job_runner(backend, metrics), capacity=settings.max_queue, workers=settings.workers, on_change=metrics.set_queue
+    )
     drain = Drain(queue, settings.drain_grace_s, ANSWER_TIMEOUT_S)
-    probe = _Probe(queue, settings, backend.defaults)
+    probe = GenerationProbe(queue, settings, backend.defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -199,8 +169,8 @@ def create_app(
         arrived = time.monotonic()
         body = await parse_generation_request(request)
         spec = resolve(body, settings, backend.defaults, backend.cache_config, backend.num_blocks)
-        job = _submit(queue, spec)
-        result = await _await_job(queue, job, request, arrived + settings.request_timeout_s, settings)
+        job = submit(queue, spec)
+        result = await await_job(queue, job, request, arrived + settings.request_timeout_s, settings)
         return ImagesResponse(
             created=int(time.time()),
             data=[ImageObject(b64_json=b, sha256=h) for b, h in zip(result.images_b64, result.sha256)],
@@ -292,123 +262,5 @@ def model_info(backend: Any, settings: ServerSettings) -> dict[str, Any]:
     }
 
 
-async def parse_generation_request(request: Request) -> ImageGenerationRequest:
-    """The body as an `ImageGenerationRequest`, parsed by pydantic's JSON parser (bounded nesting, strict types);
-    any problem is a 400 naming the field, or the position in the JSON."""
-    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if content_type != "application/json" and not content_type.endswith("+json"):
-        raise ApiError(400, "request body is not JSON: send a JSON object with 'Content-Type: application/json'")
-    raw = await request.body()
-    if not raw.strip():
-        raise ApiError(400, "request body is missing: send a JSON object with at least 'prompt'")
-    try:
-        return ImageGenerationRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        message, param = describe_validation_error(exc.errors())
-        raise ApiError(400, message, param) from None
-
-
-def _submit(queue: JobQueue, spec: GenerationSpec, bypass_capacity: bool = False) -> Job:
-    try:
-        return queue.submit(spec, bypass_capacity=bypass_capacity)
-    except QueueFullError as exc:
-        raise ApiError(429, str(exc), code="queue_full") from None
-    except ShuttingDownError as exc:
-        raise ApiError(503, str(exc), code="shutting_down") from None
-
-
 def _status(queue: JobQueue, drain: Drain) -> str:
     return "draining" if drain.draining or queue.closing else "ok"
-
-
-class _Probe:
-    """`/health_generate`: one tiny generation (smallest size, 1 step, no CFG, no cache) through the queue, shared
-    by concurrent probes and let in past a full queue, so probes never add up or get 429."""
-
-    def __init__(self, queue: JobQueue, settings: ServerSettings, defaults: Defaults) -> None:
-        side = max(settings.min_side, math.lcm(settings.size_multiple, defaults.size_multiple))
-        self.queue = queue
-        self.spec = GenerationSpec(
-            prompt="a",
-            negative_prompt=None,
-            n=1,
-            width=side,
-            height=side,
-            num_inference_steps=1,
-            guidance_scale=1.0,
-            seed=0,
-            cache=CacheConfig.defaults(),  # caching off
-            variant=defaults.variant,
-            probe=True,
-        )
-        self._job: Job | None = None
-
-    async def run(self, timeout_s: float) -> float:
-        if self._job is None or self._job.future.done():
-            self._job = _submit(self.queue, self.spec, bypass_capacity=True)
-        job = self._job
-        try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), timeout_s)
-        except asyncio.TimeoutError:
-            raise ApiError(503, f"the probe generation did not finish within {timeout_s:g} s", code="timeout") from None
-        except ShuttingDownError as exc:
-            raise ApiError(503, str(exc), code="shutting_down") from None
-        except Exception as exc:
-            log.exception("health probe generation failed")
-            raise ApiError(503, f"the probe generation failed: {type(exc).__name__}: {exc}") from None
-        return job.run_s
-
-
-async def _await_job(queue: JobQueue, job: Job, request: Request, deadline: float, settings: ServerSettings) -> Any:
-    """The job's result; 504 past `deadline`, 499 if the client went away (both drop the job if not started, or
-    stop it at its next block), 503 if the drain stopped it."""
-    result = asyncio.wrap_future(job.future)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait(
-            {result, watcher}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
-        )
-    except asyncio.CancelledError:  # the handler was cancelled (Ray Serve does it when the client leaves)
-        result.add_done_callback(_consume)
-        queue.cancel(job)  # drop it if waiting, stop it if generating
-        raise
-    finally:
-        watcher.cancel()
-    if result in done:
-        try:
-            return result.result()
-        except ApiError:
-            raise
-        except ShuttingDownError as exc:  # dropped from the queue by the drain
-            raise ApiError(503, str(exc), code="shutting_down") from None
-        except GenerationStopped:
-            if job.stop_reason == "shutdown":
-                raise ApiError(503, UNFINISHED_MESSAGE, code="shutting_down") from None
-            # stopped because the request was abandoned meanwhile: answer below as timeout / disconnect
-        except (DicacheError, ValueError) as exc:
-            raise ApiError(400, f"the pipeline rejected the request: {exc}") from None
-        except Exception as exc:
-            log.exception("generation failed")
-            raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
-    result.add_done_callback(_consume)  # its late outcome (e.g. GenerationStopped) is nobody's business now
-    dropped = queue.cancel(job)
-    if watcher in done and watcher.result():
-        log.info("client disconnected; %s", "its queue slot was freed" if dropped else "its generation was stopped")
-        raise ApiError(499, "client closed the request")
-    where = "waiting for a worker" if dropped else "generating"
-    raise ApiError(
-        504,
-        f"request timed out after {settings.request_timeout_s:g} s ({where}); server option --timeout",
-        code="timeout",
-    )
-
-
-def _consume(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-async def _disconnected(request: Request) -> bool:
-    while not await request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-    return True

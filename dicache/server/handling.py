@@ -1,0 +1,186 @@
+"""One generation request's way through the server, apart from routing: its JSON body parsed into an
+`ImageGenerationRequest`, its `GenerationSpec` queued (429 / 503 when it cannot be), run on a worker (with its
+metrics), and awaited while watching the client and the deadline (499 / 504, the job dropped or stopped); the
+outcome becomes the answer or an `ApiError`. Also the `/health_generate` probe, a shared tiny generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from ..config import CacheConfig
+from ..errors import DicacheError
+from .backend import GenerationStopped
+from .drain import UNFINISHED_MESSAGE
+from .errors import ApiError, describe_validation_error
+from .generation import Defaults, GenerationSpec
+from .jobs import Job, JobQueue, QueueFullError, ShuttingDownError
+from .metrics import ServerMetrics
+from .schemas import ImageGenerationRequest
+from .settings import ServerSettings
+
+log = logging.getLogger("dicache.server")
+
+DISCONNECT_POLL_S = 0.05
+
+
+async def parse_generation_request(request: Request) -> ImageGenerationRequest:
+    """The body as an `ImageGenerationRequest`, parsed by pydantic's JSON parser (bounded nesting, strict types);
+    any problem is a 400 naming the field, or the position in the JSON."""
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if content_type != "application/json" and not content_type.endswith("+json"):
+        raise ApiError(400, "request body is not JSON: send a JSON object with 'Content-Type: application/json'")
+    raw = await request.body()
+    if not raw.strip():
+        raise ApiError(400, "request body is missing: send a JSON object with at least 'prompt'")
+    try:
+        return ImageGenerationRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc.errors())
+        raise ApiError(400, message, param) from None
+
+
+def submit(queue: JobQueue, spec: GenerationSpec, bypass_capacity: bool = False) -> Job:
+    """Queue `spec`; a full queue is a 429, a closing one a 503."""
+    try:
+        return queue.submit(spec, bypass_capacity=bypass_capacity)
+    except QueueFullError as exc:
+        raise ApiError(429, str(exc), code="queue_full") from None
+    except ShuttingDownError as exc:
+        raise ApiError(503, str(exc), code="shutting_down") from None
+
+
+def job_runner(backend: Any, metrics: ServerMetrics) -> Callable[[Job], Any]:
+    """What a `JobQueue` worker runs for a job: the backend's generation of its `GenerationSpec` (stopped when the
+    job's `stop` is set), counted in `metrics` by outcome (probes are not counted)."""
+
+    def run_job(job: Job) -> Any:
+        spec: GenerationSpec = job.payload
+        try:
+            result = backend.generate(spec, should_stop=job.stop.is_set)
+        except GenerationStopped:
+            if not spec.probe:
+                metrics.generations.labels("stopped").inc()
+            raise
+        except BaseException:
+            if not spec.probe:
+                metrics.generations.labels("failed").inc()
+            raise
+        if spec.probe:
+            return result
+        metrics.generations.labels("ok").inc()
+        stats = getattr(result, "stats", None)
+        if stats is not None:
+            metrics.observe_generation(stats.computed_calls, stats.cached_calls, stats.compute_fraction)
+        metrics.observe_work(
+            images=spec.n,
+            steps=spec.num_inference_steps,
+            wait_s=job.queued_s,
+            generate_s=job.run_s,
+            flops=getattr(result, "flops", None),
+            pipeline_s=getattr(result, "pipeline_s", 0.0),
+        )
+        return result
+
+    return run_job
+
+
+class GenerationProbe:
+    """`/health_generate`: one tiny generation (smallest size, 1 step, no CFG, no cache) through the queue, shared
+    by concurrent probes and let in past a full queue, so probes never add up or get 429."""
+
+    def __init__(self, queue: JobQueue, settings: ServerSettings, defaults: Defaults) -> None:
+        side = max(settings.min_side, math.lcm(settings.size_multiple, defaults.size_multiple))
+        self.queue = queue
+        self.spec = GenerationSpec(
+            prompt="a",
+            negative_prompt=None,
+            n=1,
+            width=side,
+            height=side,
+            num_inference_steps=1,
+            guidance_scale=1.0,
+            seed=0,
+            cache=CacheConfig.defaults(),  # caching off
+            variant=defaults.variant,
+            probe=True,
+        )
+        self._job: Job | None = None
+
+    async def run(self, timeout_s: float) -> float:
+        if self._job is None or self._job.future.done():
+            self._job = submit(self.queue, self.spec, bypass_capacity=True)
+        job = self._job
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"the probe generation did not finish within {timeout_s:g} s", code="timeout") from None
+        except ShuttingDownError as exc:
+            raise ApiError(503, str(exc), code="shutting_down") from None
+        except Exception as exc:
+            log.exception("health probe generation failed")
+            raise ApiError(503, f"the probe generation failed: {type(exc).__name__}: {exc}") from None
+        return job.run_s
+
+
+async def await_job(queue: JobQueue, job: Job, request: Request, deadline: float, settings: ServerSettings) -> Any:
+    """The job's result; 504 past `deadline`, 499 if the client went away (both drop the job if not started, or
+    stop it at its next block), 503 if the drain stopped it."""
+    result = asyncio.wrap_future(job.future)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait(
+            {result, watcher}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+        )
+    except asyncio.CancelledError:  # the handler was cancelled (Ray Serve does it when the client leaves)
+        result.add_done_callback(_consume)
+        queue.cancel(job)  # drop it if waiting, stop it if generating
+        raise
+    finally:
+        watcher.cancel()
+    if result in done:
+        try:
+            return result.result()
+        except ApiError:
+            raise
+        except ShuttingDownError as exc:  # dropped from the queue by the drain
+            raise ApiError(503, str(exc), code="shutting_down") from None
+        except GenerationStopped:
+            if job.stop_reason == "shutdown":
+                raise ApiError(503, UNFINISHED_MESSAGE, code="shutting_down") from None
+            # stopped because the request was abandoned meanwhile: answer below as timeout / disconnect
+        except (DicacheError, ValueError) as exc:
+            raise ApiError(400, f"the pipeline rejected the request: {exc}") from None
+        except Exception as exc:
+            log.exception("generation failed")
+            raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
+    result.add_done_callback(_consume)  # its late outcome (e.g. GenerationStopped) is nobody's business now
+    dropped = queue.cancel(job)
+    if watcher in done and watcher.result():
+        log.info("client disconnected; %s", "its queue slot was freed" if dropped else "its generation was stopped")
+        raise ApiError(499, "client closed the request")
+    where = "waiting for a worker" if dropped else "generating"
+    raise ApiError(
+        504,
+        f"request timed out after {settings.request_timeout_s:g} s ({where}); server option --timeout",
+        code="timeout",
+    )
+
+
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+async def _disconnected(request: Request) -> bool:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    return True
