@@ -88,7 +88,7 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def _heldout_file(model: str | None) -> Path:
-    from ..models.krea2.pipeline import heldout_prompts_file
+    from ..models.krea2.checkpoints import heldout_prompts_file
 
     return heldout_prompts_file(model)
 
@@ -193,11 +193,11 @@ def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     from ..calibration import CalibrationError, PipelineRunner
     from ..models.krea2 import Krea2Pipeline
-    from ..models.krea2.pipeline import PRESETS
+    from ..models.krea2.checkpoints import resolve_model
+    from ..models.krea2.presets import PRESETS, resolve_variant
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    from ..models.krea2.pipeline import resolve_model, resolve_variant
 
     pipe = Krea2Pipeline.from_pretrained(resolve_model(args.model, args.variant), dtype=dtype, device=device)
     variant = resolve_variant(pipe, args.variant)

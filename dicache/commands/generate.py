@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline) -> int:
-    from dicache.models.krea2.pipeline import resolve_model
+    from dicache.models.krea2.checkpoints import resolve_model
     from dicache.offload.cli import cfg_of, describe, offload_options
 
     from .speed import apply_speed_options, speed_spec

@@ -152,7 +152,7 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
     model = args.model or file.get("model")
     variant = getattr(args, "variant", None)
     if model is None and variant == "turbo":
-        from ..models.krea2.pipeline import default_checkpoint
+        from ..models.krea2.checkpoints import default_checkpoint
 
         model = str(default_checkpoint("turbo"))
 
@@ -240,7 +240,7 @@ def _fraction(value: Any) -> float:
 
 def _heldout_file(model: str | None) -> Path:
     """`heldout_prompts.json` beside the checkpoint, else beside its base checkpoint (it may not exist)."""
-    from ..models.krea2.pipeline import heldout_prompts_file
+    from ..models.krea2.checkpoints import heldout_prompts_file
 
     return heldout_prompts_file(model)
 

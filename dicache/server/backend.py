@@ -174,7 +174,7 @@ class PipelineBackend:
         each variant, with prompts of two lengths, so that every graph a request can need (computed and cached
         steps, cond and uncond, a symbolic text length) is built before the first request. Returns what ran:
         generations, seconds and graphs compiled."""
-        from ..models.krea2.pipeline import PRESETS
+        from ..models.krea2.presets import PRESETS
 
         start = time.perf_counter()
         graphs = _compiled_graphs()
@@ -231,7 +231,7 @@ def _stop_after_step(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict
 
 def variant_defaults(pipe: Any, variant: str | None = None, default_size: tuple[int, int] | None = None) -> Defaults:
     """The preset of `variant` (None: the checkpoint's own, turbo if distilled) and the default (width, height)."""
-    from ..models.krea2.pipeline import PRESETS, resolve_variant
+    from ..models.krea2.presets import PRESETS, resolve_variant
 
     variant = resolve_variant(pipe, variant)
     preset = PRESETS[variant]
@@ -281,7 +281,7 @@ def load_backend(
         cache_config = read_cache_config(profile)
     config = cache_config
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from ..models.krea2.pipeline import resolve_model
+    from ..models.krea2.checkpoints import resolve_model
 
     pipe = Krea2Pipeline.from_pretrained(
         resolve_model(model, variant), dtype=dtype, device=device, load_format=load_format, **(offload or {})
