@@ -577,7 +577,7 @@ def test_stop_survives_enabling_the_cache_again(model_source, monkeypatch):
     served = backend_with_env(model_source, ENV)
     spec = GenerationSpec(
         prompt="a fox", negative_prompt=None, n=1, width=32, height=32, num_inference_steps=4, guidance_scale=2.0,
-        seed=0, enable_cache=False, variant=served.defaults.variant,
+        seed=0, cache=dicache.CacheConfig.defaults(), variant=served.defaults.variant,
     )  # fmt: skip
     pipe = served.pipe
     dicache.enable(pipe, served.cache_config)
@@ -585,7 +585,7 @@ def test_stop_survives_enabling_the_cache_again(model_source, monkeypatch):
     calls: list[int] = []
     stop = threading.Event()
     hooks = [
-        pipe.transformer.transformer_blocks[-1].register_forward_hook(lambda *a: calls.append(1)),
+        pipe.transformer.register_forward_hook(lambda *a: calls.append(1)),  # after each transformer call
         pipe.vae.decoder.register_forward_pre_hook(lambda *a: calls.append(-1)),
     ]
     inside = []  # the blocks run as if compiled: their stop points are traced as no-ops, the pipeline's are not
@@ -606,7 +606,7 @@ def test_stop_survives_enabling_the_cache_again(model_source, monkeypatch):
             if len(calls) == 2 * spec.num_inference_steps:
                 stop.set()  # the client leaves during the last transformer call
 
-        hooks.append(pipe.transformer.transformer_blocks[-1].register_forward_hook(after_call))
+        hooks.append(pipe.transformer.register_forward_hook(after_call))
         with pytest.raises(GenerationStopped):  # stopped after the last step, before the VAE decode
             served.generate(spec, should_stop=stop.is_set)
         assert calls == [1] * 8  # every call ran, the VAE decode did not
