@@ -616,6 +616,28 @@ def test_stop_survives_enabling_the_cache_again(model_source, monkeypatch):
         served.close()
 
 
+def test_request_settings_apply_after_enabling_the_cache_again(model_source):
+    """A request's validated config reaches the session the pipeline has now: `dicache.enable` called again on the
+    served pipeline replaces its session, and requests still cache (or not) as their config says."""
+    from dicache.server.generation import GenerationSpec
+
+    served = backend_with_env(model_source, ENV)
+    try:
+        dicache.enable(served.pipe, served.cache_config)
+        stats = {}
+        for enabled in (False, True):
+            spec = GenerationSpec(
+                prompt="a fox", negative_prompt=None, n=1, width=32, height=32, num_inference_steps=8,
+                guidance_scale=1.0, seed=0, cache=served.cache_config.merged({"enable_cache": enabled}),
+                variant=served.defaults.variant,
+            )  # fmt: skip
+            stats[enabled] = served.generate(spec).stats
+        assert stats[False].cached_calls == 0 and stats[False].total_calls == 8
+        assert stats[True].cached_calls > 0
+    finally:
+        served.close()
+
+
 # ---------------------------------------------------------------------------------------------- robustness
 def test_full_queue_is_429_and_a_disconnect_frees_its_slot(backend):
     gated = GatedBackend(backend)

@@ -106,8 +106,7 @@ class PipelineBackend:
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
         self.pipe, self.cache_config, self.defaults = pipe, cache_config, defaults
-        self.session = dicache_api.session_of(pipe)
-        self.num_blocks = self.session.num_blocks
+        self.num_blocks = dicache_api.session_of(pipe).num_blocks
         self._install_stop_checks()
 
     def _install_stop_checks(self) -> None:
@@ -123,7 +122,9 @@ class PipelineBackend:
         token = _should_stop.set(should_stop)
         try:
             _check_stop()  # abandoned while it waited for this worker
-            with torch.inference_mode(), self.session.request(config=spec.cache):  # checked by `resolve`
+            # the pipeline's current session (a later `dicache.enable` replaces it); the config was checked by `resolve`
+            session = dicache_api.session_of(self.pipe)
+            with torch.inference_mode(), session.request(config=spec.cache):
                 output = self.pipe(
                     prompt=spec.prompt,
                     negative_prompt=spec.negative_prompt,
