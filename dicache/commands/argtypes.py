@@ -24,9 +24,9 @@ def integer(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def seconds(low: float = 0.0, allow_low: bool = False) -> Callable[[str], float]:
-    """A finite number of seconds > low (>= low with `allow_low`)."""
-    allowed = f"a finite number of seconds {'>=' if allow_low else '>'} {low:g}"
+def number(low: float = 0.0, allow_low: bool = False, unit: str = "") -> Callable[[str], float]:
+    """A finite number (of `unit`, e.g. "seconds") > low (>= low with `allow_low`)."""
+    allowed = f"a finite number {unit + ' ' if unit else ''}{'>=' if allow_low else '>'} {low:g}"
 
     def parse(text: str) -> float:
         try:
@@ -38,6 +38,11 @@ def seconds(low: float = 0.0, allow_low: bool = False) -> Callable[[str], float]
         return value
 
     return parse
+
+
+def seconds(low: float = 0.0, allow_low: bool = False) -> Callable[[str], float]:
+    """A finite number of seconds > low (>= low with `allow_low`)."""
+    return number(low, allow_low, unit="of seconds")
 
 
 port = integer(1, 65535)

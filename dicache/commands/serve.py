@@ -26,8 +26,8 @@ def _size(text: str) -> tuple[int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..server.settings import ServerSettings
+    from .fields import add_options
 
-    d = ServerSettings()
     parser.add_argument(
         "--model",
         default=None,
@@ -58,59 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="address to listen on (default: 127.0.0.1; another address without an API key logs a warning)",
     )
     parser.add_argument("--port", type=argtypes.port, default=30000, help="port, 1..65535 (default: 30000)")
-    parser.add_argument("--model-id", default=d.model_id, help=f"name listed by /v1/models (default: {d.model_id})")
     parser.add_argument("--dtype", default=None, help="weights dtype, e.g. bfloat16 (default: the pipeline's)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument(
         "--torch-threads", type=argtypes.integer(1), default=None, help="CPU threads per torch op (default: torch's)"
     )
     parser.add_argument("--default-size", type=_size, default=None, help="size when a request omits it (WxH)")
-    parser.add_argument(
-        "--workers",
-        type=argtypes.integer(1),
-        default=d.workers,
-        help=f"generations run at once (default: {d.workers}; outputs do not depend on it)",
-    )
-    parser.add_argument(
-        "--max-queue",
-        type=argtypes.integer(0),
-        default=d.max_queue,
-        help=f"requests allowed to wait for a busy worker; more get 429; 0: take requests only when a worker is "
-        f"free (default: {d.max_queue})",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=argtypes.seconds(),
-        default=d.request_timeout_s,
-        help="seconds per request, waiting included; past it 504, and the generation stops at its next transformer "
-        "or VAE block, so its worker is busy at most one block longer (one transformer call if the blocks are "
-        "compiled); the longest single block is that of the largest allowed --max-side x --max-n request "
-        f"(default: {d.request_timeout_s:g})",
-    )
-    parser.add_argument(
-        "--max-n", type=argtypes.integer(1), default=d.max_n, help=f"images per request (default: {d.max_n})"
-    )
-    parser.add_argument(
-        "--max-side",
-        type=argtypes.integer(16),
-        default=d.max_side,
-        help=f"largest image side; the work of one step grows with (side^2 x n)^2 (default: {d.max_side})",
-    )
-    parser.add_argument(
-        "--max-steps", type=argtypes.integer(1), default=d.max_steps, help=f"most steps (default: {d.max_steps})"
-    )
-    parser.add_argument(
-        "--max-prompt-chars",
-        type=argtypes.integer(1),
-        default=d.max_prompt_chars,
-        help=f"longest prompt (default: {d.max_prompt_chars})",
-    )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=argtypes.integer(1024),
-        default=d.max_body_bytes,
-        help=f"largest request body; larger: 413 (default: {d.max_body_bytes})",
-    )
+    add_options(parser, ServerSettings)  # --model-id, --max-queue, --workers, --timeout, --max-n, --max-side ...
     add_network_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     from .serve_ray import add_ray_arguments
@@ -119,89 +73,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
-    """Authentication, exposure, connection limits and the drain."""
-    from ..server.settings import ConnectionLimits, ServerSettings
+    """The API key and the connection limits (the other exposure and drain options are `ServerSettings` fields)."""
+    from ..server.settings import ConnectionLimits
+    from .fields import add_options
 
-    d, c = ServerSettings(), ConnectionLimits()
     parser.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); prefer the DICACHE_API_KEY environment "
         "variable, which other users cannot read from the process list (default: DICACHE_API_KEY, else none)",
     )
-    parser.add_argument("--metrics-auth", action="store_true", help="/metrics needs the API key too")
-    parser.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (default: off)")
-    parser.add_argument(
-        "--drain-timeout",
-        type=argtypes.seconds(0, allow_low=True),
-        default=d.drain_grace_s,
-        help="on SIGTERM: new requests get 503 + Retry-After, accepted generations get this many seconds to finish, "
-        "the rest get 503, then the process exits 0; a second SIGTERM ends the wait at once. Give the orchestrator "
-        f"a termination grace period of at least this plus 15 s (default: {d.drain_grace_s:g})",
-    )
-    parser.add_argument(
-        "--body-timeout",
-        type=argtypes.seconds(),
-        default=d.body_timeout_s,
-        help=f"seconds a request body may take to arrive; then 408 (default: {d.body_timeout_s:g})",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=argtypes.integer(1),
-        default=c.max_connections,
-        help="open connections before new requests get 503; each is a file descriptor, and the soft descriptor limit "
-        f"is raised to fit (default: {c.max_connections})",
-    )
-    parser.add_argument(
-        "--keep-alive-timeout",
-        type=argtypes.seconds(),
-        default=c.keep_alive_s,
-        help=f"seconds an idle keep-alive connection stays open (default: {c.keep_alive_s:g})",
-    )
-    parser.add_argument(
-        "--header-timeout",
-        type=argtypes.seconds(),
-        default=c.header_timeout_s,
-        help=f"seconds a new connection may take to send its request head (default: {c.header_timeout_s:g})",
-    )
+    add_options(parser, ConnectionLimits)
 
 
 def limits_from_args(args: argparse.Namespace):
     from ..server.settings import ConnectionLimits
+    from .fields import values_from_args
 
-    return ConnectionLimits(
-        max_connections=args.max_connections,
-        keep_alive_s=args.keep_alive_timeout,
-        header_timeout_s=args.header_timeout,
-    )
+    return ConnectionLimits(**values_from_args(args, ConnectionLimits))
 
 
 def settings_from_args(args: argparse.Namespace):
+    """`ServerSettings` from the options; `max_pixels` is `--max-side` squared, the key `--api-key` else
+    DICACHE_API_KEY."""
     import os
 
     from ..errors import ConfigError
     from ..server.auth import API_KEY_ENV
     from ..server.settings import ServerSettings
+    from .fields import values_from_args
 
-    if args.metrics_auth and not (args.api_key or os.environ.get(API_KEY_ENV)):
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.metrics_auth and not api_key:
         raise ConfigError(f"serve: --metrics-auth needs an API key (--api-key or {API_KEY_ENV})")
     try:
         return ServerSettings(
-            model_id=args.model_id,
-            max_queue=args.max_queue,
-            workers=args.workers,
-            request_timeout_s=args.timeout,
-            max_n=args.max_n,
-            max_side=args.max_side,
-            max_pixels=args.max_side * args.max_side,
-            max_steps=args.max_steps,
-            max_prompt_chars=args.max_prompt_chars,
-            max_body_bytes=args.max_body_bytes,
-            body_timeout_s=args.body_timeout,
-            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-            protect_metrics=args.metrics_auth,
-            docs=args.docs,
-            drain_grace_s=args.drain_timeout,
+            **values_from_args(args, ServerSettings), max_pixels=args.max_side * args.max_side, api_key=api_key
         )
     except ValueError as exc:
         raise ConfigError(f"serve: {exc}") from None

@@ -9,108 +9,120 @@ connection-level limits (`ConnectionLimits`: concurrent connections, keep-alive,
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from typing import ClassVar
+
+from pydantic import model_validator
+
+from ..options import Options, option
 
 
-@dataclass(frozen=True)
-class ServerSettings:
+class ServerSettings(Options):
     """Bounds every request is checked against; a value outside them is a 400 naming the field.
 
-    Attributes:
-        model_id: the name `GET /v1/models` lists; a request's `model`, when given, must equal it.
-        max_queue: requests allowed to wait for a busy worker; one more is answered 429 (running ones do not count;
-            0: no waiting, a request is taken only when a worker is free).
-        workers: generations run at once. 1 (default) runs one at a time; each request's output does not depend
-            on this number, because requests never share cache state or random generators.
-        request_timeout_s: seconds from arrival to answer (waiting + generating); past it the answer is 504 and the
-            generation stops at its next block.
-        max_n: most images per request.
-        min_side, max_side, size_multiple: bounds of `size` "WxH" (each side a multiple of `size_multiple`).
-        max_pixels: most pixels per image (width * height).
-        max_steps: most denoising steps per request.
-        max_prompt_chars: longest `prompt` / `negative_prompt`, in characters.
-        max_body_bytes: largest request body; a larger one is answered 413 before it is parsed.
-        body_timeout_s: seconds a request body may take to arrive (after its headers); then 408.
+    Each field is declared once with its `dicache serve` option (`option(flag=..., help=...)`); the command derives
+    its options from them (`dicache.commands.fields`). A bad value raises ValueError naming the field, the value
+    and what is allowed. Fields without a flag:
+        min_side, size_multiple: bounds of `size` "WxH" (each side a multiple of `size_multiple`).
+        max_pixels: most pixels per image (width * height); `dicache serve` sets it to `max_side` squared.
         api_key: when set, `/v1/*` needs `Authorization: Bearer <api_key>` (401 otherwise). Never shown in repr.
-        protect_metrics: `/metrics` needs the key too (only with `api_key`).
-        docs: serve `/docs` and `/openapi.json` (off by default: they list the whole API surface).
-        drain_grace_s: on shutdown, seconds accepted generations may take to finish; the rest is answered 503.
+        protect_metrics / docs / drain_grace_s / body_timeout_s: see their options.
     """
 
-    model_id: str = "krea-2"
-    max_queue: int = 16
-    workers: int = 1
-    request_timeout_s: float = 600.0
-    max_n: int = 4
-    min_side: int = 16
-    max_side: int = 2048
-    size_multiple: int = 16
-    max_pixels: int = 2048 * 2048
-    max_steps: int = 200
-    max_prompt_chars: int = 4000
-    max_body_bytes: int = 1 << 20
-    body_timeout_s: float = 30.0
-    api_key: str | None = field(default=None, repr=False)
-    protect_metrics: bool = False
-    docs: bool = False
-    drain_grace_s: float = 30.0
+    model_id: str = option("krea-2", flag="--model-id", help="name listed by /v1/models")
+    max_queue: int = option(
+        16,
+        flag="--max-queue",
+        ge=0,
+        help="requests allowed to wait for a busy worker; more get 429; 0: take requests only when a worker is free",
+    )
+    workers: int = option(1, flag="--workers", ge=1, help="generations run at once; outputs do not depend on it")
+    request_timeout_s: float = option(
+        600.0,
+        flag="--timeout",
+        gt=0,
+        unit="seconds",
+        help="seconds per request, waiting included; past it 504, and the generation stops at its next transformer "
+        "or VAE block, so its worker is busy at most one block longer (one transformer call if the blocks are "
+        "compiled); the longest single block is that of the largest allowed --max-side x --max-n request",
+    )
+    max_n: int = option(4, flag="--max-n", ge=1, help="images per request")
+    min_side: int = option(16, ge=1)
+    max_side: int = option(
+        2048, flag="--max-side", ge=16, help="largest image side; the work of one step grows with (side^2 x n)^2"
+    )
+    size_multiple: int = option(16, ge=1)
+    max_pixels: int = option(2048 * 2048, ge=1)
+    max_steps: int = option(200, flag="--max-steps", ge=1, help="most steps")
+    max_prompt_chars: int = option(4000, flag="--max-prompt-chars", ge=1, help="longest prompt")
+    max_body_bytes: int = option(1 << 20, flag="--max-body-bytes", ge=1024, help="largest request body; larger: 413")
+    body_timeout_s: float = option(
+        30.0,
+        flag="--body-timeout",
+        gt=0,
+        unit="seconds",
+        help="seconds a request body may take to arrive; then 408",
+    )
+    api_key: str | None = option(None, repr=False)  # the option is --api-key or DICACHE_API_KEY (commands.serve)
+    protect_metrics: bool = option(False, flag="--metrics-auth", help="/metrics needs the API key too")
+    docs: bool = option(
+        False,
+        flag="--docs",
+        help="serve /docs and /openapi.json (they list the whole API surface)",
+    )
+    drain_grace_s: float = option(
+        30.0,
+        flag="--drain-timeout",
+        ge=0,
+        unit="seconds",
+        help="on SIGTERM: new requests get 503 + Retry-After, accepted generations get this many seconds to finish, "
+        "the rest get 503, then the process exits 0; a second SIGTERM ends the wait at once. Give the orchestrator "
+        "a termination grace period of at least this plus 15 s",
+    )
 
-    def __post_init__(self) -> None:
-        for name in ("max_queue", "workers", "max_n", "min_side", "size_multiple", "max_steps", "max_prompt_chars"):
-            value, low = getattr(self, name), 0 if name == "max_queue" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"ServerSettings.{name}={value!r} is invalid: must be an integer >= {low}")
-        for name, low in (("request_timeout_s", 0.0), ("body_timeout_s", 0.0)):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > low):
-                raise ValueError(f"ServerSettings.{name}={value!r} is invalid: must be a finite number > 0")
-        if not (isinstance(self.drain_grace_s, int | float) and math.isfinite(self.drain_grace_s)) or (
-            self.drain_grace_s < 0
-        ):
-            raise ValueError(f"ServerSettings.drain_grace_s={self.drain_grace_s!r} is invalid: must be finite, >= 0")
+    @model_validator(mode="after")
+    def _check_together(self) -> ServerSettings:
         if self.max_side < self.min_side:
             raise ValueError(f"ServerSettings.max_side={self.max_side} must be >= min_side={self.min_side}")
         if self.max_pixels < self.min_side * self.min_side:
             raise ValueError(f"ServerSettings.max_pixels={self.max_pixels} must be >= min_side squared")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"ServerSettings.max_body_bytes={self.max_body_bytes} is invalid: must be >= 1024")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("ServerSettings.api_key is empty: give a key or None (no authentication)")
         if self.protect_metrics and self.api_key is None:
             raise ValueError("ServerSettings.protect_metrics needs an api_key")
+        return self
 
     def public(self) -> dict[str, object]:
         """The limits, for `/v1/server_info` (no key)."""
-        values = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "api_key"}
-        return {**values, "api_key_set": self.api_key is not None}
+        return {**self.model_dump(exclude={"api_key"}), "api_key_set": self.api_key is not None}
 
 
-@dataclass(frozen=True)
-class ConnectionLimits:
-    """Connection-level limits of the uvicorn host.
+class ConnectionLimits(Options):
+    """Connection-level limits of the uvicorn host (each declared with its `dicache serve` option, where it has one).
 
-    Attributes:
-        max_connections: open connections (and requests in progress) before new requests get 503.
-        keep_alive_s: an idle keep-alive connection is closed after this many seconds.
-        header_timeout_s: a connection that has not sent a complete request head within this many seconds of
-            opening is closed (slow-header clients).
-        shutdown_timeout_s: after the drain, seconds uvicorn waits for connections to finish before cancelling.
+    shutdown_timeout_s: after the drain, seconds uvicorn waits for connections to finish before cancelling.
     """
 
-    max_connections: int = 1000
-    keep_alive_s: float = 5.0
-    header_timeout_s: float = 10.0
-    shutdown_timeout_s: float = 5.0
+    label: ClassVar[str] = "{name}"
 
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.max_connections, bool)
-            or not isinstance(self.max_connections, int)
-            or (self.max_connections < 1)
-        ):
-            raise ValueError(f"max_connections={self.max_connections!r} is invalid: must be an integer >= 1")
-        for name in ("keep_alive_s", "header_timeout_s", "shutdown_timeout_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}={value!r} is invalid: must be a finite number > 0")
+    max_connections: int = option(
+        1000,
+        flag="--max-connections",
+        ge=1,
+        help="open connections before new requests get 503; each is a file descriptor, and the soft descriptor limit "
+        "is raised to fit",
+    )
+    keep_alive_s: float = option(
+        5.0,
+        flag="--keep-alive-timeout",
+        gt=0,
+        unit="seconds",
+        help="seconds an idle keep-alive connection stays open",
+    )
+    header_timeout_s: float = option(
+        10.0,
+        flag="--header-timeout",
+        gt=0,
+        unit="seconds",
+        help="seconds a new connection may take to send its request head; a slower one is closed",
+    )
+    shutdown_timeout_s: float = option(5.0, gt=0, unit="seconds")

@@ -1,0 +1,101 @@
+"""Declared options: frozen pydantic models whose fields carry their command-line flag and help (`option`).
+
+The command line derives its options from the declarations (`dicache.commands.fields`); the model validates once,
+and a bad value raises one line naming the field (or its flag), the value and what is allowed (`Options`).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, ClassVar, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+
+from .formatting import clip_repr
+
+
+def option(
+    default: Any,
+    *,
+    flag: str | None = None,
+    help: str = "",
+    unit: str = "",
+    default_text: str | None = None,
+    repr: bool = True,
+    **rules: Any,
+) -> Any:
+    """A field declared with its command-line `flag` (None: not an option) and `help` (the CLI appends
+    "(default: X)"). `unit`: what a number counts, in words ("seconds"). `default_text`: the default in words when
+    it is decided elsewhere (the option's own default is then None). `rules` are pydantic's (ge, gt, le...);
+    integers and numbers are strict (no bools, no strings) and numbers are finite."""
+    extra = {"flag": flag, "unit": unit, "default_text": default_text}
+    return Field(default, description=help, json_schema_extra=extra, repr=repr, **rules)
+
+
+def value_type(field: FieldInfo) -> Any:
+    """The field's type without `| None`."""
+    annotation = field.annotation
+    if get_origin(annotation) in (Union, types.UnionType):
+        (annotation,) = [a for a in get_args(annotation) if a is not type(None)]
+    return annotation
+
+
+def bounds(field: FieldInfo) -> dict[str, float]:
+    """The field's declared bounds: {'ge': 0}, {'gt': 0, 'le': 1}..."""
+    return {b: getattr(rule, b) for rule in field.metadata for b in ("ge", "gt", "le") if hasattr(rule, b)}
+
+
+def allowed(field: FieldInfo) -> str:
+    """What the field accepts, in words, from its type and bounds: 'an integer >= 1', 'a finite number > 0'."""
+    kind = value_type(field)
+    noun = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(kind, str(kind))
+    words = [f"{op} {value:g}" for op, value in _ops(bounds(field))]
+    return " ".join([noun, ", ".join(words)]) if words else noun
+
+
+def _ops(found: dict[str, float]) -> list[tuple[str, float]]:
+    return [(op, found[b]) for b, op in (("ge", ">="), ("gt", ">"), ("le", "<=")) if b in found]
+
+
+class Options(BaseModel):
+    """Base of declared options: frozen, unknown names refused, integers and numbers strict and finite.
+
+    A bad value raises `error` (ValueError by default) with one line per problem, naming the field as `label`
+    says ('{model}.{name}', '{name}' or '{flag}'), the value (never a field declared with repr=False) and what is
+    allowed; a cross-field rule's own message (a ValueError raised by a model validator) is kept as it is.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+
+    label: ClassVar[str] = "{model}.{name}"
+    error: ClassVar[type[Exception]] = ValueError
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise self.error(_one_line(type(self), exc)) from None
+
+    @classmethod
+    def name_of(cls, name: str) -> str:
+        """How field `name` is called in messages."""
+        field = cls.model_fields.get(name)
+        flag = (field.json_schema_extra or {}).get("flag") if field is not None else None
+        return cls.label.format(model=cls.__name__, name=name, flag=flag or name)
+
+
+def _one_line(cls: type[Options], exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        if error["type"] == "value_error" and "error" in error.get("ctx", {}):
+            problems.append(str(error["ctx"]["error"]))
+            continue
+        name = str(error["loc"][0]) if error["loc"] else ""
+        field = cls.model_fields.get(name)
+        if field is None:  # an unknown keyword
+            problems.append(f"{cls.__name__}: unknown option {name!r}; allowed: {', '.join(cls.model_fields)}")
+            continue
+        shown = "=" + clip_repr(error["input"]) if field.repr else ""
+        problems.append(f"{cls.name_of(name)}{shown} is invalid: must be {allowed(field)}")
+    return "; ".join(dict.fromkeys(problems))
