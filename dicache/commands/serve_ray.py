@@ -25,27 +25,10 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Ray cluster to deploy onto, e.g. ray://head:10001 or auto (default: RAY_ADDRESS, else start a local one)",
     )
-    group.add_argument("--replicas", type=int, default=1, help="replicas (with autoscaling: the initial count) (1)")
-    group.add_argument(
-        "--min-replicas", type=int, default=None, help="autoscaling: fewest replicas, 0 allowed (default: 1)"
-    )
-    group.add_argument(
-        "--max-replicas", type=int, default=None, help="autoscaling: most replicas; giving it turns autoscaling on"
-    )
-    group.add_argument(
-        "--target-ongoing-requests",
-        type=float,
-        default=None,
-        help="autoscaling: requests in progress or queued per replica to aim at (default: --workers)",
-    )
-    group.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs each replica reserves (default: 1)")
-    group.add_argument(
-        "--gpus-per-replica",
-        type=float,
-        default=None,
-        help="GPUs each replica reserves, fractions allowed; with --tp-size × --ulysses-degree = N it must be N "
-        "(default: 0 with --device cpu, else 1 per rank if the cluster has GPUs, else 0)",
-    )
+    from ..server.ray_serve import RayServeOptions
+    from .fields import add_options
+
+    add_options(group, RayServeOptions, checked=False)  # the options' own messages name the flag and the bound
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -96,6 +79,7 @@ def serve_options_from_args(args: argparse.Namespace, spec: Any, cluster_gpus: f
     of --gpus-per-replica."""
     from ..parallel import check_degrees
     from ..server.ray_serve import RayServeOptions
+    from .fields import values_from_args
 
     world = args.tp_size * args.ulysses_degree
     check_degrees(world, args.tp_size, args.ulysses_degree)  # each an integer >= 1
@@ -105,14 +89,7 @@ def serve_options_from_args(args: argparse.Namespace, spec: Any, cluster_gpus: f
             gpus = float(world) if spec.device.startswith("cuda") else 0.0
         else:
             gpus = float(world) if cluster_gpus else 0.0
-    return RayServeOptions(
-        replicas=args.replicas,
-        min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas,
-        target_ongoing_requests=args.target_ongoing_requests,
-        cpus_per_replica=args.cpus_per_replica,
-        gpus_per_replica=gpus,
-    )
+    return RayServeOptions(**{**values_from_args(args, RayServeOptions), "gpus_per_replica": gpus})
 
 
 def run_ray(args: argparse.Namespace) -> int:

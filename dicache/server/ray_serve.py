@@ -24,13 +24,15 @@ are `dicache serve` options (`{"replicas": 2, "max_queue": 8}` means `--replicas
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import model_validator
 
 from ..config import CacheConfig
 from ..errors import ConfigError
+from ..options import Options, option
 from .settings import ServerSettings
 
 log = logging.getLogger("dicache.server.ray")
@@ -99,30 +101,46 @@ class ReplicaSpec:
         return backend
 
 
-@dataclass(frozen=True)
-class RayServeOptions:
-    """Replica count, autoscaling and resources of the deployment. Errors name the `dicache serve` option.
+class RayServeOptions(Options):
+    """Replica count, autoscaling and resources of the deployment, each declared with its `dicache serve` option.
+    Errors name the option (`ConfigError`).
 
     `max_replicas` None: a fixed `replicas`. Else Serve autoscales between `min_replicas` and `max_replicas`
     (starting at `replicas`), aiming at `target_ongoing_requests` per replica (None: the replica's `workers`).
     `gpus_per_replica` counts every rank of a tp × ulysses replica: it must then be 0 (CPU) or tp × ulysses.
     """
 
-    replicas: int = 1
-    min_replicas: int | None = None
-    max_replicas: int | None = None
-    target_ongoing_requests: float | None = None
-    cpus_per_replica: float = 1.0
-    gpus_per_replica: float = 0.0
+    label: ClassVar[str] = "{flag}"
+    error: ClassVar[type[Exception]] = ConfigError
 
-    def __post_init__(self) -> None:
-        _check_int("--replicas", self.replicas, 1)
-        if self.min_replicas is not None:
-            _check_int("--min-replicas", self.min_replicas, 0)
-            if self.max_replicas is None:
-                raise ConfigError("--min-replicas needs --max-replicas (autoscaling between the two)")
+    replicas: int = option(1, flag="--replicas", ge=1, help="replicas (with autoscaling: the initial count)")
+    min_replicas: int | None = option(
+        None, flag="--min-replicas", ge=0, default_text="1", help="autoscaling: fewest replicas, 0 allowed"
+    )
+    max_replicas: int | None = option(
+        None, flag="--max-replicas", ge=1, help="autoscaling: most replicas; giving it turns autoscaling on"
+    )
+    target_ongoing_requests: float | None = option(
+        None,
+        flag="--target-ongoing-requests",
+        gt=0,
+        default_text="--workers",
+        help="autoscaling: requests in progress or queued per replica to aim at",
+    )
+    cpus_per_replica: float = option(1.0, flag="--cpus-per-replica", gt=0, help="CPUs each replica reserves")
+    gpus_per_replica: float = option(
+        0.0,
+        flag="--gpus-per-replica",
+        ge=0,
+        default_text="0 with --device cpu, else 1 per rank if the cluster has GPUs, else 0",
+        help="GPUs each replica reserves, fractions allowed; with --tp-size × --ulysses-degree = N it must be N",
+    )
+
+    @model_validator(mode="after")
+    def _check_autoscaling(self) -> RayServeOptions:
+        if self.min_replicas is not None and self.max_replicas is None:
+            raise ConfigError("--min-replicas needs --max-replicas (autoscaling between the two)")
         if self.max_replicas is not None:
-            _check_int("--max-replicas", self.max_replicas, 1)
             low = 1 if self.min_replicas is None else self.min_replicas
             if not low <= self.replicas <= self.max_replicas:
                 raise ConfigError(
@@ -131,30 +149,11 @@ class RayServeOptions:
                 )
         elif self.target_ongoing_requests is not None:
             raise ConfigError("--target-ongoing-requests needs --max-replicas (it steers autoscaling)")
-        if self.target_ongoing_requests is not None:
-            _check_number("--target-ongoing-requests", self.target_ongoing_requests, above=0)
-        _check_number("--cpus-per-replica", self.cpus_per_replica, above=0)
-        _check_number("--gpus-per-replica", self.gpus_per_replica, at_least=0)
+        return self
 
     @property
     def autoscaling(self) -> bool:
         return self.max_replicas is not None
-
-
-def _check_int(flag: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{flag}={value!r} is invalid: must be an integer >= {low}")
-
-
-def _check_number(flag: str, value: Any, above: float | None = None, at_least: float | None = None) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and above is not None:
-        ok = value > above
-    if ok and at_least is not None:
-        ok = value >= at_least
-    if not ok:
-        bound = f"> {above:g}" if above is not None else f">= {at_least:g}"
-        raise ConfigError(f"{flag}={value!r} is invalid: must be a finite number {bound}")
 
 
 def gpus_per_rank(spec: ReplicaSpec, options: RayServeOptions) -> float:
