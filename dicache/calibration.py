@@ -24,7 +24,6 @@ Procedure (`calibrate`):
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,22 +33,11 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from .config import SETTINGS, SETTINGS_BY_KEY, CacheConfig
+from .config import SETTINGS, CacheConfig
 from .errors import ConfigError, DicacheError
+from .sweep.files import read_data_file
 from .sweep.metrics import PSNR_CAP_DB, psnr
-
-RECOMMENDED_FAMILY = {
-    "Fn_compute_blocks": 0,
-    "max_warmup_steps": 0,
-    "scm_preset": "curved",
-    "scm_policy": "static",
-    "enable_taylorseer": True,
-    "taylorseer_order": 1,
-    "taylorseer_distance": "sigma",
-    "taylorseer_damping": 0.5,
-}
-"""The recommended family (benchmarks/RESULTS.md, issue-11 section): whole-step reuse on the curved mask with damped
-TaylorSeer in sigma; `scm_compute_fraction` sets the budget, `scm_curve` where it is spent."""
+from .sweep.settings import RECOMMENDED_FAMILY, label
 
 CANDIDATES: tuple[dict[str, Any], ...] = (
     # Whole-step reuse on the curved mask (the recommendation), budget 0.3..0.8:
@@ -188,31 +176,12 @@ class PipelineRunner:
 
 
 # ---------------------------------------------------------------------------------------------------- candidates
-def label(overrides: Mapping[str, Any]) -> str:
-    """A short name: the knobs' environment suffixes, e.g. ``RDT=0.24 TAYLORSEER=True``; `{}` is ``defaults``."""
-    parts = []
-    for key, value in overrides.items():
-        knob = SETTINGS_BY_KEY.get(key)
-        shown = ",".join(str(v) for v in value) if isinstance(value, list | tuple) else str(value)
-        parts.append(f"{knob.env if knob else key}={shown}")
-    return " ".join(parts) or "defaults"
-
-
 def load_candidates(path: str | Path) -> list[Any]:
     """The candidate list of a JSON or YAML (.yaml/.yml) file: a list of override dicts, or a mapping whose
     `candidates` is one. Entries are not checked here (a bad entry is reported and skipped by `calibrate`)."""
-    p = Path(path)
-    if not p.is_file():
-        raise CalibrationError(f"--candidates {str(path)!r}: no such file (expected a JSON/YAML list of dicts)")
-    try:
-        if p.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(p.read_text())
-        else:
-            data = json.loads(p.read_text())
-    except Exception as exc:  # json and yaml raise their own types; the message names the file
-        raise CalibrationError(f"--candidates {str(path)!r} cannot be parsed: {exc}") from None
+    data = read_data_file(
+        path, "--candidates", CalibrationError, missing=": no such file (expected a JSON/YAML list of dicts)"
+    )
     if isinstance(data, Mapping) and "candidates" in data:
         data = data["candidates"]
     if not isinstance(data, list) or not data:

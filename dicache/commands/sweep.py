@@ -14,18 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..sweep.settings import grid_axes
+
 HELP = "sweep cache settings: compute fraction, time and fidelity (PSNR/SSIM/rel-L2) vs cache-dit and fewer steps"
 
-GRID_AXES = (
-    ("Fn", "Fn_compute_blocks", int),
-    ("Bn", "Bn_compute_blocks", int),
-    ("W", "max_warmup_steps", int),
-    ("RDT", "residual_diff_threshold", float),
-    ("MC", "max_continuous_cached_steps", int),
-    ("TS", "taylorseer_order", int),
-    ("SCM", "scm_preset", str),
-    ("SCM_POLICY", "scm_policy", str),
-)
+GRID_AXES = grid_axes()
+"""(flag, request key, value type) of the grid axes: `--<short name>` of each `AXIS_KEYS` setting."""
 QUICK_PROMPTS = 2
 DEFAULT_PROMPTS = 8
 

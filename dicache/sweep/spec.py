@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import SETTINGS, CacheConfig
+from ..config import CacheConfig
 from ..errors import ConfigError
+from .files import read_data_file
+from .settings import ALIASES, GRID_KEYS, cell_label
 
 METHODS = ("ours", "cache-dit", "ours-fp8")
 """Cached methods a sweep can run (over the grid's cells; cache-dit over `cachedit_grid` when given). `ours-fp8` is
@@ -35,9 +37,6 @@ DEFAULT_REFERENCE_STEPS = 200
 DEFAULT_COMPUTE_TARGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 """Compute fractions at which the baselines run (and the report's bins are centred)."""
 
-ALIASES = {s.short: s.key for s in SETTINGS if s.short != s.key and s.key != "enable_cache"}
-"""Short names a grid may use for a key: each setting's declared short name (`Fn`, `W`, `RDT`, `TS`, `SCM`...)."""
-GRID_KEYS = tuple(s.key for s in SETTINGS if s.key != "enable_cache")
 FILE_KEYS = (
     "model",
     "prompts",
@@ -169,65 +168,6 @@ class Cell:
         data = self.config.model_dump()
         data.pop("enable_cache", None)
         return data
-
-
-_LABELLED = {
-    "enable_cache",
-    "Fn_compute_blocks",
-    "Bn_compute_blocks",
-    "max_warmup_steps",
-    "max_continuous_cached_steps",
-    "residual_diff_threshold",
-    "max_cached_steps",
-    "scm_preset",
-    "scm_compute_bins",
-    "scm_cache_bins",
-    "scm_policy",
-    "scm_compute_fraction",
-    "scm_curve",
-    "enable_taylorseer",
-    "taylorseer_order",
-    "taylorseer_distance",
-    "taylorseer_damping",
-    "policy",
-}
-
-
-def cell_label(c: CacheConfig) -> str:
-    """A compact name, e.g. `F1B0 W4 MC3 R0.24 TS1`, `F1B0 W4 SCM fast/static` or `F0B0 W0 SCM curved 0.4 γ1.5/static`;
-    any other setting that differs from its default is appended as `key=value`."""
-    parts = [f"F{c.Fn_compute_blocks}B{c.Bn_compute_blocks}", f"W{c.max_warmup_steps}"]
-    static_mask = c.has_step_mask and c.scm_policy == "static"
-    if not static_mask:
-        parts += [f"MC{c.max_continuous_cached_steps}", f"R{c.residual_diff_threshold:g}"]
-    if c.max_cached_steps >= 0:
-        parts.append(f"M{c.max_cached_steps}")
-    if c.has_step_mask:
-        if c.scm_preset == "curved":
-            mask = f"curved {c.scm_compute_fraction:g} γ{c.scm_curve:g}"
-        elif c.scm_preset != "none":
-            mask = c.scm_preset
-        else:
-            mask = "bins " + "-".join(map(str, c.scm_compute_bins or []))
-        parts.append(f"SCM {mask}/{c.scm_policy}")
-    if c.enable_taylorseer:
-        damping = _get(c, "taylorseer_damping", 1.0)
-        parts.append(
-            f"TS{c.taylorseer_order}"
-            + ("σ" if c.taylorseer_distance == "sigma" else "")
-            + (f" d{damping:g}" if damping < 1.0 else "")
-        )
-    if c.policy != "dbcache":
-        parts.append(f"policy {c.policy}")
-    defaults = CacheConfig.from_env({}).model_dump()
-    for key, value in c.model_dump().items():
-        if key not in _LABELLED and value != defaults.get(key):
-            parts.append(f"{key}={value}")
-    return " ".join(parts)
-
-
-def _get(config: CacheConfig, key: str, default: Any) -> Any:
-    return getattr(config, key, default)
 
 
 def make_cell(values: Mapping[str, Any]) -> Cell:
@@ -413,19 +353,7 @@ def parse_reference_steps(value: Any) -> int | None:
 
 def read_grid_file(path: str | Path) -> dict[str, Any]:
     """A YAML (.yaml/.yml) or JSON grid file as a mapping; top-level keys are checked against `FILE_KEYS`."""
-    p = Path(path)
-    if not p.is_file():
-        raise SweepSpecError(f"grid file {str(path)!r} does not exist")
-    text = p.read_text()
-    try:
-        if p.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as exc:  # yaml and json raise their own types; the message names the file
-        raise SweepSpecError(f"grid file {str(path)!r} cannot be parsed: {exc}") from None
+    data = read_data_file(path, "grid file", SweepSpecError)
     if not isinstance(data, Mapping):
         raise SweepSpecError(f"grid file {str(path)!r} must hold a mapping with keys among {', '.join(FILE_KEYS)}")
     unknown = sorted(set(data) - set(FILE_KEYS))
@@ -444,10 +372,7 @@ def read_prompts(path: str | Path, split: str | None = None) -> list[tuple[str, 
         raise SweepSpecError(f"prompt file {str(path)!r} does not exist")
     if p.suffix.lower() != ".json":
         return [(line.strip(), None) for line in p.read_text().splitlines() if line.strip()]
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise SweepSpecError(f"prompt file {str(path)!r} is not valid JSON: {exc}") from None
+    data = read_data_file(p, "prompt file", SweepSpecError, unparsable=" is not valid JSON")
     if isinstance(data, Mapping):
         items, seeds = data.get("prompts"), data.get("seeds")
     else:
