@@ -19,7 +19,7 @@ from typing import Any
 from ..config import CacheConfig
 from ..errors import ConfigError
 from .files import read_data_file
-from .settings import ALIASES, GRID_KEYS, cell_label
+from .settings import ALIASES, GRID_KEYS, RECOMMENDED_FAMILY, cell_label
 
 METHODS = ("ours", "cache-dit", "ours-fp8")
 """Cached methods a sweep can run (over the grid's cells; cache-dit over `cachedit_grid` when given). `ours-fp8` is
@@ -240,9 +240,21 @@ def stable_hash(obj: Any, length: int = 16) -> str:
 
 # ---------------------------------------------------------------------------------------------------- presets
 # Step-mask cells set W = 0: the mask alone then decides, in ours and in cache-dit (which lets a mask override W).
+def family_grid(fractions: Sequence[float], curve: float) -> dict[str, list[Any]]:
+    """Grid of the recommended family (`RECOMMENDED_FAMILY`) at the compute fractions `fractions` and curve `curve`."""
+    return {
+        **{k: [v] for k, v in RECOMMENDED_FAMILY.items()},
+        "scm_compute_fraction": list(fractions),
+        "scm_curve": [curve],
+    }
+
+
 QUICK_GRID: list[dict[str, list[Any]]] = [
     {"RDT": [0.08, 0.24], "TS": [0, 1]},
     {"SCM": ["medium"], "SCM_POLICY": ["static"], "W": [0], "TS": [0, 1]},
+    # the recommended family at every compute budget the report bins (curve 2.5 up to 0.6, 1.5 above)
+    family_grid((0.3, 0.4, 0.5, 0.6), 2.5),
+    family_grid((0.7, 0.8), 1.5),
 ]
 DEFAULT_GRID: list[dict[str, list[Any]]] = [
     {"Fn": [1], "RDT": [0.08, 0.12, 0.24], "MC": [3, -1], "TS": [0, 1]},
