@@ -241,7 +241,7 @@ def _heldout_file(model: str | None) -> Path:
 
 def _default_prompts(model: str | None) -> list[tuple[str, int | None]]:
     """The checkpoint's held-out prompts (heldout_prompts.json) when it has them, else built-in ones."""
-    from ..sweep.spec import FALLBACK_PROMPTS, read_prompts
+    from ..sweep.prompts import FALLBACK_PROMPTS, read_prompts
 
     path = _heldout_file(model)
     if path.is_file():
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from ..sweep.run import run_sweep
+    from ..sweep.launch import run_sweep
 
     if args.threads is not None and args.threads < 1:
         from ..sweep.spec import SweepSpecError

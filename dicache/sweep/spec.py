@@ -1,4 +1,5 @@
-"""What a sweep runs: schedules, cache-setting cells, prompts and seeds; read from CLI values or a YAML/JSON file.
+"""What a sweep runs: schedules, cache-setting cells, samples (prompt sets: `prompts`); read from CLI values or a
+YAML/JSON grid file.
 
 A *cell* is one set of cache settings, validated by `dicache.CacheConfig` against the built-in defaults (the
 `SGLANG_CACHE_DIT_*` environment is ignored so that a sweep is reproducible). Grid keys are `CacheConfig` request
@@ -18,7 +19,11 @@ from typing import Any
 
 from ..config import CacheConfig
 from ..errors import ConfigError
+from .errors import SweepSpecError, as_int
 from .files import read_data_file
+from .prompts import FALLBACK_PROMPTS as FALLBACK_PROMPTS  # re-exported: the prompt sets live in `prompts`
+from .prompts import make_samples as make_samples
+from .prompts import read_prompts as read_prompts
 from .settings import ALIASES, GRID_KEYS, RECOMMENDED_FAMILY, cell_label
 
 METHODS = ("ours", "cache-dit", "ours-fp8")
@@ -55,10 +60,6 @@ FILE_KEYS = (
     "quantization",
 )
 VARIANTS = ("turbo", "raw")
-
-
-class SweepSpecError(ConfigError):
-    """A bad sweep input (grid key, value, schedule, prompt file); the message names it and what is allowed."""
 
 
 # ---------------------------------------------------------------------------------------------------- schedules
@@ -119,29 +120,19 @@ class Schedule:
                     f"schedule keys {sorted(unknown)} are unknown; allowed: steps, guidance_scale, variant"
                 )
             return cls(
-                _as_int(value.get("steps"), "schedule steps"),
+                as_int(value.get("steps"), "schedule steps"),
                 float(value.get("guidance_scale", 1.0)),
                 value.get("variant"),
             )
         parts = str(value).split(":")
         if not 1 <= len(parts) <= 3:
             raise SweepSpecError(f"schedule {value!r} is invalid: expected STEPS[:CFG_SCALE[:VARIANT]], e.g. 28:4.5")
-        steps = _as_int(parts[0], f"schedule {value!r} steps")
+        steps = as_int(parts[0], f"schedule {value!r} steps")
         try:
             scale = float(parts[1]) if len(parts) > 1 else 1.0
         except ValueError:
             raise SweepSpecError(f"schedule {value!r}: CFG scale {parts[1]!r} is not a number") from None
         return cls(steps, scale, parts[2] if len(parts) > 2 else None)
-
-
-def _as_int(value: Any, what: str) -> int:
-    if isinstance(value, bool):
-        raise SweepSpecError(f"{what}={value!r} is invalid: must be an integer")
-    try:
-        number = int(str(value))
-    except (TypeError, ValueError):
-        raise SweepSpecError(f"{what}={value!r} is invalid: must be an integer") from None
-    return number
 
 
 # ---------------------------------------------------------------------------------------------------- cells
@@ -267,16 +258,6 @@ DEFAULT_SCHEDULES = ("8", "28:4.5", "50:4.5")
 TURBO_SCHEDULES = ("8",)
 """Default schedules of a sweep of the distilled Turbo checkpoint (`dicache sweep --variant turbo`)."""
 DEFAULT_TARGETS = (30.0, 35.0, 40.0)
-FALLBACK_PROMPTS = (
-    "red apple",
-    "grinning face",
-    "rocket",
-    "dog face",
-    "pizza",
-    "snowman",
-    "sun with face",
-    "soccer ball",
-)
 
 
 @dataclass
@@ -357,7 +338,7 @@ def parse_reference_steps(value: Any) -> int | None:
     """`reference_steps`: an integer >= 1, or 0 / None / "off" for no high-accuracy reference."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("off", "none", "null", "")):
         return None
-    steps = _as_int(value, "reference_steps")
+    steps = as_int(value, "reference_steps")
     if steps < 0:
         raise SweepSpecError(f"reference_steps={value!r} is invalid: must be an integer >= 1 (or 0/null: off)")
     return steps or None
@@ -372,53 +353,3 @@ def read_grid_file(path: str | Path) -> dict[str, Any]:
     if unknown:
         raise SweepSpecError(f"grid file {str(path)!r}: unknown key(s) {unknown}; allowed: {', '.join(FILE_KEYS)}")
     return dict(data)
-
-
-def read_prompts(path: str | Path, split: str | None = None) -> list[tuple[str, int | None]]:
-    """(prompt, seed or None) pairs from a text file (one prompt a line) or JSON: a list of strings, a list of
-    `{"prompt", "seed"}` objects, or an object with `prompts` (such a list) and optionally `seeds` (then every prompt
-    gets every seed). With `split`, only entries whose `"split"` equals it (the embedded held-out set marks
-    `heldout` / `train`) are kept, when the file has splits."""
-    p = Path(path)
-    if not p.is_file():
-        raise SweepSpecError(f"prompt file {str(path)!r} does not exist")
-    if p.suffix.lower() != ".json":
-        return [(line.strip(), None) for line in p.read_text().splitlines() if line.strip()]
-    data = read_data_file(p, "prompt file", SweepSpecError, unparsable=" is not valid JSON")
-    if isinstance(data, Mapping):
-        items, seeds = data.get("prompts"), data.get("seeds")
-    else:
-        items, seeds = data, None
-    if not isinstance(items, list) or not items:
-        raise SweepSpecError(f"prompt file {str(path)!r}: expected a non-empty list of prompts")
-    if split is not None and any(isinstance(i, Mapping) and "split" in i for i in items):
-        items = [i for i in items if isinstance(i, Mapping) and i.get("split") == split]
-    pairs: list[tuple[str, int | None]] = []
-    for item in items:
-        if isinstance(item, str):
-            pairs.append((item, None))
-        elif isinstance(item, Mapping) and isinstance(item.get("prompt"), str):
-            seed = item.get("seed")
-            pairs.append((item["prompt"], None if seed is None else _as_int(seed, f"seed of {item['prompt']!r}")))
-        else:
-            raise SweepSpecError(f"prompt file {str(path)!r}: entry {item!r} is neither a string nor {{'prompt': ...}}")
-    if seeds is not None:
-        pairs = [(prompt, _as_int(s, "seed")) for prompt, _ in pairs for s in seeds]
-    return pairs
-
-
-def make_samples(
-    pairs: Sequence[tuple[str, int | None]], seeds: Sequence[int] | None, limit: int | None = None
-) -> list[tuple[str, int]]:
-    """(prompt, seed) samples: with `seeds`, every prompt with every seed; else each pair's own seed (0 if none).
-    `limit` keeps the first `limit` prompts."""
-    prompts = list(dict.fromkeys(p for p, _ in pairs))
-    if limit is not None:
-        if limit < 1:
-            raise SweepSpecError(f"num_prompts={limit} is invalid: must be >= 1")
-        keep = set(prompts[:limit])
-        pairs = [pair for pair in pairs if pair[0] in keep]
-        prompts = prompts[:limit]
-    if seeds is not None:
-        return [(p, int(s)) for p in prompts for s in seeds]
-    return list(dict.fromkeys((p, 0 if s is None else int(s)) for p, s in pairs))
