@@ -284,8 +284,8 @@ class Sweep(SweepKeys):
     def _baseline(self, schedule: Schedule, steps: int, refs: list[dict[str, Any]]) -> dict[str, Any]:
         """Fewer-steps Euler at `steps` steps (the native pipeline's own sampler, no cache)."""
         key = self.baseline_key(schedule, steps)
-        record = self.store.get(key)
-        if record is None:
+
+        def build() -> dict[str, Any]:
             if steps >= schedule.steps:
                 samples = [sample_from_ref(r, self.native.num_blocks, schedule) for r in refs]
             else:
@@ -295,16 +295,15 @@ class Sweep(SweepKeys):
             record["setting"] = solvers.setting_label("euler", schedule.steps, steps)
             record["evaluations"] = steps
             record["grid"] = self._save_grid(schedule, f"fewer-steps-{steps}", refs, samples)
-            self.store.add(record)
-        if key not in self._order:
-            self._order.append(key)
-        return record
+            return record
+
+        return self._stored(key, build)
 
     def _solver_baseline(self, schedule: Schedule, kind: str, count: int, refs: list[dict]) -> dict[str, Any]:
         """A Heun or curved baseline (`solvers`) with solver count `count`, no cache."""
         key = self.solver_key(kind, schedule, count)
-        record = self.store.get(key)
-        if record is None:
+
+        def build() -> dict[str, Any]:
             label = solvers.setting_label(kind, schedule.steps, count)
             if self._is_reference(kind, schedule, count):
                 samples = [sample_from_ref(r, self.native.num_blocks, schedule) for r in refs]
@@ -323,6 +322,15 @@ class Sweep(SweepKeys):
             if kind == "curved":
                 record["computed_steps"] = solvers.curved_steps(schedule.steps, count)
             record["grid"] = self._save_grid(schedule, f"{kind}-{count}", refs, samples)
+            return record
+
+        return self._stored(key, build)
+
+    def _stored(self, key: str, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The stored record of `key`, else `build()`'s (stored now); either way listed once in the results' order."""
+        record = self.store.get(key)
+        if record is None:
+            record = build()
             self.store.add(record)
         if key not in self._order:
             self._order.append(key)
