@@ -10,7 +10,7 @@ import pytest
 from dicache.config import SETTINGS_BY_KEY
 from dicache.sweep import answer, settings
 from dicache.sweep.report import render_report
-from dicache.sweep.spec import DEFAULT_COMPUTE_TARGETS, QUICK_GRID, expand_grid, make_cell
+from dicache.sweep.spec import DEFAULT_COMPUTE_TARGETS, QUICK_GRID, expand_grid, family_grid, make_cell
 
 SLUG = "n28-cfg4.5"
 CURVED_04 = make_cell({**settings.RECOMMENDED_FAMILY, "scm_compute_fraction": 0.4}).label
@@ -129,3 +129,36 @@ def test_grid_axes_and_labels_derive_from_the_settings_declarations():
     assert calibration.RECOMMENDED_FAMILY is settings.RECOMMENDED_FAMILY
     assert calibration.label is settings.label and spec.cell_label is settings.cell_label
     assert settings.label({"residual_diff_threshold": 0.5}) == "RDT=0.5"
+
+
+def test_a_real_sweep_report_opens_with_a_grid_setting_and_its_margin(tmp_path, one_torch_thread):
+    """A tiny sweep (random 6-block checkpoint, 8 steps, 32 px): the answer names a cell of the grid per budget."""
+    from tiny_krea2 import build_tiny_pipeline
+
+    from dicache.sweep.run import Sweep
+    from dicache.sweep.runners import NativeRunner
+    from dicache.sweep.spec import Schedule, SweepSpec
+
+    build_tiny_pipeline(tmp_path / "model", distilled=False)
+    cells = expand_grid([family_grid((0.5,), 2.0), {"RDT": [0.24]}])
+    spec = SweepSpec(
+        samples=[("a red apple", 0)],
+        schedules=[Schedule(8)],
+        cells=cells,
+        methods=("ours",),
+        height=32,
+        width=32,
+        baselines=("euler", "curved"),
+        reference_steps=None,
+        compute_targets=(0.5,),
+    )
+    native = NativeRunner.load(str(tmp_path / "model"))
+    results = Sweep(spec, tmp_path / "out", native, progress=False, log=lambda _: None).run()
+    report = render_report(results)
+    assert [line for line in report.splitlines() if line.startswith("## ")][0] == "## Which settings to use"
+    section = report.split("## Which settings to use")[1].split("\n## ")[0]
+    row = next(line for line in section.splitlines() if line.startswith("| 0.5 |"))
+    assert any(cell.label in row for cell in cells)
+    (entry,) = answer.recommendations(results)
+    margin = entry["rows"][0]["margin"]
+    assert margin is not None and f"{margin:+.2f} dB" in row
