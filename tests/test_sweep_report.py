@@ -10,7 +10,7 @@ import pytest
 from dicache.config import SETTINGS_BY_KEY
 from dicache.sweep import answer, settings
 from dicache.sweep.report import render_report
-from dicache.sweep.spec import DEFAULT_COMPUTE_TARGETS, QUICK_GRID, expand_grid, family_grid, make_cell
+from dicache.sweep.spec import DEFAULT_COMPUTE_TARGETS, QUICK_GRID, expand_grid, make_cell
 
 SLUG = "n28-cfg4.5"
 CURVED_04 = make_cell({**settings.RECOMMENDED_FAMILY, "scm_compute_fraction": 0.4}).label
@@ -140,7 +140,7 @@ def test_a_real_sweep_report_opens_with_a_grid_setting_and_its_margin(tmp_path, 
     from dicache.sweep.spec import Schedule, SweepSpec
 
     build_tiny_pipeline(tmp_path / "model", distilled=False)
-    cells = expand_grid([family_grid((0.5,), 2.0), {"RDT": [0.24]}])
+    cells = [make_cell(settings.recommended(0.5, 2.0)), make_cell({"RDT": 0.24})]
     spec = SweepSpec(
         samples=[("a red apple", 0)],
         schedules=[Schedule(8)],

@@ -10,15 +10,15 @@ from typing import Any
 from ..config import CacheConfig
 from ..errors import ConfigError
 from ..sweep.files import read_data_file
-from ..sweep.settings import RECOMMENDED_FAMILY
+from ..sweep.settings import RECOMMENDED_BUDGETS, recommended
 from .errors import CalibrationError
 
 CANDIDATES: tuple[dict[str, Any], ...] = (
     # Whole-step reuse on the curved mask (the recommendation), budget 0.3..0.8:
     # curve 2.5 up to 0.6, 1.5 above, 2.0 at 8 steps.
-    *({**RECOMMENDED_FAMILY, "scm_compute_fraction": f, "scm_curve": 2.5} for f in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)),
-    *({**RECOMMENDED_FAMILY, "scm_compute_fraction": f, "scm_curve": 2.0} for f in (0.5, 0.6, 0.7)),
-    *({**RECOMMENDED_FAMILY, "scm_compute_fraction": f, "scm_curve": 1.5} for f in (0.7, 0.8)),
+    *(recommended(f, 2.5) for f in RECOMMENDED_BUDGETS),
+    *(recommended(f, 2.0) for f in (0.5, 0.6, 0.7)),
+    *(recommended(f, 1.5) for f in (0.7, 0.8)),
     # Dynamic DBCache: cache when the first blocks' residual barely moved (SGLang default: RDT 0.24, W 4, MC 3).
     {"residual_diff_threshold": 0.04},
     {"residual_diff_threshold": 0.08},

@@ -25,6 +25,17 @@ RECOMMENDED_FAMILY = {
 }
 """The recommended family (benchmarks/RESULTS.md, issue-11 section): whole-step reuse on the curved mask with damped
 TaylorSeer in sigma; `scm_compute_fraction` sets the budget, `scm_curve` where it is spent."""
+RECOMMENDED_BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+"""The compute fractions the recommendation is measured at (and a sweep's report bins)."""
+
+
+def recommended(fraction: float, curve: float | None = None) -> dict[str, Any]:
+    """The recommended family's overrides at compute fraction `fraction`; `curve` None: 2.5 up to a budget of 0.6,
+    1.5 above it (README, "Recommended settings")."""
+    if curve is None:
+        curve = 2.5 if fraction <= 0.6 else 1.5
+    return {**RECOMMENDED_FAMILY, "scm_compute_fraction": fraction, "scm_curve": curve}
+
 
 ALIASES = {s.short: s.key for s in SETTINGS if s.short != s.key and s.key != "enable_cache"}
 """Short names a grid may use for a key: each setting's declared short name (`Fn`, `W`, `RDT`, `TS`, `SCM`...)."""

@@ -24,7 +24,7 @@ from .files import read_data_file
 from .prompts import FALLBACK_PROMPTS as FALLBACK_PROMPTS  # re-exported: the prompt sets live in `prompts`
 from .prompts import make_samples as make_samples
 from .prompts import read_prompts as read_prompts
-from .settings import ALIASES, GRID_KEYS, RECOMMENDED_FAMILY, cell_label
+from .settings import ALIASES, GRID_KEYS, RECOMMENDED_BUDGETS, cell_label, recommended
 
 METHODS = ("ours", "cache-dit", "ours-fp8")
 """Cached methods a sweep can run (over the grid's cells; cache-dit over `cachedit_grid` when given). `ours-fp8` is
@@ -39,7 +39,7 @@ BASELINES = (*SOLVER_BASELINES, "cachedit")
 """Names a sweep spec's `baselines` list takes; `cachedit` (or `cache-dit`) = the cache-dit method."""
 DEFAULT_REFERENCE_STEPS = 200
 """Steps of the high-accuracy reference (uncached Euler, same prompt, seed and guidance) for `psnr_ref`."""
-DEFAULT_COMPUTE_TARGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+DEFAULT_COMPUTE_TARGETS = RECOMMENDED_BUDGETS
 """Compute fractions at which the baselines run (and the report's bins are centred)."""
 
 FILE_KEYS = (
@@ -231,21 +231,11 @@ def stable_hash(obj: Any, length: int = 16) -> str:
 
 # ---------------------------------------------------------------------------------------------------- presets
 # Step-mask cells set W = 0: the mask alone then decides, in ours and in cache-dit (which lets a mask override W).
-def family_grid(fractions: Sequence[float], curve: float) -> dict[str, list[Any]]:
-    """Grid of the recommended family (`RECOMMENDED_FAMILY`) at the compute fractions `fractions` and curve `curve`."""
-    return {
-        **{k: [v] for k, v in RECOMMENDED_FAMILY.items()},
-        "scm_compute_fraction": list(fractions),
-        "scm_curve": [curve],
-    }
-
-
 QUICK_GRID: list[dict[str, list[Any]]] = [
     {"RDT": [0.08, 0.24], "TS": [0, 1]},
     {"SCM": ["medium"], "SCM_POLICY": ["static"], "W": [0], "TS": [0, 1]},
-    # the recommended family at every compute budget the report bins (curve 2.5 up to 0.6, 1.5 above)
-    family_grid((0.3, 0.4, 0.5, 0.6), 2.5),
-    family_grid((0.7, 0.8), 1.5),
+    # the recommended family at every compute budget the report bins
+    *({key: [value] for key, value in recommended(f).items()} for f in RECOMMENDED_BUDGETS),
 ]
 DEFAULT_GRID: list[dict[str, list[Any]]] = [
     {"Fn": [1], "RDT": [0.08, 0.12, 0.24], "MC": [3, -1], "TS": [0, 1]},
