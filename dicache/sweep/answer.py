@@ -86,7 +86,7 @@ def answer_lines(results: Mapping[str, Any]) -> list[str]:
         for r in entry["rows"]:
             baseline = "–" if r["baseline"] is None else compare.BASELINE_NAMES[r["baseline"]]
             if r["setting"] is None:
-                use, compute = "no dicache setting in this bin", "–"
+                use, compute = f"{baseline} (no dicache setting in this bin)", "–"
             elif r["margin"] is not None and r["margin"] < 0:
                 use, compute = f"{baseline} (dicache's best: {r['setting']})", f"{r['compute']:.3f}"
             else:
