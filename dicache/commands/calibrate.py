@@ -97,7 +97,7 @@ def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
     """(prompt, seed) pairs of `--prompts`: a count of the checkpoint's held-out prompts (built-in ones when it
     has none), or a prompt file."""
     from ..calibration import CalibrationError
-    from ..sweep.spec import FALLBACK_PROMPTS, make_samples, read_prompts
+    from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
 
     text = prompts.strip()
     if text.isdigit():

@@ -14,18 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..sweep.settings import grid_axes
+
 HELP = "sweep cache settings: compute fraction, time and fidelity (PSNR/SSIM/rel-L2) vs cache-dit and fewer steps"
 
-GRID_AXES = (
-    ("Fn", "Fn_compute_blocks", int),
-    ("Bn", "Bn_compute_blocks", int),
-    ("W", "max_warmup_steps", int),
-    ("RDT", "residual_diff_threshold", float),
-    ("MC", "max_continuous_cached_steps", int),
-    ("TS", "taylorseer_order", int),
-    ("SCM", "scm_preset", str),
-    ("SCM_POLICY", "scm_policy", str),
-)
+GRID_AXES = grid_axes()
+"""(flag, request key, value type) of the grid axes: `--<short name>` of each `AXIS_KEYS` setting."""
 QUICK_PROMPTS = 2
 DEFAULT_PROMPTS = 8
 
@@ -247,7 +241,7 @@ def _heldout_file(model: str | None) -> Path:
 
 def _default_prompts(model: str | None) -> list[tuple[str, int | None]]:
     """The checkpoint's held-out prompts (heldout_prompts.json) when it has them, else built-in ones."""
-    from ..sweep.spec import FALLBACK_PROMPTS, read_prompts
+    from ..sweep.prompts import FALLBACK_PROMPTS, read_prompts
 
     path = _heldout_file(model)
     if path.is_file():
@@ -303,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from ..sweep.run import run_sweep
+    from ..sweep.launch import run_sweep
 
     if args.threads is not None and args.threads < 1:
         from ..sweep.spec import SweepSpecError

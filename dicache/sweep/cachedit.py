@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 from ..config import CacheConfig
 from ..errors import DicacheError
 from ..policies import step_mask
-from .runners import CallRecorder, Sample
+from .runners import CallRecorder, Sample, recorded_sample
 from .spec import Schedule
 
 INSTALL_HINT = (
@@ -208,7 +207,6 @@ class CacheDitRunner:
             return {}
 
         with self._schedule_variant(schedule), CallRecorder(self.pipe.transformer) as rec:
-            start = time.perf_counter()
             out = self.pipe(
                 prompt,
                 height=height,
@@ -221,22 +219,17 @@ class CacheDitRunner:
                 callback_on_step_end=keep_latents,
                 callback_on_step_end_tensor_inputs=["latents"],
             )
-            total = time.perf_counter() - start
         num_blocks = self.num_blocks
         cached_steps = self._cached_steps(schedule.cfg) if cache is not None else {}
         cached = sum(len(v) for v in cached_steps.values())
         skipped = 0 if cache is None else num_blocks - cache.Fn_compute_blocks - cache.Bn_compute_blocks
-        return Sample(
-            image=out.images[0].detach().float().cpu(),
-            latents=final["latents"][0].detach().float().cpu(),
-            denoise_s=rec.denoise_s,
-            total_s=total,
-            calls=rec.calls,
+        return recorded_sample(
+            rec,
+            schedule,
+            out.images[0],
+            final["latents"][0],
+            num_blocks,
             cached_calls=cached,
             blocks_run=rec.calls * num_blocks - cached * skipped,
-            num_blocks=num_blocks,
-            image_tokens=rec.image_tokens,
-            text_tokens=rec.text_tokens,
             cached_steps=cached_steps,
-            full_calls=schedule.steps * (2 if schedule.cfg else 1),
         )

@@ -1,9 +1,11 @@
 """The Markdown report of a sweep: a plain function of the results (`results.json`'s content) to text.
 
-Per schedule: the uncached timings, dicache against the four same-compute baselines per compute bin and measure
-(`compare`: PSNR vs the uncached run and vs the high-accuracy reference, the issue's targets), the goal check (ours vs
-cache-dit vs fewer steps at every compute budget), recommended settings for the fidelity targets, the Pareto front,
-every cell sorted by compute fraction next to its same-compute fewer-steps baseline, and every baseline run.
+It opens with the answer (`answer.answer_lines`: which setting to use at each compute budget and by how much it beats
+the best same-compute baseline). Then per schedule: the uncached timings, dicache against the four same-compute
+baselines per compute bin and measure (`compare`: PSNR vs the uncached run and vs the high-accuracy reference, the
+issue's targets), the goal check (ours vs cache-dit vs fewer steps at every compute budget), recommended settings for
+the fidelity targets, the Pareto front, every cell sorted by compute fraction next to its same-compute fewer-steps
+baseline, and every baseline run. The method (model, samples, measures, baselines) comes last.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from . import compare
 from .analysis import cheapest_reaching, goal_check, pareto_front
+from .answer import answer_lines
 from .metrics import MS_SSIM_MIN_SIZE, PSNR_CAP_DB
 from .plots import PLOTS_DIR, schedule_records
 
@@ -119,8 +122,12 @@ def render_report(results: dict[str, Any]) -> str:
     n = len(meta["samples"])
     prompts = len({p for p, _ in meta["samples"]})
     comparisons = compare.compare(results)
-    lines = [
-        f"# dicache sweep: {meta['model']}",
+    lines = [f"# dicache sweep: {meta['model']}", "", *answer_lines(results)]
+    for schedule in meta["schedules"]:
+        lines += _schedule_section(results, schedule, by_key, meta["targets"], comparisons)
+    lines += [
+        "",
+        "## Method",
         "",
         f"- model: `{meta['model']}` (fingerprint `{meta['model_id']}`), {meta['num_blocks']} transformer blocks, "
         f"{meta['height']}×{meta['width']} px",
@@ -149,8 +156,6 @@ def render_report(results: dict[str, Any]) -> str:
     ]
     for note in meta.get("notes", []):
         lines.append(f"- note: {note}")
-    for schedule in meta["schedules"]:
-        lines += _schedule_section(results, schedule, by_key, meta["targets"], comparisons)
     return "\n".join(lines) + "\n"
 
 

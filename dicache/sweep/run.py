@@ -8,12 +8,11 @@ measured against the reference of its own pipeline (`psnr`, `ssim`, `rel_l2`) an
 Euler at `round(steps × compute fraction)` of each cell, and Euler, Heun and the `curved` schedule at each of
 `compute_targets` (`solvers.counts_for`: the counts just below and just above the target). Every finished record is
 appended to `results.jsonl` at once; a rerun with the same model, schedule, settings, samples, size and
-`reference_steps` skips it.
+`reference_steps` skips it. Record keys come from `keys`, records are built by `records`, `launch` loads the models.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import platform
@@ -27,25 +26,16 @@ from .. import __version__
 from . import solvers
 from .cachedit import unsupported_reason
 from .compare import compare
-from .flops import flops_ratio, krea2_call_flops
-from .metrics import ms_ssim, psnr, relative_l2, ssim
-from .runners import Sample, branches
-from .spec import QUANTIZED_METHODS, Cell, Schedule, SweepSpec, SweepSpecError, stable_hash
-from .store import ResultStore, model_fingerprint
+from .keys import RESULTS_VERSION, SweepKeys
+from .records import flops_ratio_of, measured_record, reference_record, sample_from_ref
+from .runners import Sample
+from .spec import QUANTIZED_METHODS, Cell, Schedule, SweepSpec, SweepSpecError
+from .store import ResultStore
 
-RESULTS_VERSION = 1
 GRIDS_DIR = "grids"
 
 
-def _mean(values: list[float]) -> float:
-    return float(sum(values) / len(values)) if values else float("nan")
-
-
-def _round(value: float | None, digits: int = 6) -> float | None:
-    return None if value is None else round(float(value), digits)
-
-
-class Sweep:
+class Sweep(SweepKeys):
     """One sweep over `spec` with the given runners, writing to `out_dir`.
 
     Args:
@@ -95,48 +85,6 @@ class Sweep:
                 cell.config.check_block_split(native.num_blocks)
             except Exception as exc:
                 raise SweepSpecError(f"grid cell {cell.label!r}: {exc}") from None
-
-    # ------------------------------------------------------------------ keys
-    def _key(self, **parts: Any) -> str:
-        base = {"model": self.model_id, "size": [self.height, self.width], "v": RESULTS_VERSION}
-        return stable_hash({**base, **parts})
-
-    def _measured_key(self, **parts: Any) -> str:
-        """A record measured against the references: its key also names the high-accuracy reference's steps (left
-        out when there is none, so that stores written before that reference existed still resume)."""
-        if self.spec.reference_steps:
-            parts["reference_steps"] = self.spec.reference_steps
-        return self._key(**parts)
-
-    def _samples_id(self) -> str:
-        return stable_hash([list(s) for s in self.spec.samples])
-
-    def ref_key(self, pipeline: str, schedule: Schedule, prompt: str, seed: int) -> str:
-        return self._key(kind="ref", pipeline=pipeline, schedule=schedule.to_dict(), prompt=prompt, seed=seed)
-
-    def hiref_key(self, schedule: Schedule, prompt: str, seed: int) -> str:
-        """The high-accuracy reference of one sample: independent of the schedule's step count."""
-        guidance = {"guidance_scale": schedule.guidance_scale, "variant": schedule.variant}
-        steps = self.spec.reference_steps
-        return self._key(kind="hiref", steps=steps, guidance=guidance, prompt=prompt, seed=seed)
-
-    def reference_key(self, pipeline: str, schedule: Schedule) -> str:
-        return self._measured_key(
-            kind="reference", pipeline=pipeline, schedule=schedule.to_dict(), samples=self._samples_id()
-        )
-
-    def cell_key(self, method: str, schedule: Schedule, cell: Cell) -> str:
-        return self._measured_key(
-            kind="cell", method=method, schedule=schedule.to_dict(), config=cell.canonical(), samples=self._samples_id()
-        )
-
-    def baseline_key(self, schedule: Schedule, steps: int) -> str:
-        return self._measured_key(kind="baseline", schedule=schedule.to_dict(), steps=steps, samples=self._samples_id())
-
-    def solver_key(self, kind: str, schedule: Schedule, count: int) -> str:
-        return self._measured_key(
-            kind="solver", solver=kind, schedule=schedule.to_dict(), count=count, samples=self._samples_id()
-        )
 
     # ------------------------------------------------------------------ planning
     def planned_generations(self) -> int:
@@ -336,10 +284,10 @@ class Sweep:
     def _baseline(self, schedule: Schedule, steps: int, refs: list[dict[str, Any]]) -> dict[str, Any]:
         """Fewer-steps Euler at `steps` steps (the native pipeline's own sampler, no cache)."""
         key = self.baseline_key(schedule, steps)
-        record = self.store.get(key)
-        if record is None:
+
+        def build() -> dict[str, Any]:
             if steps >= schedule.steps:
-                samples = [_sample_from_ref(r, self.native.num_blocks, schedule) for r in refs]
+                samples = [sample_from_ref(r, self.native.num_blocks, schedule) for r in refs]
             else:
                 self._bar.total += len(self.spec.samples)
                 samples = self._generate("native", schedule, steps, None, f"fewer steps {steps}")
@@ -347,19 +295,18 @@ class Sweep:
             record["setting"] = solvers.setting_label("euler", schedule.steps, steps)
             record["evaluations"] = steps
             record["grid"] = self._save_grid(schedule, f"fewer-steps-{steps}", refs, samples)
-            self.store.add(record)
-        if key not in self._order:
-            self._order.append(key)
-        return record
+            return record
+
+        return self._stored(key, build)
 
     def _solver_baseline(self, schedule: Schedule, kind: str, count: int, refs: list[dict]) -> dict[str, Any]:
         """A Heun or curved baseline (`solvers`) with solver count `count`, no cache."""
         key = self.solver_key(kind, schedule, count)
-        record = self.store.get(key)
-        if record is None:
+
+        def build() -> dict[str, Any]:
             label = solvers.setting_label(kind, schedule.steps, count)
             if self._is_reference(kind, schedule, count):
-                samples = [_sample_from_ref(r, self.native.num_blocks, schedule) for r in refs]
+                samples = [sample_from_ref(r, self.native.num_blocks, schedule) for r in refs]
             else:
                 samples = []
                 for prompt, seed in self.spec.samples:
@@ -375,6 +322,15 @@ class Sweep:
             if kind == "curved":
                 record["computed_steps"] = solvers.curved_steps(schedule.steps, count)
             record["grid"] = self._save_grid(schedule, f"{kind}-{count}", refs, samples)
+            return record
+
+        return self._stored(key, build)
+
+    def _stored(self, key: str, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The stored record of `key`, else `build()`'s (stored now); either way listed once in the results' order."""
+        record = self.store.get(key)
+        if record is None:
+            record = build()
             self.store.add(record)
         if key not in self._order:
             self._order.append(key)
@@ -382,24 +338,7 @@ class Sweep:
 
     # ------------------------------------------------------------------ records
     def _flops_ratio(self, pipeline: str, schedule: Schedule, s: Sample) -> float:
-        runner = self._runner(pipeline)
-        call = krea2_call_flops(runner_config(runner), s.image_tokens, s.text_tokens)
-        full_calls = s.full_calls if s.full_calls is not None else s.calls
-        if runner.text_per_call:
-            return flops_ratio(call, s.calls, s.blocks_run, s.calls, full_calls, full_calls)
-        return flops_ratio(call, s.calls, s.blocks_run, branches(schedule), full_calls, branches(schedule))
-
-    def _against_hirefs(self, samples: list[Any]) -> dict[str, list[float]] | None:
-        """PSNR (images) and relative L2 (latents) of each sample against the high-accuracy reference."""
-        hirefs = self._hirefs
-        if not hirefs:
-            return None
-        images = torch.stack([s["image"] if isinstance(s, dict) else s.image for s in samples])
-        latents = torch.stack([s["latents"] if isinstance(s, dict) else s.latents for s in samples])
-        return {
-            "psnr_ref": psnr(images, torch.stack([h["image"] for h in hirefs])),
-            "rel_l2_ref": relative_l2(latents, torch.stack([h["latents"] for h in hirefs])),
-        }
+        return flops_ratio_of(self._runner(pipeline), schedule, s)
 
     def _record(
         self,
@@ -412,92 +351,28 @@ class Sweep:
         cell: Cell | None = None,
         steps: int | None = None,
     ) -> dict[str, Any]:
-        images = torch.stack([s.image for s in samples])
-        ref_images = torch.stack([r["image"] for r in refs])
-        latents = torch.stack([s.latents for s in samples])
-        ref_latents = torch.stack([r["latents"] for r in refs])
-        p, q, l2 = psnr(images, ref_images), ssim(images, ref_images), relative_l2(latents, ref_latents)
-        ms = ms_ssim(images, ref_images)
-        hi = self._against_hirefs(samples)
-        per = []
-        for i, ((prompt, seed), s) in enumerate(zip(self.spec.samples, samples)):
-            per.append(
-                {
-                    "prompt": prompt,
-                    "seed": seed,
-                    "psnr": _round(p[i], 4),
-                    "ssim": _round(q[i]),
-                    "ms_ssim": None if ms is None else _round(ms[i]),
-                    "rel_l2": _round(l2[i]),
-                    "psnr_ref": None if hi is None else _round(hi["psnr_ref"][i], 4),
-                    "rel_l2_ref": None if hi is None else _round(hi["rel_l2_ref"][i]),
-                    "compute_fraction": _round(s.compute_fraction),
-                    "flops_ratio": _round(self._flops_ratio(pipeline, schedule, s)),
-                    "calls": s.calls,
-                    "cached_calls": s.cached_calls,
-                    "cached_steps": s.cached_steps,
-                    "denoise_s": _round(s.denoise_s, 4),
-                    "e2e_s": _round(s.total_s, 4),
-                }
-            )
         ref_record = self.store.get(self.reference_key(self._reference_pipeline(pipeline), schedule)) or {}
-        denoise, e2e = _mean([s.denoise_s for s in samples]), _mean([s.total_s for s in samples])
-        record = {
-            "key": key,
-            "method": method,
-            "pipeline": pipeline,
-            "schedule": schedule.to_dict(),
-            "schedule_name": schedule.name,
-            "schedule_slug": schedule.slug,
-            "steps": steps or schedule.steps,
-            "setting": cell.label if cell is not None else f"{steps or schedule.steps} of {schedule.steps} steps",
-            "settings": cell.overrides if cell is not None else None,
-            "compute_fraction": _round(_mean([x["compute_fraction"] for x in per])),
-            "flops_ratio": _round(_mean([x["flops_ratio"] for x in per])),
-            "psnr": _round(_mean(p), 4),
-            "psnr_min": _round(min(p), 4),
-            "ssim": _round(_mean(q)),
-            "ms_ssim": None if ms is None else _round(_mean(ms)),
-            "rel_l2": _round(_mean(l2)),
-            "psnr_ref": None if hi is None else _round(_mean(hi["psnr_ref"]), 4),
-            "psnr_ref_min": None if hi is None else _round(min(hi["psnr_ref"]), 4),
-            "rel_l2_ref": None if hi is None else _round(_mean(hi["rel_l2_ref"])),
-            "denoise_s": _round(denoise, 4),
-            "e2e_s": _round(e2e, 4),
-            "speedup_denoise": _round(ref_record.get("denoise_s", 0) / denoise if denoise > 0 else None, 3),
-            "speedup_e2e": _round(ref_record.get("e2e_s", 0) / e2e if e2e > 0 else None, 3),
-            "samples": per,
-        }
-        return record
+        flops = [self._flops_ratio(pipeline, schedule, s) for s in samples]
+        return measured_record(
+            key,
+            method,
+            pipeline,
+            schedule,
+            samples,
+            refs,
+            self.spec.samples,
+            self._hirefs,
+            flops,
+            ref_record,
+            cell,
+            steps,
+        )
 
     def _reference_record(self, key: str, pipeline: str, schedule: Schedule, refs: list[dict]) -> dict[str, Any]:
-        record = {
-            "key": key,
-            "method": "uncached",
-            "pipeline": pipeline,
-            "schedule": schedule.to_dict(),
-            "schedule_name": schedule.name,
-            "schedule_slug": schedule.slug,
-            "steps": schedule.steps,
-            "setting": f"{schedule.steps} steps, no cache ({pipeline})",
-            "compute_fraction": 1.0,
-            "flops_ratio": 1.0,
-            "denoise_s": _round(_mean([r["denoise_s"] for r in refs]), 4),
-            "e2e_s": _round(_mean([r["total_s"] for r in refs]), 4),
-            "image_tokens": int(refs[0]["image_tokens"]),
-            "text_tokens": int(refs[0]["text_tokens"]),
-        }
-        hi = self._against_hirefs(refs)
-        if hi is not None:  # how far the uncached n-step run itself is from the high-accuracy reference
-            record["psnr_ref"] = _round(_mean(hi["psnr_ref"]), 4)
-            record["psnr_ref_min"] = _round(min(hi["psnr_ref"]), 4)
-            record["rel_l2_ref"] = _round(_mean(hi["rel_l2_ref"]))
-        if pipeline != "native":  # how close the two pipelines' uncached outputs are (same checkpoint, seed)
+        native = None
+        if pipeline != "native":
             native = [self.store.load_ref(self.ref_key("native", schedule, p, s)) for p, s in self.spec.samples]
-            if all(n is not None for n in native):
-                a, b = torch.stack([r["image"] for r in refs]), torch.stack([n["image"] for n in native])
-                record["psnr_vs_native"] = _round(_mean(psnr(a, b)), 4)
-        return record
+        return reference_record(key, pipeline, schedule, refs, self._hirefs, native)
 
     def _save_grid(self, schedule: Schedule, name: str, refs: list[dict], samples: list[Sample]) -> str:
         from .plots import save_image_grid
@@ -555,11 +430,6 @@ class Sweep:
         }
 
 
-def runner_config(runner: Any) -> Any:
-    pipe = getattr(runner, "pipe", None)
-    return pipe.transformer.config if pipe is not None else runner.transformer_config
-
-
 def machine_description() -> str:
     """e.g. `Linux x86_64, 2 CPU threads (torch: 2), CPU` or `..., NVIDIA H200`."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
@@ -567,99 +437,3 @@ def machine_description() -> str:
         f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU threads "
         f"(torch: {torch.get_num_threads()}), {device}"
     )
-
-
-def _sample_from_ref(ref: dict[str, Any], num_blocks: int, schedule: Schedule) -> Sample:
-    return Sample(
-        image=ref["image"],
-        latents=ref["latents"],
-        denoise_s=ref["denoise_s"],
-        total_s=ref["total_s"],
-        calls=ref["calls"],
-        cached_calls=0,
-        blocks_run=ref["calls"] * num_blocks,
-        num_blocks=num_blocks,
-        image_tokens=ref["image_tokens"],
-        text_tokens=ref["text_tokens"],
-        full_calls=schedule.steps * branches(schedule),
-    )
-
-
-def model_identity(model: str | os.PathLike | None) -> tuple[str, str]:
-    """(display name, fingerprint) of a model argument; None is the embedded checkpoint."""
-    from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT, EMBEDDED_TURBO_CHECKPOINT
-
-    path = Path(model) if model is not None else EMBEDDED_CHECKPOINT
-    name = "embedded krea2-tiny" if model is None else str(model)
-    if path.is_dir() and path.resolve() == EMBEDDED_TURBO_CHECKPOINT:
-        name = "embedded krea2-tiny-turbo"
-    return name, model_fingerprint(path) if path.is_dir() else str(model)
-
-
-def run_sweep(
-    spec: SweepSpec,
-    out_dir: str | os.PathLike,
-    *,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-    dtype: torch.dtype = torch.float32,
-    device: str | None = None,
-) -> dict[str, Any]:
-    """Load the model(s) named by `spec` (both pipelines in `dtype` on `device`), run (or resume) the sweep into
-    `out_dir`, write `results.json`, `report.md` and the plots; returns the results. cache-dit is loaded only when
-    `spec.methods` has it.
-
-    Nothing needs a network when the model is a local folder (the embedded checkpoint by default). float32 on CUDA
-    is true float32 (TF32 off for matmuls and cuDNN convolutions while the sweep runs), as on a CPU."""
-    from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT
-    from .cachedit import CacheDitRunner
-    from .report import write_report
-    from .runners import NativeRunner
-
-    name, model_id = model_identity(spec.model)
-    # results depend on the numerics too: a sweep resumed in another dtype or on another device type starts afresh
-    model_id = f"{model_id}|{str(dtype).removeprefix('torch.')}|{torch.device(device or 'cpu').type}"
-    with _full_float32():
-        native = NativeRunner.load(spec.model, dtype=dtype, device=device)
-        quantized = {}
-        for quantization, method in QUANTIZED_METHODS.items():
-            if method in spec.methods:
-                if dtype != torch.bfloat16:
-                    raise SweepSpecError(
-                        f"method {method!r} (--quantization {quantization}) is measured against bf16: pass --dtype "
-                        f"bfloat16 (got {str(dtype).removeprefix('torch.')})"
-                    )
-                quantized[method] = NativeRunner.load(spec.model, dtype=dtype, device=device, quantization=quantization)
-        cache_dit = None
-        if "cache-dit" in spec.methods:
-            model_dir = Path(spec.model) if spec.model is not None else EMBEDDED_CHECKPOINT
-            if not model_dir.is_dir():
-                raise SweepSpecError(
-                    f"cache-dit runs diffusers' Krea2Pipeline from a local folder; {model_dir} is not one"
-                )
-            cache_dit = CacheDitRunner.load(str(model_dir), dtype=dtype, device=device)
-        sweep = Sweep(
-            spec,
-            out_dir,
-            native,
-            cache_dit,
-            model_id=model_id,
-            model_name=name,
-            progress=progress,
-            log=log,
-            quantized=quantized,
-        )
-        results = sweep.run()
-    write_report(results, out_dir)
-    return results
-
-
-@contextlib.contextmanager
-def _full_float32():
-    """TF32 off for CUDA matmuls and cuDNN convolutions inside; the previous flags restored after."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn

@@ -60,13 +60,42 @@ def branches(schedule: Schedule) -> int:
     return 2 if schedule.cfg else 1
 
 
+def recorded_sample(
+    rec: CallRecorder,
+    schedule: Schedule,
+    image: torch.Tensor,
+    latents: torch.Tensor,
+    num_blocks: int,
+    *,
+    cached_calls: int = 0,
+    blocks_run: int | None = None,
+    cached_steps: dict[str, list[int]] | None = None,
+) -> Sample:
+    """The `Sample` of one generation that `rec` recorded: `image` / `latents` copied to float32 on the CPU;
+    `blocks_run` None: every block of every call ran (uncached); `full_calls` the schedule's uncached calls."""
+    return Sample(
+        image=image.detach().float().cpu(),
+        latents=latents.detach().float().cpu(),
+        denoise_s=rec.denoise_s,
+        total_s=rec.total_s,
+        calls=rec.calls,
+        cached_calls=cached_calls,
+        blocks_run=rec.calls * num_blocks if blocks_run is None else blocks_run,
+        num_blocks=num_blocks,
+        image_tokens=rec.image_tokens,
+        text_tokens=rec.text_tokens,
+        cached_steps=cached_steps or {},
+        full_calls=schedule.steps * branches(schedule),
+    )
+
+
 class CallRecorder:
     """Counts a module's calls, times the first start to the last end, and reads token counts from the first call.
 
     On CUDA the device is synchronised at the first call's start and at every call's end, so times are real.
-    Token counts: `hidden_states` (positional 0 or keyword) `(B, N, C)` gives N image tokens; `encoder_hidden_states`
-    (positional 1 or keyword) gives the text tokens: `.num_tokens` when it has one (native, padding dropped), else its
-    dim 1 (diffusers, padded).
+    `total_s`: seconds inside the `with` block (the whole pipeline call). Token counts: `hidden_states` (positional 0
+    or keyword) `(B, N, C)` gives N image tokens; `encoder_hidden_states` (positional 1 or keyword) gives the text
+    tokens: `.num_tokens` when it has one (native, padding dropped), else its dim 1 (diffusers, padded).
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -76,6 +105,8 @@ class CallRecorder:
         self.last_end: float | None = None
         self.image_tokens = 0
         self.text_tokens = 0
+        self.total_s = 0.0
+        self._entered = 0.0
         self._handles: list[Any] = []
 
     def __enter__(self) -> CallRecorder:
@@ -83,9 +114,11 @@ class CallRecorder:
             self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
             self.module.register_forward_hook(self._post),
         ]
+        self._entered = time.perf_counter()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.total_s = time.perf_counter() - self._entered
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -177,7 +210,6 @@ class NativeRunner:
 
         self._configure(cache)
         with CallRecorder(self.pipe.transformer) as rec:
-            start = time.perf_counter()
             out = self.pipe(
                 prompt,
                 height=height,
@@ -188,26 +220,18 @@ class NativeRunner:
                 output_type="pt",
                 variant=schedule.variant,
             )
-            total = time.perf_counter() - start
-        num_blocks = self.num_blocks
-        cached, blocks_run, cached_steps = 0, rec.calls * num_blocks, {}
-        if cache is not None:
-            stats = dicache.stats(self.pipe)
-            cached, blocks_run = stats.cached_calls, stats.blocks_run
-            cached_steps = {name: list(b.cached_steps) for name, b in stats.branches.items()}
-        return Sample(
-            image=out.images[0].detach().float().cpu(),
-            latents=out.latents[0].detach().float().cpu(),
-            denoise_s=rec.denoise_s,
-            total_s=total,
-            calls=rec.calls,
-            cached_calls=cached,
-            blocks_run=blocks_run,
-            num_blocks=num_blocks,
-            image_tokens=rec.image_tokens,
-            text_tokens=rec.text_tokens,
-            cached_steps=cached_steps,
-            full_calls=schedule.steps * branches(schedule),
+        if cache is None:
+            return recorded_sample(rec, schedule, out.images[0], out.latents[0], self.num_blocks)
+        stats = dicache.stats(self.pipe)
+        return recorded_sample(
+            rec,
+            schedule,
+            out.images[0],
+            out.latents[0],
+            self.num_blocks,
+            cached_calls=stats.cached_calls,
+            blocks_run=stats.blocks_run,
+            cached_steps={name: list(b.cached_steps) for name, b in stats.branches.items()},
         )
 
     def generate_baseline(
@@ -219,7 +243,6 @@ class NativeRunner:
 
         self._configure(None)
         with CallRecorder(self.pipe.transformer) as rec:
-            start = time.perf_counter()
             run = solvers.sample(
                 self.pipe,
                 prompt,
@@ -233,17 +256,4 @@ class NativeRunner:
                 variant=schedule.variant,
             )
             image = self.pipe.decode(run.latents, height, width, "pt")[0]
-            total = time.perf_counter() - start
-        return Sample(
-            image=image.detach().float().cpu(),
-            latents=run.latents[0].detach().float().cpu(),
-            denoise_s=rec.denoise_s,
-            total_s=total,
-            calls=rec.calls,
-            cached_calls=0,
-            blocks_run=rec.calls * self.num_blocks,
-            num_blocks=self.num_blocks,
-            image_tokens=rec.image_tokens,
-            text_tokens=rec.text_tokens,
-            full_calls=schedule.steps * branches(schedule),
-        )
+        return recorded_sample(rec, schedule, image, run.latents[0], self.num_blocks)

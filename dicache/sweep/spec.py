@@ -1,4 +1,5 @@
-"""What a sweep runs: schedules, cache-setting cells, prompts and seeds; read from CLI values or a YAML/JSON file.
+"""What a sweep runs: schedules, cache-setting cells, samples (prompt sets: `prompts`); read from CLI values or a
+YAML/JSON grid file.
 
 A *cell* is one set of cache settings, validated by `dicache.CacheConfig` against the built-in defaults (the
 `SGLANG_CACHE_DIT_*` environment is ignored so that a sweep is reproducible). Grid keys are `CacheConfig` request
@@ -16,8 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import SETTINGS, CacheConfig
+from ..config import CacheConfig
 from ..errors import ConfigError
+from .errors import SweepSpecError, as_int
+from .files import read_data_file
+from .prompts import FALLBACK_PROMPTS as FALLBACK_PROMPTS  # re-exported: the prompt sets live in `prompts`
+from .prompts import make_samples as make_samples
+from .prompts import read_prompts as read_prompts
+from .settings import ALIASES, GRID_KEYS, RECOMMENDED_BUDGETS, cell_label, recommended
 
 METHODS = ("ours", "cache-dit", "ours-fp8")
 """Cached methods a sweep can run (over the grid's cells; cache-dit over `cachedit_grid` when given). `ours-fp8` is
@@ -32,12 +39,9 @@ BASELINES = (*SOLVER_BASELINES, "cachedit")
 """Names a sweep spec's `baselines` list takes; `cachedit` (or `cache-dit`) = the cache-dit method."""
 DEFAULT_REFERENCE_STEPS = 200
 """Steps of the high-accuracy reference (uncached Euler, same prompt, seed and guidance) for `psnr_ref`."""
-DEFAULT_COMPUTE_TARGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+DEFAULT_COMPUTE_TARGETS = RECOMMENDED_BUDGETS
 """Compute fractions at which the baselines run (and the report's bins are centred)."""
 
-ALIASES = {s.short: s.key for s in SETTINGS if s.short != s.key and s.key != "enable_cache"}
-"""Short names a grid may use for a key: each setting's declared short name (`Fn`, `W`, `RDT`, `TS`, `SCM`...)."""
-GRID_KEYS = tuple(s.key for s in SETTINGS if s.key != "enable_cache")
 FILE_KEYS = (
     "model",
     "prompts",
@@ -56,10 +60,6 @@ FILE_KEYS = (
     "quantization",
 )
 VARIANTS = ("turbo", "raw")
-
-
-class SweepSpecError(ConfigError):
-    """A bad sweep input (grid key, value, schedule, prompt file); the message names it and what is allowed."""
 
 
 # ---------------------------------------------------------------------------------------------------- schedules
@@ -120,29 +120,19 @@ class Schedule:
                     f"schedule keys {sorted(unknown)} are unknown; allowed: steps, guidance_scale, variant"
                 )
             return cls(
-                _as_int(value.get("steps"), "schedule steps"),
+                as_int(value.get("steps"), "schedule steps"),
                 float(value.get("guidance_scale", 1.0)),
                 value.get("variant"),
             )
         parts = str(value).split(":")
         if not 1 <= len(parts) <= 3:
             raise SweepSpecError(f"schedule {value!r} is invalid: expected STEPS[:CFG_SCALE[:VARIANT]], e.g. 28:4.5")
-        steps = _as_int(parts[0], f"schedule {value!r} steps")
+        steps = as_int(parts[0], f"schedule {value!r} steps")
         try:
             scale = float(parts[1]) if len(parts) > 1 else 1.0
         except ValueError:
             raise SweepSpecError(f"schedule {value!r}: CFG scale {parts[1]!r} is not a number") from None
         return cls(steps, scale, parts[2] if len(parts) > 2 else None)
-
-
-def _as_int(value: Any, what: str) -> int:
-    if isinstance(value, bool):
-        raise SweepSpecError(f"{what}={value!r} is invalid: must be an integer")
-    try:
-        number = int(str(value))
-    except (TypeError, ValueError):
-        raise SweepSpecError(f"{what}={value!r} is invalid: must be an integer") from None
-    return number
 
 
 # ---------------------------------------------------------------------------------------------------- cells
@@ -169,65 +159,6 @@ class Cell:
         data = self.config.model_dump()
         data.pop("enable_cache", None)
         return data
-
-
-_LABELLED = {
-    "enable_cache",
-    "Fn_compute_blocks",
-    "Bn_compute_blocks",
-    "max_warmup_steps",
-    "max_continuous_cached_steps",
-    "residual_diff_threshold",
-    "max_cached_steps",
-    "scm_preset",
-    "scm_compute_bins",
-    "scm_cache_bins",
-    "scm_policy",
-    "scm_compute_fraction",
-    "scm_curve",
-    "enable_taylorseer",
-    "taylorseer_order",
-    "taylorseer_distance",
-    "taylorseer_damping",
-    "policy",
-}
-
-
-def cell_label(c: CacheConfig) -> str:
-    """A compact name, e.g. `F1B0 W4 MC3 R0.24 TS1`, `F1B0 W4 SCM fast/static` or `F0B0 W0 SCM curved 0.4 γ1.5/static`;
-    any other setting that differs from its default is appended as `key=value`."""
-    parts = [f"F{c.Fn_compute_blocks}B{c.Bn_compute_blocks}", f"W{c.max_warmup_steps}"]
-    static_mask = c.has_step_mask and c.scm_policy == "static"
-    if not static_mask:
-        parts += [f"MC{c.max_continuous_cached_steps}", f"R{c.residual_diff_threshold:g}"]
-    if c.max_cached_steps >= 0:
-        parts.append(f"M{c.max_cached_steps}")
-    if c.has_step_mask:
-        if c.scm_preset == "curved":
-            mask = f"curved {c.scm_compute_fraction:g} γ{c.scm_curve:g}"
-        elif c.scm_preset != "none":
-            mask = c.scm_preset
-        else:
-            mask = "bins " + "-".join(map(str, c.scm_compute_bins or []))
-        parts.append(f"SCM {mask}/{c.scm_policy}")
-    if c.enable_taylorseer:
-        damping = _get(c, "taylorseer_damping", 1.0)
-        parts.append(
-            f"TS{c.taylorseer_order}"
-            + ("σ" if c.taylorseer_distance == "sigma" else "")
-            + (f" d{damping:g}" if damping < 1.0 else "")
-        )
-    if c.policy != "dbcache":
-        parts.append(f"policy {c.policy}")
-    defaults = CacheConfig.from_env({}).model_dump()
-    for key, value in c.model_dump().items():
-        if key not in _LABELLED and value != defaults.get(key):
-            parts.append(f"{key}={value}")
-    return " ".join(parts)
-
-
-def _get(config: CacheConfig, key: str, default: Any) -> Any:
-    return getattr(config, key, default)
 
 
 def make_cell(values: Mapping[str, Any]) -> Cell:
@@ -303,6 +234,8 @@ def stable_hash(obj: Any, length: int = 16) -> str:
 QUICK_GRID: list[dict[str, list[Any]]] = [
     {"RDT": [0.08, 0.24], "TS": [0, 1]},
     {"SCM": ["medium"], "SCM_POLICY": ["static"], "W": [0], "TS": [0, 1]},
+    # the recommended family at every compute budget the report bins
+    *({key: [value] for key, value in recommended(f).items()} for f in RECOMMENDED_BUDGETS),
 ]
 DEFAULT_GRID: list[dict[str, list[Any]]] = [
     {"Fn": [1], "RDT": [0.08, 0.12, 0.24], "MC": [3, -1], "TS": [0, 1]},
@@ -315,16 +248,6 @@ DEFAULT_SCHEDULES = ("8", "28:4.5", "50:4.5")
 TURBO_SCHEDULES = ("8",)
 """Default schedules of a sweep of the distilled Turbo checkpoint (`dicache sweep --variant turbo`)."""
 DEFAULT_TARGETS = (30.0, 35.0, 40.0)
-FALLBACK_PROMPTS = (
-    "red apple",
-    "grinning face",
-    "rocket",
-    "dog face",
-    "pizza",
-    "snowman",
-    "sun with face",
-    "soccer ball",
-)
 
 
 @dataclass
@@ -405,7 +328,7 @@ def parse_reference_steps(value: Any) -> int | None:
     """`reference_steps`: an integer >= 1, or 0 / None / "off" for no high-accuracy reference."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("off", "none", "null", "")):
         return None
-    steps = _as_int(value, "reference_steps")
+    steps = as_int(value, "reference_steps")
     if steps < 0:
         raise SweepSpecError(f"reference_steps={value!r} is invalid: must be an integer >= 1 (or 0/null: off)")
     return steps or None
@@ -413,75 +336,10 @@ def parse_reference_steps(value: Any) -> int | None:
 
 def read_grid_file(path: str | Path) -> dict[str, Any]:
     """A YAML (.yaml/.yml) or JSON grid file as a mapping; top-level keys are checked against `FILE_KEYS`."""
-    p = Path(path)
-    if not p.is_file():
-        raise SweepSpecError(f"grid file {str(path)!r} does not exist")
-    text = p.read_text()
-    try:
-        if p.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as exc:  # yaml and json raise their own types; the message names the file
-        raise SweepSpecError(f"grid file {str(path)!r} cannot be parsed: {exc}") from None
+    data = read_data_file(path, "grid file", SweepSpecError)
     if not isinstance(data, Mapping):
         raise SweepSpecError(f"grid file {str(path)!r} must hold a mapping with keys among {', '.join(FILE_KEYS)}")
     unknown = sorted(set(data) - set(FILE_KEYS))
     if unknown:
         raise SweepSpecError(f"grid file {str(path)!r}: unknown key(s) {unknown}; allowed: {', '.join(FILE_KEYS)}")
     return dict(data)
-
-
-def read_prompts(path: str | Path, split: str | None = None) -> list[tuple[str, int | None]]:
-    """(prompt, seed or None) pairs from a text file (one prompt a line) or JSON: a list of strings, a list of
-    `{"prompt", "seed"}` objects, or an object with `prompts` (such a list) and optionally `seeds` (then every prompt
-    gets every seed). With `split`, only entries whose `"split"` equals it (the embedded held-out set marks
-    `heldout` / `train`) are kept, when the file has splits."""
-    p = Path(path)
-    if not p.is_file():
-        raise SweepSpecError(f"prompt file {str(path)!r} does not exist")
-    if p.suffix.lower() != ".json":
-        return [(line.strip(), None) for line in p.read_text().splitlines() if line.strip()]
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise SweepSpecError(f"prompt file {str(path)!r} is not valid JSON: {exc}") from None
-    if isinstance(data, Mapping):
-        items, seeds = data.get("prompts"), data.get("seeds")
-    else:
-        items, seeds = data, None
-    if not isinstance(items, list) or not items:
-        raise SweepSpecError(f"prompt file {str(path)!r}: expected a non-empty list of prompts")
-    if split is not None and any(isinstance(i, Mapping) and "split" in i for i in items):
-        items = [i for i in items if isinstance(i, Mapping) and i.get("split") == split]
-    pairs: list[tuple[str, int | None]] = []
-    for item in items:
-        if isinstance(item, str):
-            pairs.append((item, None))
-        elif isinstance(item, Mapping) and isinstance(item.get("prompt"), str):
-            seed = item.get("seed")
-            pairs.append((item["prompt"], None if seed is None else _as_int(seed, f"seed of {item['prompt']!r}")))
-        else:
-            raise SweepSpecError(f"prompt file {str(path)!r}: entry {item!r} is neither a string nor {{'prompt': ...}}")
-    if seeds is not None:
-        pairs = [(prompt, _as_int(s, "seed")) for prompt, _ in pairs for s in seeds]
-    return pairs
-
-
-def make_samples(
-    pairs: Sequence[tuple[str, int | None]], seeds: Sequence[int] | None, limit: int | None = None
-) -> list[tuple[str, int]]:
-    """(prompt, seed) samples: with `seeds`, every prompt with every seed; else each pair's own seed (0 if none).
-    `limit` keeps the first `limit` prompts."""
-    prompts = list(dict.fromkeys(p for p, _ in pairs))
-    if limit is not None:
-        if limit < 1:
-            raise SweepSpecError(f"num_prompts={limit} is invalid: must be >= 1")
-        keep = set(prompts[:limit])
-        pairs = [pair for pair in pairs if pair[0] in keep]
-        prompts = prompts[:limit]
-    if seeds is not None:
-        return [(p, int(s)) for p in prompts for s in seeds]
-    return list(dict.fromkeys((p, 0 if s is None else int(s)) for p, s in pairs))
