@@ -205,6 +205,12 @@ class CacheConfig(BaseSettings):
         le=1.0,
         meaning="scale of TaylorSeer's extrapolation terms (1: plain TaylorSeer, 0: reuse)",
     )
+    forecaster: Literal["taylor", "corrected"] = setting(
+        "taylor",
+        env="FORECASTER",
+        meaning="with TaylorSeer on: taylor (fixed TS_DAMPING) or corrected (the gain re-fitted from the forecast "
+        "error at every computed step, starting at TS_DAMPING)",
+    )
     scm_preset: Literal["none", "slow", "medium", "fast", "ultra", "curved"] = setting(
         "none",
         env="SCM_PRESET",
@@ -264,7 +270,7 @@ class CacheConfig(BaseSettings):
     def _split_bins(cls, value: Any) -> Any:
         return _parse_bins(value)
 
-    @field_validator("scm_preset", "scm_policy", "policy", "taylorseer_distance", mode="before")
+    @field_validator("scm_preset", "scm_policy", "policy", "taylorseer_distance", "forecaster", mode="before")
     @classmethod
     def _lowercase_choice(cls, value: Any) -> Any:
         return _lower(value)

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from dicache.calibrators import ReuseCalibrator, TaylorSeerCalibrator
+from dicache.calibrators import CorrectedTaylorCalibrator, ReuseCalibrator, TaylorSeerCalibrator, make_calibrator
+from dicache.config import CacheConfig
 
 
 def poly(coeffs):
@@ -76,3 +77,63 @@ def test_damping_scales_the_extrapolation_terms():
     torch.testing.assert_close(estimates[0.5], torch.full((3,), 4.0))
     with pytest.raises(ValueError, match="taylorseer_damping"):
         TaylorSeerCalibrator(order=1, damping=1.5)
+
+
+@pytest.mark.parametrize("positions", [[0, 1, 2, 3], [0, 1, 3, 7], [1.0, 0.9, 0.62, 0.2]])
+def test_corrected_is_exact_on_linear_sequences_from_the_third_computed_step(positions):
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    cal = CorrectedTaylorCalibrator(1, damping=0.5)
+    for x in positions:
+        cal.update(x, a + b * x)
+    assert cal.gain == pytest.approx(1.0)
+    step = positions[-1] - positions[-2]
+    for target in (positions[-1] + step * 0.5, positions[-1] + 3 * step):
+        torch.testing.assert_close(cal.estimate(target), a + b * target, rtol=1e-9, atol=1e-9)
+    assert cal.stored_tensors == 2
+
+
+@pytest.mark.parametrize("q", [0.3, 0.7, 1.0])
+def test_corrected_is_exact_one_step_ahead_on_geometric_increments(q):
+    torch.manual_seed(1)
+    a, b = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    f = lambda n: a + b * sum(q**i for i in range(n))  # noqa: E731  increments b, b·q, b·q², …
+    cal = CorrectedTaylorCalibrator(1, damping=0.5)
+    for n in range(4):
+        cal.update(float(n), f(n))
+    assert cal.gain == pytest.approx(q)
+    torch.testing.assert_close(cal.estimate(4.0), f(4), rtol=1e-9, atol=1e-9)
+
+
+def test_corrected_falls_back_to_reuse_then_damped_taylorseer():
+    cal = CorrectedTaylorCalibrator(1, damping=0.5)
+    assert not cal.ready
+    cal.update(0, torch.tensor([1.0]))
+    assert cal.estimate(5).item() == 1.0  # one point: plain reuse
+    cal.update(1, torch.tensor([3.0]))
+    assert cal.estimate(2).item() == 4.0  # two points: TaylorSeer with the configured damping
+    assert cal.gain == 0.5
+
+
+def test_corrected_gain_is_clamped_and_kept_when_the_trend_is_zero():
+    cal = CorrectedTaylorCalibrator(1, damping=0.5)
+    for x, m in ((0, 0.0), (1, 1.0), (2, 5.0)):  # the trend carried 4x as far as predicted: clamped to 1
+        cal.update(x, torch.tensor([m]))
+    assert cal.gain == 1.0
+    cal.update(3, torch.tensor([3.0]))  # overshoot the other way: the fit is negative, clamped to 0
+    assert cal.gain == 0.0
+    cal = CorrectedTaylorCalibrator(1, damping=0.5)
+    for x in (0, 1, 2):
+        cal.update(x, torch.tensor([2.0]))  # flat: no trend to fit, the gain stays at the damping
+    assert cal.gain == 0.5
+    cal.reset()
+    assert not cal.ready and cal.gain == 0.5
+
+
+def test_make_calibrator_picks_the_forecaster():
+    on = {"enable_taylorseer": True, "taylorseer_damping": 0.5}
+    assert type(make_calibrator(CacheConfig.from_env({}, **on))) is TaylorSeerCalibrator
+    corrected = make_calibrator(CacheConfig.from_env({}, forecaster="corrected", **on))
+    assert isinstance(corrected, CorrectedTaylorCalibrator) and corrected.damping == 0.5
+    assert type(make_calibrator(CacheConfig.from_env({}, forecaster="corrected"))) is ReuseCalibrator
+    assert CacheConfig.from_env({"SGLANG_CACHE_DIT_FORECASTER": "Corrected"}).forecaster == "corrected"

@@ -182,6 +182,19 @@ def test_taylorseer_extrapolates_a_linear_middle_residual_exactly():
     assert max((reuse[s] - plain[s]).abs().max().item() for s in range(3, 8)) > 1e-2
 
 
+def test_corrected_forecaster_extrapolates_a_linear_middle_residual_exactly_through_the_engine():
+    torch.manual_seed(3)
+    model = ToyTransformer(num_blocks=5, dim=8, block=LinearInTimeBlock).eval()
+    x = torch.randn(1, 3, 8)
+    plain = run(model, x, 8)
+    base = dict(max_warmup_steps=3, residual_diff_threshold=1e9, max_continuous_cached_steps=-1)
+    dicache.enable(model, cfg(enable_taylorseer=True, taylorseer_damping=0.5, forecaster="corrected", **base))
+    corrected = run(model, x, 8)  # 3 warm-up steps: the gain is fitted to 1 at step 2, undoing the damping
+    assert dicache.stats(model).branches["cond"].cached_steps == [3, 4, 5, 6, 7]
+    for s in range(3, 8):
+        torch.testing.assert_close(corrected[s], plain[s], rtol=1e-5, atol=1e-5)
+
+
 def test_taylorseer_can_measure_distance_in_sigma():
     torch.manual_seed(3)
     model = ToyTransformer(num_blocks=5, dim=8, block=LinearInTimeBlock).eval()

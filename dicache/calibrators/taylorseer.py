@@ -49,6 +49,16 @@ class TaylorSeerCalibrator:
             out = out + self._ladder[k] * (weight * self.damping)
         return out
 
+    def _trend(self, x: float) -> torch.Tensor | None:
+        """The undamped extrapolation terms `Σ_{k≥1} Dk · Π_{j<k}(x − xj)`; None with fewer than two nodes."""
+        out = None
+        weight = 1.0
+        for k in range(1, len(self._ladder)):
+            weight *= x - self._nodes[k - 1]
+            term = self._ladder[k] * weight
+            out = term if out is None else out + term
+        return out
+
     @property
     def ready(self) -> bool:
         return bool(self._ladder)

@@ -28,7 +28,7 @@ INSTALL_HINT = (
 )
 
 
-NO_EQUIVALENT = ("taylorseer_damping", "cached_step_blocks")
+NO_EQUIVALENT = ("taylorseer_damping", "cached_step_blocks", "forecaster")
 """dicache settings cache-dit has no counterpart of (a cell that changes one is not run on cache-dit)."""
 
 
