@@ -208,8 +208,8 @@ class CacheConfig(BaseSettings):
     forecaster: Literal["taylor", "corrected"] = setting(
         "taylor",
         env="FORECASTER",
-        meaning="with TaylorSeer on: taylor (fixed TS_DAMPING) or corrected (the gain re-fitted from the forecast "
-        "error at every computed step, starting at TS_DAMPING)",
+        meaning="TaylorSeer's gain (needs TAYLORSEER=true): taylor (fixed TS_DAMPING) or corrected (the gain "
+        "re-fitted from the forecast error at every computed step, starting at TS_DAMPING)",
     )
     scm_preset: Literal["none", "slow", "medium", "fast", "ultra", "curved"] = setting(
         "none",
@@ -300,6 +300,12 @@ class CacheConfig(BaseSettings):
             raise ValueError(
                 "scm_compute_bins and scm_cache_bins alternate starting with compute, so compute has as many bins as "
                 f"cache or one more (got {len(compute)} compute and {len(cache)} cache bins)"
+            )
+        if self.forecaster != "taylor" and not self.enable_taylorseer:
+            raise ValueError(
+                f"forecaster={self.forecaster!r} forecasts with TaylorSeer: it needs enable_taylorseer=true "
+                "(SGLANG_CACHE_DIT_TAYLORSEER); without TaylorSeer the skipped residual is reused and there is no "
+                "forecast to correct"
             )
         if self.Fn_compute_blocks == 0 and self.policy == "dbcache" and not self.decides_statically:
             raise ValueError(
@@ -457,7 +463,7 @@ def _config_error(
         key = str(err["loc"][0]) if err["loc"] else None
         knob = SETTINGS_BY_KEY.get(key) if key else None
         if knob is None:  # a cross-field rule
-            related = ("scm_", "Fn_compute_blocks", "policy")
+            related = ("scm_", "Fn_compute_blocks", "policy", "forecaster", "enable_taylorseer")
             origins = [f"{k}={clip_repr(v)}" for k, v in overrides.items() if k.startswith(related)]
             origins += [
                 f"{SETTINGS_BY_KEY[k].env_name}={clip_repr(v)}" for k, v in env_values.items() if k.startswith(related)

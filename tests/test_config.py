@@ -180,3 +180,13 @@ def test_readme_settings_table_is_generated_from_the_field_declarations():
     assert table in readme, "README's settings table is stale: paste the output of `dicache config --markdown`"
     for setting in SETTINGS:
         assert f"| `{setting.env_name}` | `{setting.key}` |" in table and setting.meaning in table.replace("\\|", "|")
+
+
+def test_corrected_forecaster_without_taylorseer_is_an_error_naming_both_settings():
+    with pytest.raises(ConfigError, match=r"forecaster='corrected'.*enable_taylorseer=true.*FORECASTER='corrected'"):
+        CacheConfig.from_env({P + "FORECASTER": "corrected"})
+    with pytest.raises(ConfigError, match=r"forecaster='corrected'.*enable_taylorseer=true"):
+        CacheConfig.from_env({P + "TAYLORSEER": "true", P + "FORECASTER": "corrected"}).merged(
+            {"enable_taylorseer": False}
+        )
+    assert CacheConfig.from_env({P + "TAYLORSEER": "1", P + "FORECASTER": "Corrected"}).forecaster == "corrected"
