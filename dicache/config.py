@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from .errors import ConfigError
 from .formatting import clip_repr
+from .options import bounds as declared_bounds
 
 ENV_PREFIX = "SGLANG_CACHE_DIT_"
 PROFILE_ENV = ENV_PREFIX + "PROFILE"
@@ -31,6 +32,12 @@ MAX_SCM_BIN = 10_000
 """Longest run in `scm_compute_bins` / `scm_cache_bins`, in steps (no schedule is that long)."""
 MAX_SCM_BINS = 1_000
 """Most runs in `scm_compute_bins` / `scm_cache_bins`."""
+
+
+StepBins = Annotated[
+    Annotated[list[Annotated[int, Field(ge=1, le=MAX_SCM_BIN)]], Field(max_length=MAX_SCM_BINS)] | None, NoDecode
+]
+"""Runs of steps (`scm_compute_bins`, `scm_cache_bins`): a comma-separated or JSON list, each run 1..MAX_SCM_BIN."""
 
 
 def setting(default: Any, *, env: str, meaning: str, allowed: str | None = None, short: str | None = None, **rules):
@@ -232,17 +239,13 @@ class CacheConfig(BaseSettings):
         allow_inf_nan=False,
         meaning="curved preset: computed step j of k sits at round((j/(k-1))^SCM_CURVE * (n-1)); 1 = evenly spread",
     )
-    scm_compute_bins: Annotated[
-        Annotated[list[Annotated[int, Field(ge=1, le=MAX_SCM_BIN)]], Field(max_length=MAX_SCM_BINS)] | None, NoDecode
-    ] = setting(
+    scm_compute_bins: StepBins = setting(
         None,
         env="SCM_COMPUTE_BINS",
         allowed=f"at most {MAX_SCM_BINS} comma-separated integers in [1, {MAX_SCM_BIN}], e.g. 8,3,3,2,1,1",
         meaning="explicit mask: runs of computed steps, alternating with SCM_CACHE_BINS",
     )
-    scm_cache_bins: Annotated[
-        Annotated[list[Annotated[int, Field(ge=1, le=MAX_SCM_BIN)]], Field(max_length=MAX_SCM_BINS)] | None, NoDecode
-    ] = setting(
+    scm_cache_bins: StepBins = setting(
         None,
         env="SCM_CACHE_BINS",
         allowed=f"at most {MAX_SCM_BINS} comma-separated integers in [1, {MAX_SCM_BIN}], e.g. 1,2,2,2,3",
@@ -415,7 +418,7 @@ def _allowed_in_words(field: FieldInfo) -> str:
         return ", ".join(repr(v) for v in choices[:-1]) + f" or {choices[-1]!r}"
     if field.annotation is bool:
         return "a boolean (true/false, 1/0, yes/no, on/off)"
-    bounds = {b: f"{getattr(rule, b):g}" for rule in field.metadata for b in ("ge", "gt", "le") if hasattr(rule, b)}
+    bounds = {b: f"{value:g}" for b, value in declared_bounds(field).items()}
     noun = "an integer" if field.annotation is int else "a number"
     low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}" if "gt" in bounds else None
     if low is not None and "le" in bounds:

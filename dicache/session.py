@@ -72,8 +72,9 @@ class CacheSession:
         return config
 
     def configure(self, config: CacheConfig) -> None:
-        """Make `config` the base settings. An enabled model caches whatever `config.enable_cache` says (that field
-        tells the CLI and the server whether to cache by default); a request turns caching off with its own config."""
+        """Make `config`, with caching on, the base settings: an explicit `dicache.enable` always caches (the
+        field's value only tells the CLI and the server their default); a request turns caching off with its own
+        config."""
         self.fit(config)
         self.config = config if config.enable_cache else config.merged({"enable_cache": True})
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import SETTINGS, SETTINGS_BY_KEY, CacheConfig
+from ..formatting import show_value
 
 RECOMMENDED_FAMILY = {
     "Fn_compute_blocks": 0,
@@ -74,9 +75,8 @@ def label(overrides: Mapping[str, Any]) -> str:
     """A short name: the knobs' environment suffixes, e.g. ``RDT=0.24 TAYLORSEER=True``; `{}` is ``defaults``."""
     parts = []
     for key, value in overrides.items():
-        knob = SETTINGS_BY_KEY.get(key)
-        shown = ",".join(str(v) for v in value) if isinstance(value, list | tuple) else str(value)
-        parts.append(f"{knob.env if knob else key}={shown}")
+        known = SETTINGS_BY_KEY.get(key)
+        parts.append(f"{known.env if known else key}={show_value(value)}")
     return " ".join(parts) or "defaults"
 
 
@@ -129,7 +129,7 @@ def cell_label(c: CacheConfig) -> str:
         )
     if c.policy != "dbcache":
         parts.append(f"policy {c.policy}")
-    defaults = CacheConfig.from_env({}).model_dump()
+    defaults = CacheConfig.defaults().model_dump()
     for key, value in c.model_dump().items():
         if key not in _LABELLED and value != defaults.get(key):
             parts.append(f"{key}={value}")
