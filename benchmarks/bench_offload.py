@@ -123,6 +123,8 @@ class OffloadBench:
         self.args = args
         self.device = torch.device(args.device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # the memory-fraction cap needs an index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.size = 128 if args.tiny else 1024
         self.text_len, self.valid = (32, 8) if args.tiny else (512, 48)
