@@ -314,6 +314,37 @@ BAD_REQUESTS = [
     ),
     (dict(prompt="x", cache_dit_params={"scm_compute_bins": [2, 2]}), "cache_dit_params", ["set together"]),
     (dict(prompt="x", cache_dit_params={"enable_cache": "sometimes"}), "cache_dit_params", ["'sometimes'", "boolean"]),
+    # issue 18 defect 7 inside cache_dit_params: JSON values are strict too (they used to be converted)
+    (
+        dict(prompt="x", cache_dit_params={"enable_cache": "yes"}),
+        "cache_dit_params",
+        ["'enable_cache'='yes' is invalid", "a JSON boolean (true or false), got a string"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"residual_diff_threshold": "0.2"}),
+        "cache_dit_params",
+        ["'residual_diff_threshold'='0.2' is invalid", "a JSON number, got a string"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"max_warmup_steps": True}),
+        "cache_dit_params",
+        ["'max_warmup_steps'=True is invalid", "a JSON integer, got a boolean"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"max_warmup_steps": 2.0}),
+        "cache_dit_params",
+        ["'max_warmup_steps'=2.0 is invalid", "a JSON integer, got a number"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"taylorseer_order": "2"}),
+        "cache_dit_params",
+        ["'taylorseer_order'='2' is invalid", "a JSON integer, got a string"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"scm_compute_bins": [True, 1], "scm_cache_bins": [1]}),
+        "cache_dit_params",
+        ["'scm_compute_bins'=[True, 1] is invalid", "a JSON list of integers"],
+    ),
 ]
 
 

@@ -11,10 +11,12 @@ import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from ..config import CacheConfig
 from ..errors import ConfigError
+from ..formatting import clip_repr
+from ..options import value_type
 from ..policies import make_policy
 from .errors import ApiError
 from .schemas import ImageGenerationRequest
@@ -80,9 +82,55 @@ def parse_size(size: str | None, settings: ServerSettings, defaults: Defaults) -
     return width, height
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_JSON_KINDS = {
+    bool: ("a JSON boolean (true or false)", lambda v: isinstance(v, bool)),
+    int: ("a JSON integer", _is_int),
+    float: ("a JSON number", lambda v: _is_int(v) or isinstance(v, float)),
+    str: ("a JSON string", lambda v: isinstance(v, str)),
+    list: (
+        "a JSON list of integers (or the environment's comma-separated string)",
+        lambda v: isinstance(v, str) or (isinstance(v, list) and all(_is_int(i) for i in v)),
+    ),
+}
+_JSON_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "object"}
+
+
+def _json_kind(key: str) -> tuple[str, Any]:
+    """What JSON value cache setting `key` takes, in words, and its test."""
+    kind = value_type(CacheConfig.model_fields[key])
+    if get_origin(kind) is Annotated:
+        kind = get_args(kind)[0]
+    if get_origin(kind) is Literal:
+        kind = type(get_args(kind)[0])
+    return _JSON_KINDS[get_origin(kind) or kind]
+
+
+def check_json_types(overrides: Mapping[str, Any]) -> None:
+    """`cache_dit_params` values must have their setting's JSON type (`"enable_cache": "yes"` or
+    `"residual_diff_threshold": "0.2"` is a 400, not converted as an environment variable's text is); null and
+    unknown keys are left to the engine's own checks."""
+    for key, value in overrides.items():
+        if value is None or key not in CacheConfig.model_fields:
+            continue
+        noun, fits = _json_kind(key)
+        if not fits(value):
+            got = _JSON_NAMES.get(type(value), type(value).__name__)
+            raise ApiError(
+                400,
+                f"cache_dit_params: cache override key {key!r}={clip_repr(value)} is invalid: must be {noun}, "
+                f"got a {got}",
+                "cache_dit_params",
+            )
+
+
 def effective_cache_config(overrides: Mapping[str, Any], base: CacheConfig, num_blocks: int | None) -> CacheConfig:
-    """`base` with per-request `overrides`, validated exactly as the engine will (keys, values, block split);
-    a `ConfigError` becomes a 400 on `cache_dit_params`."""
+    """`base` with per-request `overrides`, validated exactly as the engine will (keys, values, block split) after
+    `check_json_types`; a `ConfigError` becomes a 400 on `cache_dit_params`."""
+    check_json_types(overrides)
     try:
         merged = base.merged(overrides)
         if num_blocks is not None:
