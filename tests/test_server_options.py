@@ -83,3 +83,36 @@ def test_settings_are_frozen_and_copied_with_changes():
         ConnectionLimits(max_connections=0)
     with pytest.raises(ConfigError, match="^--replicas=0 is invalid: must be an integer >= 1$"):
         RayServeOptions(replicas=0)
+
+
+def test_a_default_size_outside_the_limits_is_refused_before_loading(monkeypatch, capsys):
+    """A request without `size` gets the default size: it must obey --max-side like a request's own size (a
+    --default-size or a model default larger than --max-side used to be served, bypassing the limit)."""
+    monkeypatch.delenv("DICACHE_API_KEY", raising=False)
+    assert cli_main(["serve", "--default-size", "4096x4096", "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "--default-size 4096x4096 is invalid" in err and "between 16 and 2048" in err and "Traceback" not in err
+
+
+def test_create_app_refuses_a_model_default_size_outside_the_limits():
+    from dicache.server import create_app
+    from dicache.server.generation import Defaults
+
+    class Backend:
+        cache_config = None
+        num_blocks = None
+        defaults = Defaults(variant=None, num_inference_steps=4, guidance_scale=1.0, width=1024, height=1024)
+
+    with pytest.raises(
+        ConfigError, match="^the model's default size 1024x1024 is invalid: .*between 16 and 512.*--default-size"
+    ):
+        create_app(Backend(), ServerSettings(max_side=512, max_pixels=512 * 512))
+
+
+@pytest.mark.parametrize("key", ["", "   "])
+def test_an_empty_api_key_option_is_refused_not_ignored(key, monkeypatch, capsys):
+    """`--api-key "$KEY"` with KEY unset must not start a server without authentication."""
+    monkeypatch.delenv("DICACHE_API_KEY", raising=False)
+    assert cli_main(["serve", "--api-key", key, "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key is empty" in err and "Traceback" not in err

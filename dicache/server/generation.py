@@ -82,6 +82,20 @@ def parse_size(size: str | None, settings: ServerSettings, defaults: Defaults) -
     return width, height
 
 
+def check_default_size(defaults: Defaults, settings: ServerSettings, source: str = "the default size") -> None:
+    """The size a request without `size` gets must pass the checks a request's `size` does (else such requests
+    would bypass --max-side): `ConfigError` naming `source`, the size and what is allowed."""
+    size = f"{defaults.width}x{defaults.height}"
+    try:
+        parse_size(size, settings, defaults)
+    except ApiError as exc:
+        allowed = exc.message.partition(" is invalid: ")[2]
+        raise ConfigError(
+            f"{source} {size} is invalid: {allowed}; requests without 'size' get it (server options --default-size, "
+            "--max-side)"
+        ) from None
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
