@@ -405,6 +405,24 @@ def test_malformed_bodies_are_400_over_raw_http(server, raw, expected):
     assert status == 400 and expected in body.decode(), body
 
 
+@pytest.mark.parametrize(
+    "raw, key, param",
+    [
+        (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "seed", "seed"),
+        (b'{"prompt": "x",\n "n": ' + b"1" * 5000 + b"}", "n", "n"),
+        (b'{"prompt": "x", "cache_dit_params": {"max_warmup_steps": ' + b"9" * 5000 + b"}}", "max_warmup_steps", None),
+    ],
+    ids=["seed", "second-line", "nested"],
+)
+def test_a_number_too_long_to_parse_names_its_field(server, raw, key, param):
+    """Issue 18 defect 6: a 5000-digit integer is refused by the JSON parser; the 400 names the key it was for."""
+    response = _http.post(server.url + GENERATIONS, content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "number out of range" in error["message"] and f"(the value of {key!r})" in error["message"]
+    assert error["param"] == param
+
+
 def test_oversize_and_unknown_requests_are_refused_cleanly(server, client):
     big = dumps({"prompt": "x", "negative_prompt": "y" * 10_000})
     status, body = raw_http(server.host, server.port, post_request(GENERATIONS, big))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -110,6 +111,25 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
             msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
             messages.append(f"{field}={clip_repr(err.get('input'), 80)} is invalid: {msg}")
     return "; ".join(messages) or "invalid request", first_param
+
+
+_POSITION = re.compile(r" at line (\d+) column (\d+)$")
+_KEY = re.compile(rb'"((?:[^"\\]|\\.){1,100})"\s*:')
+
+
+def key_at_error(raw: bytes, message: str) -> str | None:
+    """The JSON key whose value is at the position a "malformed JSON body: ... at line L column C" message names
+    (the last key before it), so that e.g. a 5000-digit number names its field; None if there is none."""
+    found = _POSITION.search(message)
+    if found is None:
+        return None
+    line, column = int(found.group(1)), int(found.group(2))
+    lines = raw.split(b"\n")
+    if line > len(lines):
+        return None
+    before = b"\n".join(lines[: line - 1] + [lines[line - 1][:column]])
+    keys = _KEY.findall(before)
+    return keys[-1].decode(errors="replace") if keys else None
 
 
 def install_error_handlers(app: FastAPI) -> None:
