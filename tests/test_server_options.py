@@ -94,19 +94,24 @@ def test_a_default_size_outside_the_limits_is_refused_before_loading(monkeypatch
     assert "--default-size 4096x4096 is invalid" in err and "between 16 and 2048" in err and "Traceback" not in err
 
 
-def test_create_app_refuses_a_model_default_size_outside_the_limits():
-    from dicache.server import create_app
-    from dicache.server.generation import Defaults
+def test_a_model_default_size_outside_the_limits_asks_for_a_size():
+    """A model whose default size exceeds --max-side: requests without `size` get a 400 asking for one (they were
+    generated at the default size, past the limit); requests with an allowed size are served."""
+    from dicache.config import CacheConfig
+    from dicache.server.errors import ApiError
+    from dicache.server.generation import Defaults, resolve
+    from dicache.server.schemas import ImageGenerationRequest
 
-    class Backend:
-        cache_config = None
-        num_blocks = None
-        defaults = Defaults(variant=None, num_inference_steps=4, guidance_scale=1.0, width=1024, height=1024)
-
-    with pytest.raises(
-        ConfigError, match="^the model's default size 1024x1024 is invalid: .*between 16 and 512.*--default-size"
-    ):
-        create_app(Backend(), ServerSettings(max_side=512, max_pixels=512 * 512))
+    defaults = Defaults(variant=None, num_inference_steps=4, guidance_scale=1.0, width=1024, height=1024)
+    settings = ServerSettings(max_side=512, max_pixels=512 * 512)
+    for size in (None, "auto"):
+        with pytest.raises(ApiError) as caught:
+            resolve(ImageGenerationRequest(prompt="x", size=size), settings, defaults, CacheConfig.defaults())
+        assert caught.value.status == 400 and caught.value.param == "size"
+        assert "the default size 1024x1024 is outside this server's limits: send a size" in caught.value.message
+        assert "between 16 and 512" in caught.value.message
+    spec = resolve(ImageGenerationRequest(prompt="x", size="512x256"), settings, defaults, CacheConfig.defaults())
+    assert (spec.width, spec.height) == (512, 256)
 
 
 @pytest.mark.parametrize("key", ["", "   "])

@@ -134,11 +134,10 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
-    if args.default_size is not None:  # before loading; create_app checks the model's own default size
-        from ..server.generation import Defaults, check_default_size
+    if args.default_size is not None:  # requests without a size get it: it obeys --max-side too
+        from ..server.generation import check_default_size
 
-        width, height = args.default_size
-        check_default_size(Defaults(None, 1, 1.0, width, height), settings, "--default-size")
+        check_default_size(*args.default_size, settings)
     limits = limits_from_args(args)
     ensure_descriptors(limits.max_connections)  # before the model loads: a bad limit fails fast
     for warning in exposure_warnings(args.host, settings):

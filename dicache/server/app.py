@@ -29,7 +29,7 @@ from .auth import ApiKeyMiddleware
 from .body_limit import BodyLimitMiddleware
 from .drain import Drain, DrainMiddleware
 from .errors import ApiError, install_error_handlers
-from .generation import Defaults, GenerationSpec, check_default_size, resolve
+from .generation import Defaults, GenerationSpec, resolve
 from .handling import GenerationProbe, await_job, job_runner, parse_generation_request, submit
 from .jobs import JobQueue
 from .metrics import MetricsMiddleware, ServerMetrics
@@ -99,10 +99,8 @@ REQUEST_BODY_DOC = {
 def create_app(
     backend: Backend, settings: ServerSettings | None = None, metrics: ServerMetrics | None = None
 ) -> FastAPI:
-    """The app; its queue starts with the app's lifespan and drains (`app.state.drain`) on shutdown. A default
-    size (`backend.defaults`) outside the settings' size limits is a `ConfigError`."""
+    """The app; its queue starts with the app's lifespan and drains (`app.state.drain`) on shutdown."""
     settings = settings or ServerSettings()
-    check_default_size(backend.defaults, settings, "the model's default size")
     metrics = metrics or ServerMetrics()
     metrics.set_model_info(model_info(backend, settings))
     started = int(time.time())

@@ -63,14 +63,24 @@ class GenerationSpec:
 
 
 def parse_size(size: str | None, settings: ServerSettings, defaults: Defaults) -> tuple[int, int]:
-    """'WxH' -> (width, height) within the settings' bounds; None or 'auto' -> the default size."""
-    if size is None or size.strip().lower() == "auto":
-        return defaults.width, defaults.height
+    """'WxH' -> (width, height) within the settings' bounds; None or 'auto' -> the default size, which must be
+    within them too (a model default larger than --max-side is a 400 asking for a size, not a way past the limit)."""
     lo, hi, mult = settings.min_side, settings.max_side, math.lcm(settings.size_multiple, defaults.size_multiple)
     allowed = (
         f"'WIDTHxHEIGHT' (or 'auto'), each side a multiple of {mult} between {lo} and {hi}, "
         f"at most {settings.max_pixels} pixels"
     )
+    if size is None or size.strip().lower() == "auto":
+        width, height = defaults.width, defaults.height
+        if not _size_fits(width, height, lo, hi, mult, settings.max_pixels):
+            given = "omitted" if size is None else f"{size!r}"
+            raise ApiError(
+                400,
+                f"size is {given}, and the default size {width}x{height} is outside this server's limits: "
+                f"send a size; it must be {allowed}",
+                "size",
+            )
+        return width, height
     match = _SIZE.match(size)
     if match is None:
         raise ApiError(400, f"size={size!r} is invalid: must be {allowed}", "size")
@@ -82,18 +92,19 @@ def parse_size(size: str | None, settings: ServerSettings, defaults: Defaults) -
     return width, height
 
 
-def check_default_size(defaults: Defaults, settings: ServerSettings, source: str = "the default size") -> None:
-    """The size a request without `size` gets must pass the checks a request's `size` does (else such requests
-    would bypass --max-side): `ConfigError` naming `source`, the size and what is allowed."""
-    size = f"{defaults.width}x{defaults.height}"
+def _size_fits(width: int, height: int, lo: int, hi: int, mult: int, max_pixels: int) -> bool:
+    sides = lo <= width <= hi and lo <= height <= hi and not width % mult and not height % mult
+    return sides and width * height <= max_pixels
+
+
+def check_default_size(width: int, height: int, settings: ServerSettings) -> None:
+    """`dicache serve --default-size` must pass the checks a request's `size` does: `ConfigError` naming the
+    option, the size and what is allowed."""
     try:
-        parse_size(size, settings, defaults)
+        parse_size(f"{width}x{height}", settings, Defaults(None, 1, 1.0, width, height))
     except ApiError as exc:
         allowed = exc.message.partition(" is invalid: ")[2]
-        raise ConfigError(
-            f"{source} {size} is invalid: {allowed}; requests without 'size' get it (server options --default-size, "
-            "--max-side)"
-        ) from None
+        raise ConfigError(f"--default-size {width}x{height} is invalid: {allowed} (server option --max-side)") from None
 
 
 def _is_int(value: Any) -> bool:
