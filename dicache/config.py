@@ -289,7 +289,7 @@ class CacheConfig(BaseSettings):
     def _check_mask_settings(self) -> CacheConfig:
         blocks = self.cached_step_blocks
         if blocks is not None and len(set(blocks)) != len(blocks):
-            raise ValueError(f"cached_step_blocks={blocks} lists a block more than once")
+            raise ValueError(f"cached_step_blocks={clip_repr(blocks)} lists a block more than once")
         compute, cache = self.scm_compute_bins, self.scm_cache_bins
         if (compute is None) != (cache is None):
             raise ValueError(
@@ -397,13 +397,14 @@ class CacheConfig(BaseSettings):
         outside = [b for b in blocks if not fn <= b < num_blocks - bn]
         if outside:
             raise BlockSplitError(
-                f"cached_step_blocks={blocks}: block(s) {outside} are not middle blocks; allowed: indices in "
-                f"[Fn, num_blocks - Bn) = [{fn}, {num_blocks - bn}) for this {num_blocks}-block model"
+                f"cached_step_blocks={clip_repr(blocks)}: block(s) {clip_repr(outside)} are not middle blocks; "
+                f"allowed: indices in [Fn, num_blocks - Bn) = [{fn}, {num_blocks - bn}) for this "
+                f"{num_blocks}-block model"
             )
         if len(blocks) >= num_blocks - fn - bn:
             raise BlockSplitError(
-                f"cached_step_blocks={blocks} computes every middle block [{fn}, {num_blocks - bn}): nothing is left "
-                "to cache; list fewer blocks"
+                f"cached_step_blocks={clip_repr(blocks)} computes every middle block [{fn}, {num_blocks - bn}): "
+                "nothing is left to cache; list fewer blocks"
             )
 
 

@@ -383,6 +383,31 @@ def test_server_mask_too_short_for_the_request_is_a_400_on_num_inference_steps(b
 
 
 @pytest.mark.parametrize(
+    "overrides",
+    [
+        {"cached_step_blocks": list(range(1000, 101_000))},  # not middle blocks
+        {"cached_step_blocks": [1] * 100_000},  # repeated
+        {"scm_compute_bins": [1] * 1000, "scm_cache_bins": [1] * 1000},  # too short for the step count
+    ],
+    ids=["outside", "repeated", "bins-too-short"],
+)
+def test_a_long_list_in_cache_dit_params_gives_a_short_error(backend, overrides):
+    """The 400 quotes a long list clipped (it used to quote it whole: a 0.7 MB body gave a 1.4 MB error)."""
+    from dicache.server.errors import ApiError
+    from dicache.server.generation import resolve
+    from dicache.server.schemas import ImageGenerationRequest
+
+    settings = SETTINGS.model_copy(update={"max_steps": 5000})
+    request = ImageGenerationRequest(
+        prompt="x", num_inference_steps=4000, enable_cache=True, cache_dit_params=overrides
+    )
+    with pytest.raises(ApiError) as caught:
+        resolve(request, settings, backend.defaults, backend.cache_config, backend.num_blocks)
+    assert caught.value.param == "cache_dit_params" and "characters)" in caught.value.message
+    assert len(caught.value.message) < 1000, caught.value.message[:300]
+
+
+@pytest.mark.parametrize(
     "raw, expected",
     [
         (b'{"prompt": "x",', "malformed JSON body"),
