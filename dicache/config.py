@@ -449,10 +449,8 @@ SETTINGS_BY_SHORT: dict[str, Setting] = {s.short: s for s in SETTINGS}
 def _check_keys(overrides: Mapping[str, Any], what: str) -> None:
     unknown = [k for k in overrides if k not in SETTINGS_BY_KEY]
     if unknown:
-        raise ConfigError(
-            f"unknown cache {what} key(s) {', '.join(repr(k) for k in unknown)}; allowed keys: "
-            f"{', '.join(SETTINGS_BY_KEY)}"
-        )
+        shown = [clip_repr(k) for k in unknown[:5]] + ([f"and {len(unknown) - 5} more"] if len(unknown) > 5 else [])
+        raise ConfigError(f"unknown cache {what} key(s) {', '.join(shown)}; allowed keys: {', '.join(SETTINGS_BY_KEY)}")
 
 
 def _config_error(

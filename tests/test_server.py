@@ -408,6 +408,34 @@ def test_a_long_list_in_cache_dit_params_gives_a_short_error(backend, overrides)
 
 
 @pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "x", "k" * 500_000: 1},  # one huge unknown field name
+        {"prompt": "x", **{f"k{i}": 1 for i in range(50_000)}},  # many unknown fields
+        {"prompt": "x", "cache_dit_params": {"k" * 500_000: 1}},  # one huge unknown cache key
+        {"prompt": "x", "cache_dit_params": {f"k{i}": 1 for i in range(50_000)}},  # many unknown cache keys
+    ],
+    ids=["long-name", "many-fields", "long-cache-key", "many-cache-keys"],
+)
+def test_unknown_names_give_a_short_error(backend, body):
+    """A 0.5 MB body of unknown names gets a short 400 (it got up to 17 MB: each name quoted whole, each with the
+    list of accepted fields)."""
+    from dicache.server.errors import ApiError, describe_validation_error
+    from dicache.server.generation import resolve
+    from dicache.server.schemas import ImageGenerationRequest
+
+    try:
+        request = ImageGenerationRequest.model_validate_json(dumps(body))
+    except ValueError as exc:
+        message, param = describe_validation_error(exc.errors())
+    else:
+        with pytest.raises(ApiError) as caught:
+            resolve(request, SETTINGS, backend.defaults, backend.cache_config, backend.num_blocks)
+        message, param = caught.value.message, caught.value.param
+    assert "unknown" in message and len(message) < 2000 and len(param or "") <= 100, message[:300]
+
+
+@pytest.mark.parametrize(
     "raw, expected",
     [
         (b'{"prompt": "x",', "malformed JSON body"),

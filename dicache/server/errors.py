@@ -37,6 +37,11 @@ _TYPES = {
 }
 
 
+MAX_PROBLEMS = 5
+"""Problems one 400 lists (a body can hold thousands); the rest are counted."""
+MAX_NAME = 100
+"""Characters of a field name quoted in a 400."""
+
 RETRY_AFTER_S = 5
 """`Retry-After` of 429 and 503 answers, in seconds."""
 
@@ -99,7 +104,7 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
             return f"request body must be a JSON object, got {clip_repr(err.get('input'), 80)}", None
         if kind == "missing" and not loc:
             return "request body is missing: send a JSON object with at least 'prompt'", None
-        field = ".".join(loc) or "body"
+        field = ".".join(loc)[:MAX_NAME] or "body"  # a name can be as long as the body
         first_param = first_param or field
         if kind == "extra_forbidden":
             allowed = ", ".join(ImageGenerationRequest.model_fields)
@@ -110,6 +115,8 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
         else:
             msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
             messages.append(f"{field}={clip_repr(err.get('input'), 80)} is invalid: {msg}")
+    if len(messages) > MAX_PROBLEMS:
+        messages = [*messages[:MAX_PROBLEMS], f"and {len(messages) - MAX_PROBLEMS} more problem(s)"]
     return "; ".join(messages) or "invalid request", first_param
 
 
