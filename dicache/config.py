@@ -289,7 +289,7 @@ class CacheConfig(BaseSettings):
     def _check_mask_settings(self) -> CacheConfig:
         blocks = self.cached_step_blocks
         if blocks is not None and len(set(blocks)) != len(blocks):
-            raise ValueError(f"cached_step_blocks={blocks} lists a block more than once")
+            raise ValueError(f"cached_step_blocks={clip_repr(blocks)} lists a block more than once")
         compute, cache = self.scm_compute_bins, self.scm_cache_bins
         if (compute is None) != (cache is None):
             raise ValueError(
@@ -397,13 +397,14 @@ class CacheConfig(BaseSettings):
         outside = [b for b in blocks if not fn <= b < num_blocks - bn]
         if outside:
             raise BlockSplitError(
-                f"cached_step_blocks={blocks}: block(s) {outside} are not middle blocks; allowed: indices in "
-                f"[Fn, num_blocks - Bn) = [{fn}, {num_blocks - bn}) for this {num_blocks}-block model"
+                f"cached_step_blocks={clip_repr(blocks)}: block(s) {clip_repr(outside)} are not middle blocks; "
+                f"allowed: indices in [Fn, num_blocks - Bn) = [{fn}, {num_blocks - bn}) for this "
+                f"{num_blocks}-block model"
             )
         if len(blocks) >= num_blocks - fn - bn:
             raise BlockSplitError(
-                f"cached_step_blocks={blocks} computes every middle block [{fn}, {num_blocks - bn}): nothing is left "
-                "to cache; list fewer blocks"
+                f"cached_step_blocks={clip_repr(blocks)} computes every middle block [{fn}, {num_blocks - bn}): "
+                "nothing is left to cache; list fewer blocks"
             )
 
 
@@ -448,10 +449,8 @@ SETTINGS_BY_SHORT: dict[str, Setting] = {s.short: s for s in SETTINGS}
 def _check_keys(overrides: Mapping[str, Any], what: str) -> None:
     unknown = [k for k in overrides if k not in SETTINGS_BY_KEY]
     if unknown:
-        raise ConfigError(
-            f"unknown cache {what} key(s) {', '.join(repr(k) for k in unknown)}; allowed keys: "
-            f"{', '.join(SETTINGS_BY_KEY)}"
-        )
+        shown = [clip_repr(k) for k in unknown[:5]] + ([f"and {len(unknown) - 5} more"] if len(unknown) > 5 else [])
+        raise ConfigError(f"unknown cache {what} key(s) {', '.join(shown)}; allowed keys: {', '.join(SETTINGS_BY_KEY)}")
 
 
 def _config_error(

@@ -314,6 +314,37 @@ BAD_REQUESTS = [
     ),
     (dict(prompt="x", cache_dit_params={"scm_compute_bins": [2, 2]}), "cache_dit_params", ["set together"]),
     (dict(prompt="x", cache_dit_params={"enable_cache": "sometimes"}), "cache_dit_params", ["'sometimes'", "boolean"]),
+    # issue 18 defect 7 inside cache_dit_params: JSON values are strict too (they used to be converted)
+    (
+        dict(prompt="x", cache_dit_params={"enable_cache": "yes"}),
+        "cache_dit_params",
+        ["'enable_cache'='yes' is invalid", "a JSON boolean (true or false), got a string"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"residual_diff_threshold": "0.2"}),
+        "cache_dit_params",
+        ["'residual_diff_threshold'='0.2' is invalid", "a JSON number, got a string"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"max_warmup_steps": True}),
+        "cache_dit_params",
+        ["'max_warmup_steps'=True is invalid", "a JSON integer, got a boolean"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"max_warmup_steps": 2.0}),
+        "cache_dit_params",
+        ["'max_warmup_steps'=2.0 is invalid", "a JSON integer, got a number"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"taylorseer_order": "2"}),
+        "cache_dit_params",
+        ["'taylorseer_order'='2' is invalid", "a JSON integer, got a string"],
+    ),
+    (
+        dict(prompt="x", cache_dit_params={"scm_compute_bins": [True, 1], "scm_cache_bins": [1]}),
+        "cache_dit_params",
+        ["'scm_compute_bins'=[True, 1] is invalid", "a JSON list of integers"],
+    ),
 ]
 
 
@@ -352,6 +383,59 @@ def test_server_mask_too_short_for_the_request_is_a_400_on_num_inference_steps(b
 
 
 @pytest.mark.parametrize(
+    "overrides",
+    [
+        {"cached_step_blocks": list(range(1000, 101_000))},  # not middle blocks
+        {"cached_step_blocks": [1] * 100_000},  # repeated
+        {"scm_compute_bins": [1] * 1000, "scm_cache_bins": [1] * 1000},  # too short for the step count
+    ],
+    ids=["outside", "repeated", "bins-too-short"],
+)
+def test_a_long_list_in_cache_dit_params_gives_a_short_error(backend, overrides):
+    """The 400 quotes a long list clipped (it used to quote it whole: a 0.7 MB body gave a 1.4 MB error)."""
+    from dicache.server.errors import ApiError
+    from dicache.server.generation import resolve
+    from dicache.server.schemas import ImageGenerationRequest
+
+    settings = SETTINGS.model_copy(update={"max_steps": 5000})
+    request = ImageGenerationRequest(
+        prompt="x", num_inference_steps=4000, enable_cache=True, cache_dit_params=overrides
+    )
+    with pytest.raises(ApiError) as caught:
+        resolve(request, settings, backend.defaults, backend.cache_config, backend.num_blocks)
+    assert caught.value.param == "cache_dit_params" and "characters)" in caught.value.message
+    assert len(caught.value.message) < 1000, caught.value.message[:300]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "x", "k" * 500_000: 1},  # one huge unknown field name
+        {"prompt": "x", **{f"k{i}": 1 for i in range(50_000)}},  # many unknown fields
+        {"prompt": "x", "cache_dit_params": {"k" * 500_000: 1}},  # one huge unknown cache key
+        {"prompt": "x", "cache_dit_params": {f"k{i}": 1 for i in range(50_000)}},  # many unknown cache keys
+    ],
+    ids=["long-name", "many-fields", "long-cache-key", "many-cache-keys"],
+)
+def test_unknown_names_give_a_short_error(backend, body):
+    """A 0.5 MB body of unknown names gets a short 400 (it got up to 17 MB: each name quoted whole, each with the
+    list of accepted fields)."""
+    from dicache.server.errors import ApiError, describe_validation_error
+    from dicache.server.generation import resolve
+    from dicache.server.schemas import ImageGenerationRequest
+
+    try:
+        request = ImageGenerationRequest.model_validate_json(dumps(body))
+    except ValueError as exc:
+        message, param = describe_validation_error(exc.errors())
+    else:
+        with pytest.raises(ApiError) as caught:
+            resolve(request, SETTINGS, backend.defaults, backend.cache_config, backend.num_blocks)
+        message, param = caught.value.message, caught.value.param
+    assert "unknown" in message and len(message) < 2000 and len(param or "") <= 100, message[:300]
+
+
+@pytest.mark.parametrize(
     "raw, expected",
     [
         (b'{"prompt": "x",', "malformed JSON body"),
@@ -372,6 +456,24 @@ def test_malformed_bodies_are_400_over_raw_http(server, raw, expected):
     content_type = "application/x-www-form-urlencoded" if raw.startswith(b"prompt=") else "application/json"
     status, body = raw_http(server.host, server.port, post_request(GENERATIONS, raw, content_type))
     assert status == 400 and expected in body.decode(), body
+
+
+@pytest.mark.parametrize(
+    "raw, key, param",
+    [
+        (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "seed", "seed"),
+        (b'{"prompt": "x",\n "n": ' + b"1" * 5000 + b"}", "n", "n"),
+        (b'{"prompt": "x", "cache_dit_params": {"max_warmup_steps": ' + b"9" * 5000 + b"}}", "max_warmup_steps", None),
+    ],
+    ids=["seed", "second-line", "nested"],
+)
+def test_a_number_too_long_to_parse_names_its_field(server, raw, key, param):
+    """Issue 18 defect 6: a 5000-digit integer is refused by the JSON parser; the 400 names the key it was for."""
+    response = _http.post(server.url + GENERATIONS, content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "number out of range" in error["message"] and f"(the value of {key!r})" in error["message"]
+    assert error["param"] == param
 
 
 def test_oversize_and_unknown_requests_are_refused_cleanly(server, client):

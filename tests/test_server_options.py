@@ -83,3 +83,41 @@ def test_settings_are_frozen_and_copied_with_changes():
         ConnectionLimits(max_connections=0)
     with pytest.raises(ConfigError, match="^--replicas=0 is invalid: must be an integer >= 1$"):
         RayServeOptions(replicas=0)
+
+
+def test_a_default_size_outside_the_limits_is_refused_before_loading(monkeypatch, capsys):
+    """A request without `size` gets the default size: it must obey --max-side like a request's own size (a
+    --default-size or a model default larger than --max-side used to be served, bypassing the limit)."""
+    monkeypatch.delenv("DICACHE_API_KEY", raising=False)
+    assert cli_main(["serve", "--default-size", "4096x4096", "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "--default-size 4096x4096 is invalid" in err and "between 16 and 2048" in err and "Traceback" not in err
+
+
+def test_a_model_default_size_outside_the_limits_asks_for_a_size():
+    """A model whose default size exceeds --max-side: requests without `size` get a 400 asking for one (they were
+    generated at the default size, past the limit); requests with an allowed size are served."""
+    from dicache.config import CacheConfig
+    from dicache.server.errors import ApiError
+    from dicache.server.generation import Defaults, resolve
+    from dicache.server.schemas import ImageGenerationRequest
+
+    defaults = Defaults(variant=None, num_inference_steps=4, guidance_scale=1.0, width=1024, height=1024)
+    settings = ServerSettings(max_side=512, max_pixels=512 * 512)
+    for size in (None, "auto"):
+        with pytest.raises(ApiError) as caught:
+            resolve(ImageGenerationRequest(prompt="x", size=size), settings, defaults, CacheConfig.defaults())
+        assert caught.value.status == 400 and caught.value.param == "size"
+        assert "the default size 1024x1024 is outside this server's limits: send a size" in caught.value.message
+        assert "between 16 and 512" in caught.value.message
+    spec = resolve(ImageGenerationRequest(prompt="x", size="512x256"), settings, defaults, CacheConfig.defaults())
+    assert (spec.width, spec.height) == (512, 256)
+
+
+@pytest.mark.parametrize("key", ["", "   "])
+def test_an_empty_api_key_option_is_refused_not_ignored(key, monkeypatch, capsys):
+    """`--api-key "$KEY"` with KEY unset must not start a server without authentication."""
+    monkeypatch.delenv("DICACHE_API_KEY", raising=False)
+    assert cli_main(["serve", "--api-key", key, "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key is empty" in err and "Traceback" not in err

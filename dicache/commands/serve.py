@@ -103,6 +103,8 @@ def settings_from_args(args: argparse.Namespace):
     from ..server.settings import ServerSettings
     from .fields import values_from_args
 
+    if args.api_key is not None and not args.api_key.strip():  # e.g. --api-key "$KEY" with KEY unset
+        raise ConfigError("serve: --api-key is empty: give a key, or leave the option out (no authentication)")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.metrics_auth and not api_key:
         raise ConfigError(f"serve: --metrics-auth needs an API key (--api-key or {API_KEY_ENV})")
@@ -132,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
+    if args.default_size is not None:  # requests without a size get it: it obeys --max-side too
+        from ..server.generation import check_default_size
+
+        check_default_size(*args.default_size, settings)
     limits = limits_from_args(args)
     ensure_descriptors(limits.max_connections)  # before the model loads: a bad limit fails fast
     for warning in exposure_warnings(args.host, settings):

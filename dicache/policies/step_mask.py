@@ -10,6 +10,7 @@ sits at `round((j/(k−1))^γ·(n−1))` (γ = `scm_curve`; docs/architecture.md
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..formatting import clip_repr
 
 PRESET_STEPS = 28
 MIN_PRESET_STEPS = 4
@@ -46,7 +47,8 @@ def mask_from_bins(compute_bins, cache_bins, num_steps: int) -> list[int]:
         mask.extend([value] * min(length, num_steps - len(mask)))
     if covered < num_steps:
         raise ConfigError(
-            f"scm_compute_bins={list(compute_bins)} + scm_cache_bins={list(cache_bins)} cover {covered} steps; "
+            f"scm_compute_bins={clip_repr(list(compute_bins))} + scm_cache_bins={clip_repr(list(cache_bins))} cover "
+            f"{covered} steps; "
             f"the request has num_inference_steps={num_steps}, so the bins must cover at least that many"
         )
     return mask

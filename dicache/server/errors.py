@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,11 @@ _TYPES = {
     504: "timeout_error",
 }
 
+
+MAX_PROBLEMS = 5
+"""Problems one 400 lists (a body can hold thousands); the rest are counted."""
+MAX_NAME = 100
+"""Characters of a field name quoted in a 400."""
 
 RETRY_AFTER_S = 5
 """`Retry-After` of 429 and 503 answers, in seconds."""
@@ -98,7 +104,7 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
             return f"request body must be a JSON object, got {clip_repr(err.get('input'), 80)}", None
         if kind == "missing" and not loc:
             return "request body is missing: send a JSON object with at least 'prompt'", None
-        field = ".".join(loc) or "body"
+        field = ".".join(loc)[:MAX_NAME] or "body"  # a name can be as long as the body
         first_param = first_param or field
         if kind == "extra_forbidden":
             allowed = ", ".join(ImageGenerationRequest.model_fields)
@@ -109,7 +115,28 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
         else:
             msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
             messages.append(f"{field}={clip_repr(err.get('input'), 80)} is invalid: {msg}")
+    if len(messages) > MAX_PROBLEMS:
+        messages = [*messages[:MAX_PROBLEMS], f"and {len(messages) - MAX_PROBLEMS} more problem(s)"]
     return "; ".join(messages) or "invalid request", first_param
+
+
+_POSITION = re.compile(r" at line (\d+) column (\d+)$")
+_KEY = re.compile(rb'"((?:[^"\\]|\\.){1,100})"\s*:')
+
+
+def key_at_error(raw: bytes, message: str) -> str | None:
+    """The JSON key whose value is at the position a "malformed JSON body: ... at line L column C" message names
+    (the last key before it), so that e.g. a 5000-digit number names its field; None if there is none."""
+    found = _POSITION.search(message)
+    if found is None:
+        return None
+    line, column = int(found.group(1)), int(found.group(2))
+    lines = raw.split(b"\n")
+    if line > len(lines):
+        return None
+    before = b"\n".join(lines[: line - 1] + [lines[line - 1][:column]])
+    keys = _KEY.findall(before)
+    return keys[-1].decode(errors="replace") if keys else None
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -11,10 +11,12 @@ import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from ..config import CacheConfig
 from ..errors import ConfigError
+from ..formatting import clip_repr
+from ..options import value_type
 from ..policies import make_policy
 from .errors import ApiError
 from .schemas import ImageGenerationRequest
@@ -61,14 +63,24 @@ class GenerationSpec:
 
 
 def parse_size(size: str | None, settings: ServerSettings, defaults: Defaults) -> tuple[int, int]:
-    """'WxH' -> (width, height) within the settings' bounds; None or 'auto' -> the default size."""
-    if size is None or size.strip().lower() == "auto":
-        return defaults.width, defaults.height
+    """'WxH' -> (width, height) within the settings' bounds; None or 'auto' -> the default size, which must be
+    within them too (a model default larger than --max-side is a 400 asking for a size, not a way past the limit)."""
     lo, hi, mult = settings.min_side, settings.max_side, math.lcm(settings.size_multiple, defaults.size_multiple)
     allowed = (
         f"'WIDTHxHEIGHT' (or 'auto'), each side a multiple of {mult} between {lo} and {hi}, "
         f"at most {settings.max_pixels} pixels"
     )
+    if size is None or size.strip().lower() == "auto":
+        width, height = defaults.width, defaults.height
+        if not _size_fits(width, height, lo, hi, mult, settings.max_pixels):
+            given = "omitted" if size is None else f"{size!r}"
+            raise ApiError(
+                400,
+                f"size is {given}, and the default size {width}x{height} is outside this server's limits: "
+                f"send a size; it must be {allowed}",
+                "size",
+            )
+        return width, height
     match = _SIZE.match(size)
     if match is None:
         raise ApiError(400, f"size={size!r} is invalid: must be {allowed}", "size")
@@ -80,9 +92,70 @@ def parse_size(size: str | None, settings: ServerSettings, defaults: Defaults) -
     return width, height
 
 
+def _size_fits(width: int, height: int, lo: int, hi: int, mult: int, max_pixels: int) -> bool:
+    sides = lo <= width <= hi and lo <= height <= hi and not width % mult and not height % mult
+    return sides and width * height <= max_pixels
+
+
+def check_default_size(width: int, height: int, settings: ServerSettings) -> None:
+    """`dicache serve --default-size` must pass the checks a request's `size` does: `ConfigError` naming the
+    option, the size and what is allowed."""
+    try:
+        parse_size(f"{width}x{height}", settings, Defaults(None, 1, 1.0, width, height))
+    except ApiError as exc:
+        allowed = exc.message.partition(" is invalid: ")[2]
+        raise ConfigError(f"--default-size {width}x{height} is invalid: {allowed} (server option --max-side)") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_JSON_KINDS = {
+    bool: ("a JSON boolean (true or false)", lambda v: isinstance(v, bool)),
+    int: ("a JSON integer", _is_int),
+    float: ("a JSON number", lambda v: _is_int(v) or isinstance(v, float)),
+    str: ("a JSON string", lambda v: isinstance(v, str)),
+    list: (
+        "a JSON list of integers (or the environment's comma-separated string)",
+        lambda v: isinstance(v, str) or (isinstance(v, list) and all(_is_int(i) for i in v)),
+    ),
+}
+_JSON_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "object"}
+
+
+def _json_kind(key: str) -> tuple[str, Any]:
+    """What JSON value cache setting `key` takes, in words, and its test."""
+    kind = value_type(CacheConfig.model_fields[key])
+    if get_origin(kind) is Annotated:
+        kind = get_args(kind)[0]
+    if get_origin(kind) is Literal:
+        kind = type(get_args(kind)[0])
+    return _JSON_KINDS[get_origin(kind) or kind]
+
+
+def check_json_types(overrides: Mapping[str, Any]) -> None:
+    """`cache_dit_params` values must have their setting's JSON type (`"enable_cache": "yes"` or
+    `"residual_diff_threshold": "0.2"` is a 400, not converted as an environment variable's text is); null and
+    unknown keys are left to the engine's own checks."""
+    for key, value in overrides.items():
+        if value is None or key not in CacheConfig.model_fields:
+            continue
+        noun, fits = _json_kind(key)
+        if not fits(value):
+            got = _JSON_NAMES.get(type(value), type(value).__name__)
+            raise ApiError(
+                400,
+                f"cache_dit_params: cache override key {key!r}={clip_repr(value)} is invalid: must be {noun}, "
+                f"got a {got}",
+                "cache_dit_params",
+            )
+
+
 def effective_cache_config(overrides: Mapping[str, Any], base: CacheConfig, num_blocks: int | None) -> CacheConfig:
-    """`base` with per-request `overrides`, validated exactly as the engine will (keys, values, block split);
-    a `ConfigError` becomes a 400 on `cache_dit_params`."""
+    """`base` with per-request `overrides`, validated exactly as the engine will (keys, values, block split) after
+    `check_json_types`; a `ConfigError` becomes a 400 on `cache_dit_params`."""
+    check_json_types(overrides)
     try:
         merged = base.merged(overrides)
         if num_blocks is not None:

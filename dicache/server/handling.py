@@ -20,7 +20,7 @@ from ..config import CacheConfig
 from ..errors import DicacheError
 from .backend import GenerationStopped
 from .drain import UNFINISHED_MESSAGE
-from .errors import ApiError, describe_validation_error
+from .errors import ApiError, describe_validation_error, key_at_error
 from .generation import Defaults, GenerationSpec
 from .jobs import Job, JobQueue, QueueFullError, ShuttingDownError
 from .metrics import ServerMetrics
@@ -34,7 +34,7 @@ DISCONNECT_POLL_S = 0.05
 
 async def parse_generation_request(request: Request) -> ImageGenerationRequest:
     """The body as an `ImageGenerationRequest`, parsed by pydantic's JSON parser (bounded nesting, strict types);
-    any problem is a 400 naming the field, or the position in the JSON."""
+    any problem is a 400 naming the field, or the position in the JSON and the key whose value is there."""
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if content_type != "application/json" and not content_type.endswith("+json"):
         raise ApiError(400, "request body is not JSON: send a JSON object with 'Content-Type: application/json'")
@@ -45,6 +45,10 @@ async def parse_generation_request(request: Request) -> ImageGenerationRequest:
         return ImageGenerationRequest.model_validate_json(raw)
     except ValidationError as exc:
         message, param = describe_validation_error(exc.errors())
+        key = key_at_error(raw, message) if message.startswith("malformed JSON body") else None
+        if key is not None:
+            message += f" (the value of {key!r})"
+            param = key if key in ImageGenerationRequest.model_fields else None
         raise ApiError(400, message, param) from None
 
 

@@ -96,7 +96,8 @@ class ImageGenerationRequest(BaseModel):
     cache_dit_params: dict[str, Any] | None = Field(
         None,
         description="Per-request cache overrides keyed like cache-dit / SGLang (e.g. residual_diff_threshold, "
-        "max_warmup_steps, scm_preset); validated exactly as the engine does. See `dicache config`. "
+        "max_warmup_steps, scm_preset); values have their JSON types (no strings for numbers or booleans) and are "
+        "validated exactly as the engine does. See `dicache config`. "
         "The top-level enable_cache, when given, wins over an enable_cache key here.",
     )
 
