@@ -50,12 +50,19 @@ def allowed(field: FieldInfo) -> str:
     """What the field accepts, in words, from its type and bounds: 'an integer >= 1', 'a finite number > 0'."""
     kind = value_type(field)
     noun = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(kind, str(kind))
-    words = [f"{op} {value:g}" for op, value in _ops(bounds(field))]
-    return " ".join([noun, ", ".join(words)]) if words else noun
+    found = bounds(field)
+    if kind is int and "ge" in found and "le" in found:  # the command line's wording (commands.argtypes)
+        return f"{noun} between {_number(found['ge'])} and {_number(found['le'])}"
+    words = [f"{op} {_number(value)}" for op, value in _ops(found)]
+    return " ".join([noun, " and ".join(words)]) if words else noun
 
 
 def _ops(found: dict[str, float]) -> list[tuple[str, float]]:
     return [(op, found[b]) for b, op in (("ge", ">="), ("gt", ">"), ("le", "<=")) if b in found]
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 class Options(BaseModel):

@@ -136,6 +136,8 @@ def test_openai_client_round_trip(server, client, backend):
     assert other.data[0].model_extra["sha256"] != first.data[0].model_extra["sha256"]
 
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # minimal: details are in server_info
+    head = httpx.head(server.url + "/health")  # load balancers probe with HEAD too
+    assert head.status_code == 200 and head.content == b""
     info = httpx.get(server.url + "/v1/server_info").json()
     assert info["status"] == "ok" and info["cache"]["enabled_by_default"] is True
     assert info["cache"]["sources"]["max_warmup_steps"] == "env SGLANG_CACHE_DIT_WARMUP"

@@ -327,12 +327,30 @@ def test_cli_second_sigterm_stops_unfinished_generations_and_exits_0(model_sourc
     [
         (["--port", "99999"], "argument --port: '99999' is invalid: must be an integer between 1 and 65535"),
         (["--port", "http"], "argument --port: 'http' is invalid"),
-        (["--timeout", "nan"], "argument --timeout: 'nan' is invalid: must be a finite number of seconds > 0"),
+        (
+            ["--timeout", "nan"],
+            "argument --timeout: 'nan' is invalid: must be a finite number of seconds > 0 and <= 86400",
+        ),
         (["--timeout", "0"], "argument --timeout: '0' is invalid"),
-        (["--max-queue", "-1"], "argument --max-queue: '-1' is invalid: must be an integer >= 0"),
-        (["--workers", "0"], "argument --workers: '0' is invalid: must be an integer >= 1"),
-        (["--max-side", "8"], "argument --max-side: '8' is invalid: must be an integer >= 16"),
-        (["--max-body-bytes", "10"], "argument --max-body-bytes: '10' is invalid: must be an integer >= 1024"),
+        (["--max-queue", "-1"], "argument --max-queue: '-1' is invalid: must be an integer between 0 and 100000"),
+        (["--workers", "0"], "argument --workers: '0' is invalid: must be an integer between 1 and 64"),
+        (["--max-side", "8"], "argument --max-side: '8' is invalid: must be an integer between 16 and 8192"),
+        # upper bounds: a huge limit is a typo, not a setting (it would also bypass what the limit protects)
+        (
+            ["--max-side", "4" + "0" * 24],
+            "argument --max-side: '4" + "0" * 24 + "' is invalid: must be an integer betw",
+        ),
+        (["--max-n", "1000"], "argument --max-n: '1000' is invalid: must be an integer between 1 and 64"),
+        (["--max-steps", "100000"], "argument --max-steps: '100000' is invalid: must be an integer between 1 and 1000"),
+        (
+            ["--timeout", "1e300"],
+            "argument --timeout: '1e300' is invalid: must be a finite number of seconds > 0 and <= 86400",
+        ),
+        (
+            ["--max-connections", "10000000"],
+            "argument --max-connections: '10000000' is invalid: must be an integer betw",
+        ),
+        (["--max-body-bytes", "10"], "argument --max-body-bytes: '10' is invalid: must be an integer between 1024 and"),
         (["--drain-timeout", "inf"], "argument --drain-timeout: 'inf' is invalid"),
         (["--body-timeout", "-1"], "argument --body-timeout: '-1' is invalid"),
         (["--max-connections", "0"], "argument --max-connections: '0' is invalid"),

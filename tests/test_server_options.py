@@ -52,10 +52,21 @@ def test_options_reach_their_fields_by_name(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(max_queue=-1), "ServerSettings.max_queue=-1 is invalid: must be an integer >= 0"),
-        (dict(workers=True), "ServerSettings.workers=True is invalid: must be an integer >= 1"),
+        (dict(max_queue=-1), "ServerSettings.max_queue=-1 is invalid: must be an integer between 0 and 100000"),
+        (dict(workers=True), "ServerSettings.workers=True is invalid: must be an integer between 1 and 64"),
         (dict(request_timeout_s=float("nan")), "ServerSettings.request_timeout_s=nan is invalid: must be a finite"),
-        (dict(max_body_bytes=10), "ServerSettings.max_body_bytes=10 is invalid: must be an integer >= 1024"),
+        (
+            dict(max_body_bytes=10),
+            "ServerSettings.max_body_bytes=10 is invalid: must be an integer between 1024 and 1073741824",
+        ),
+        (
+            dict(max_side=10**24),
+            "ServerSettings.max_side=1000000000000000000000000 is invalid: must be an integer between 16 and 8192",
+        ),
+        (
+            dict(request_timeout_s=1e300),
+            "ServerSettings.request_timeout_s=1e+300 is invalid: must be a finite number > 0 and <= 86400",
+        ),
         (dict(max_side=16, min_side=32), "ServerSettings.max_side=16 must be >= min_side=32"),
         (dict(api_key=" "), "ServerSettings.api_key is empty"),
         (dict(maxqueue=3), "ServerSettings: unknown option 'maxqueue'"),
@@ -79,7 +90,7 @@ def test_settings_are_frozen_and_copied_with_changes():
     with pytest.raises(ValueError):
         settings.workers = 3  # type: ignore[misc]
     assert settings.model_copy(update={"workers": 3}).workers == 3 and settings.workers == 2
-    with pytest.raises(ValueError, match="^max_connections=0 is invalid: must be an integer >= 1$"):
+    with pytest.raises(ValueError, match="^max_connections=0 is invalid: must be an integer between 1 and 1000000$"):
         ConnectionLimits(max_connections=0)
     with pytest.raises(ConfigError, match="^--replicas=0 is invalid: must be an integer >= 1$"):
         RayServeOptions(replicas=0)

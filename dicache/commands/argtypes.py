@@ -24,16 +24,20 @@ def integer(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def number(low: float = 0.0, allow_low: bool = False, unit: str = "") -> Callable[[str], float]:
-    """A finite number (of `unit`, e.g. "seconds") > low (>= low with `allow_low`)."""
+def number(
+    low: float = 0.0, allow_low: bool = False, unit: str = "", high: float | None = None
+) -> Callable[[str], float]:
+    """A finite number (of `unit`, e.g. "seconds") > low (>= low with `allow_low`), and <= high when given."""
     allowed = f"a finite number {unit + ' ' if unit else ''}{'>=' if allow_low else '>'} {low:g}"
+    allowed += f" and <= {high:g}" if high is not None else ""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {allowed}") from None
-        if not math.isfinite(value) or value < low or (value == low and not allow_low):
+        too_high = high is not None and value > high
+        if not math.isfinite(value) or value < low or (value == low and not allow_low) or too_high:
             raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {allowed}")
         return value
 

@@ -60,15 +60,16 @@ def _parse(field: FieldInfo, kind: Any, extra: dict[str, Any], checked: bool) ->
     if kind is str:
         return None
     found = bounds(field) if checked else {}
+    high = found.get("le")
     if kind is int:
-        if "gt" in found or "le" in found:
-            raise TypeError(f"{extra['flag']}: only a lower bound (ge) is derived for integers")
-        return argtypes.integer(int(found["ge"])) if "ge" in found else int
+        if "gt" in found:
+            raise TypeError(f"{extra['flag']}: integers take ge / le bounds, not gt")
+        if "ge" not in found:
+            return int
+        return argtypes.integer(int(found["ge"]), None if high is None else int(high))
     if kind is float:
-        if "le" in found:
-            raise TypeError(f"{extra['flag']}: an upper bound is not derived for numbers")
         unit = f"of {extra['unit']}" if extra["unit"] else ""
         if "ge" in found:
-            return argtypes.number(found["ge"], allow_low=True, unit=unit)
-        return argtypes.number(found["gt"], unit=unit) if "gt" in found else float
+            return argtypes.number(found["ge"], allow_low=True, unit=unit, high=high)
+        return argtypes.number(found["gt"], unit=unit, high=high) if "gt" in found else float
     raise TypeError(f"{extra['flag']}: no command-line type for {kind}")

@@ -1,7 +1,7 @@
 """`create_app`: the FastAPI application serving one cache-enabled pipeline the OpenAI way.
 
 Endpoints: `POST /v1/images/generations`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /v1/server_info`,
-`GET /health`, `GET /health_generate`, `GET /metrics` (and `/docs`, `/openapi.json` with `ServerSettings.docs`).
+`GET`/`HEAD /health`, `GET /health_generate`, `GET /metrics` (and `/docs`, `/openapi.json` with `ServerSettings.docs`).
 Generations run in `JobQueue` worker threads; the event loop only parses, validates, waits and answers (`handling`),
 so a slow generation never blocks `/health` or `/metrics`.
 
@@ -228,7 +228,7 @@ def create_app(
             },
         }
 
-    @app.get("/health", summary="Liveness: 200 ok, or 503 while draining")
+    @app.api_route("/health", methods=["GET", "HEAD"], summary="Liveness: 200 ok, or 503 while draining")
     async def health() -> JSONResponse:
         status = _status(queue, drain)
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)

@@ -33,32 +33,41 @@ class ServerSettings(Options):
         16,
         flag="--max-queue",
         ge=0,
+        le=100_000,
         help="requests allowed to wait for a busy worker; more get 429; 0: take requests only when a worker is free",
     )
-    workers: int = option(1, flag="--workers", ge=1, help="generations run at once; outputs do not depend on it")
+    workers: int = option(1, flag="--workers", ge=1, le=64, help="generations run at once; outputs do not depend on it")
     request_timeout_s: float = option(
         600.0,
         flag="--timeout",
         gt=0,
+        le=86_400,
         unit="seconds",
         help="seconds per request, waiting included; past it 504, and the generation stops at its next transformer "
         "or VAE block, so its worker is busy at most one block longer (one transformer call if the blocks are "
         "compiled); the longest single block is that of the largest allowed --max-side x --max-n request",
     )
-    max_n: int = option(4, flag="--max-n", ge=1, help="images per request")
+    max_n: int = option(4, flag="--max-n", ge=1, le=64, help="images per request")
     min_side: int = option(16, ge=1)
     max_side: int = option(
-        2048, flag="--max-side", ge=16, help="largest image side; the work of one step grows with (side^2 x n)^2"
+        2048,
+        flag="--max-side",
+        ge=16,
+        le=8192,
+        help="largest image side; the work of one step grows with (side^2 x n)^2",
     )
     size_multiple: int = option(16, ge=1)
     max_pixels: int = option(2048 * 2048, ge=1)
-    max_steps: int = option(200, flag="--max-steps", ge=1, help="most steps")
-    max_prompt_chars: int = option(4000, flag="--max-prompt-chars", ge=1, help="longest prompt")
-    max_body_bytes: int = option(1 << 20, flag="--max-body-bytes", ge=1024, help="largest request body; larger: 413")
+    max_steps: int = option(200, flag="--max-steps", ge=1, le=1000, help="most steps")
+    max_prompt_chars: int = option(4000, flag="--max-prompt-chars", ge=1, le=1_000_000, help="longest prompt")
+    max_body_bytes: int = option(
+        1 << 20, flag="--max-body-bytes", ge=1024, le=1 << 30, help="largest request body; larger: 413"
+    )
     body_timeout_s: float = option(
         30.0,
         flag="--body-timeout",
         gt=0,
+        le=3600,
         unit="seconds",
         help="seconds a request body may take to arrive; then 408",
     )
@@ -73,6 +82,7 @@ class ServerSettings(Options):
         30.0,
         flag="--drain-timeout",
         ge=0,
+        le=86_400,
         unit="seconds",
         help="on SIGTERM: new requests get 503 + Retry-After, accepted generations get this many seconds to finish, "
         "the rest get 503, then the process exits 0; a second SIGTERM ends the wait at once. Give the orchestrator "
@@ -108,6 +118,7 @@ class ConnectionLimits(Options):
         1000,
         flag="--max-connections",
         ge=1,
+        le=1_000_000,
         help="open connections before new requests get 503; each is a file descriptor, and the soft descriptor limit "
         "is raised to fit",
     )
@@ -115,6 +126,7 @@ class ConnectionLimits(Options):
         5.0,
         flag="--keep-alive-timeout",
         gt=0,
+        le=3600,
         unit="seconds",
         help="seconds an idle keep-alive connection stays open",
     )
@@ -122,6 +134,7 @@ class ConnectionLimits(Options):
         10.0,
         flag="--header-timeout",
         gt=0,
+        le=3600,
         unit="seconds",
         help="seconds a new connection may take to send its request head; a slower one is closed",
     )
