@@ -26,6 +26,7 @@ from dicache.server.ray_serve import (
     ReplicaHeaderMiddleware,
     ReplicaSpec,
     args_to_argv,
+    check_fits,
     deployment_options,
 )
 
@@ -92,6 +93,43 @@ def test_tp_x_ulysses_replica_reserves_one_gpu_per_rank_in_one_placement_group()
         deployment_options(spec, RayServeOptions(gpus_per_replica=2))
     with pytest.raises(ConfigError, match="--gpus-per-replica=1 needs a CUDA device, but --device='cpu'"):
         deployment_options(ReplicaSpec(device="cpu"), RayServeOptions(gpus_per_replica=1))
+
+
+def test_replicas_that_a_cluster_cannot_hold_are_refused_naming_the_option():
+    spec, tp = ReplicaSpec(), ReplicaSpec(tp_size=2)
+    check_fits(spec, RayServeOptions(replicas=2), {"CPU": 2.0}, "here")
+    check_fits(tp, RayServeOptions(cpus_per_replica=1, gpus_per_replica=2), {"CPU": 2.0, "GPU": 2.0}, "here")
+    with pytest.raises(ConfigError, match=r"--replicas=1 × 2 GPU\(s\) per replica \(--gpus-per-replica, --tp-size"):
+        check_fits(tp, RayServeOptions(gpus_per_replica=2), {"CPU": 16.0}, "here")
+    with pytest.raises(ConfigError, match=r"= 3 CPU\(s\), but the local Ray cluster has 2: lower --replicas or"):
+        check_fits(spec, RayServeOptions(replicas=3), {"CPU": 2.0}, "the local Ray cluster")
+    with pytest.raises(ConfigError, match=r"= 1 GPU\(s\), but here has 0: .* or serve on CPUs with --device cpu"):
+        check_fits(spec, RayServeOptions(gpus_per_replica=1), {"CPU": 8.0}, "here")
+
+
+def test_serve_ray_refuses_gpus_a_local_cluster_lacks_before_deploying(monkeypatch, capsys):
+    """On a machine without GPUs, --gpus-per-replica / --tp-size with GPUs is a usage error once the local
+    cluster shows its resources, instead of a deployment that waits forever for GPUs."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    calls = []
+
+    class Context:
+        address_info = {"gcs_address": "local"}
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append("init") or Context())
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **kw: (_ for _ in ()).throw(ValueError("no metrics board")))
+    monkeypatch.setattr(serve, "start", lambda **kw: calls.append("serve.start"))
+    monkeypatch.setattr(serve, "run", lambda *a, **kw: calls.append("serve.run"))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    argv = ["serve", "--ray", "--device", "cuda", "--tp-size", "2", "--port", "30299"]
+    assert cli_main(argv) == 2
+    assert "--replicas=1 × 2 GPU(s) per replica" in capsys.readouterr().err
+    assert "serve.start" not in calls and "serve.run" not in calls and calls[-1] == "shutdown"
 
 
 def test_command_line_options_become_spec_and_options():

@@ -133,6 +133,8 @@ def run_ray(args: argparse.Namespace) -> int:
     print(f"Ray cluster at {context.address_info.get('gcs_address') or address}", flush=True)
     try:
         options = serve_options_from_args(args, spec, cluster_gpus=ray.cluster_resources().get("GPU", 0))
+        if address is None:  # a local cluster cannot grow: refuse replicas it cannot place, before deploying
+            ray_serve.check_fits(spec, options, ray.cluster_resources(), "the local Ray cluster")
         serve.start(
             http_options={
                 "host": args.host,

@@ -171,6 +171,35 @@ def gpus_per_rank(spec: ReplicaSpec, options: RayServeOptions) -> float:
     return gpus / world if world > 1 else gpus
 
 
+def replica_resources(spec: ReplicaSpec, options: RayServeOptions) -> dict[str, float]:
+    """CPUs and GPUs one replica reserves, all its ranks included (rank 0 `cpus_per_replica`, the others 1 CPU)."""
+    return {
+        "CPU": options.cpus_per_replica + (spec.world_size - 1),
+        "GPU": gpus_per_rank(spec, options) * spec.world_size,
+    }
+
+
+def check_fits(spec: ReplicaSpec, options: RayServeOptions, cluster: dict[str, float], where: str) -> None:
+    """Raise ConfigError naming the option when the initial replicas do not fit in `cluster` (its total resources).
+
+    For a cluster that cannot grow (the local one `dicache serve --ray` starts): Serve would otherwise wait forever
+    for resources that never come.
+    """
+    need = replica_resources(spec, options)
+    flags = {"CPU": "--cpus-per-replica", "GPU": "--gpus-per-replica"}
+    for kind in ("GPU", "CPU"):
+        have = float(cluster.get(kind, 0.0))
+        total = need[kind] * options.replicas
+        if total <= have:
+            continue
+        per = f"{need[kind]:g} {kind}(s) per replica ({flags[kind]}"
+        per += f", --tp-size × --ulysses-degree = {spec.world_size})" if spec.world_size > 1 else ")"
+        raise ConfigError(
+            f"--replicas={options.replicas} × {per} = {total:g} {kind}(s), but {where} has {have:g}: "
+            f"lower --replicas or {flags[kind]}" + (", or serve on CPUs with --device cpu" if kind == "GPU" else "")
+        )
+
+
 def deployment_options(spec: ReplicaSpec, options: RayServeOptions) -> dict[str, Any]:
     """The keyword arguments of `serve.deployment(...)` for `spec` and `options` (pure: no Ray needed)."""
     settings = spec.settings
