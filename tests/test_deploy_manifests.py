@@ -99,6 +99,10 @@ def test_single_process_deployment_fits_the_server_it_runs():
     assert pre_stop[0] == "sleep"
     # the grace period covers the preStop wait plus the longest request the server accepts
     assert pod["spec"]["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + settings.request_timeout_s
+    # on SIGTERM the server gives accepted requests --drain-timeout seconds (then answers them 503): it must cover
+    # the longest request, and the grace period the drain plus the 15 s `dicache serve --help` asks for
+    assert settings.drain_grace_s >= settings.request_timeout_s
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + settings.drain_grace_s + 15
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
     assert int(annotations["prometheus.io/port"]) == args.port
