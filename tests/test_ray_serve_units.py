@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -157,6 +158,23 @@ def test_builder_args_map_to_the_same_options_and_errors():
         parse_serve_argv(args_to_argv({"replica": 2}))
     with pytest.raises(ConfigError, match="argument --replicas: invalid int value: 'two'"):
         parse_serve_argv(args_to_argv({"replicas": "two"}))
+
+
+def test_serve_run_with_the_builder_gives_its_local_cluster_the_openai_shaped_proxy_errors(monkeypatch):
+    """`serve run dicache.server.ray_serve:app_builder ...` builds the app before it starts a local Ray cluster: the
+    builder sets the proxy callback variable that the cluster inherits, unless the environment already has one."""
+    ray = pytest.importorskip("ray")
+    from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
+    from dicache.server.ray_serve import app_builder
+
+    assert not ray.is_initialized()
+    monkeypatch.setenv(CALLBACK_ENV, "")  # recorded, so that the variable is restored (or removed) after
+    monkeypatch.delenv(CALLBACK_ENV)
+    app_builder({"replicas": "2", "device": "cpu"})
+    assert os.environ[CALLBACK_ENV] == CALLBACK_PATH
+    monkeypatch.setenv(CALLBACK_ENV, "mine:callback")
+    app_builder({"device": "cpu"})
+    assert os.environ[CALLBACK_ENV] == "mine:callback"
 
 
 def test_serve_help_lists_the_ray_options(capsys):

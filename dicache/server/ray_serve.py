@@ -340,11 +340,18 @@ def app_builder(args: dict[str, Any]) -> Any:
 
     `args` are `dicache serve` options without the dashes (see `args_to_argv`); cache settings are read here from
     `SGLANG_CACHE_DIT_*` over `profile`, once, and sent to every replica. A bad option fails the deployment with
-    the same message as the command line.
+    the same message as the command line. Called before Ray is initialized (`serve run` with an import path, which
+    then starts a local cluster), it sets `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` for that cluster's proxy
+    (`ray_proxy`); elsewhere the cluster's environment must set it.
     """
+    import ray
+
     from ..commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
     from ..profiles import cache_config as read_cache_config
+    from .ray_proxy import CALLBACK_ENV, CALLBACK_PATH
 
+    if not ray.is_initialized():  # `serve run <module>:app_builder` builds first, then starts a local cluster that
+        os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)  # inherits this: its proxy answers Serve's errors our way
     parsed = parse_serve_argv(args_to_argv(dict(args or {})))
     spec = replica_spec_from_args(parsed, read_cache_config(parsed.profile))
     return build_application(spec, serve_options_from_args(parsed, spec))
