@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -131,6 +132,50 @@ def test_serve_ray_refuses_gpus_a_local_cluster_lacks_before_deploying(monkeypat
     assert cli_main(argv) == 2
     assert "--replicas=1 × 2 GPU(s) per replica" in capsys.readouterr().err
     assert "serve.start" not in calls and "serve.run" not in calls and calls[-1] == "shutdown"
+
+
+def test_serve_ray_stopped_while_its_replicas_start_cleans_up_and_exits_0(monkeypatch, capsys):
+    """SIGTERM while `serve.run` waits for the replicas to load (minutes with big weights): the start-up stops, the
+    cluster is shut down and the command exits 0 (Ray's own handler used to abort the process, status 134)."""
+    import signal
+
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    calls = []
+
+    class Context:
+        address_info = {"gcs_address": "local"}
+
+    def loading(*args, **kwargs):  # a deployment that takes its time; the orchestrator sends SIGTERM meanwhile
+        calls.append("serve.run")
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):
+            time.sleep(0.05)
+        calls.append("serve.run returned")
+
+    def unhandled(*_):
+        raise AssertionError("SIGTERM during start-up was left to the default handler")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kw: Context())
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **kw: (_ for _ in ()).throw(ValueError("no metrics board")))
+    monkeypatch.setattr(serve, "start", lambda **kw: calls.append("serve.start"))
+    monkeypatch.setattr(serve, "run", loading)
+    monkeypatch.setattr(serve, "delete", lambda name: calls.append("serve.delete"))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, unhandled)
+    try:
+        assert cli_main(["serve", "--ray", "--device", "cpu", "--port", "30299"]) == 0
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert "serve.run returned" not in calls
+    assert calls[-3:] == ["serve.delete", "serve.shutdown", "shutdown"]
+    assert "stopped while starting" in capsys.readouterr().out
 
 
 def test_command_line_options_become_spec_and_options():
