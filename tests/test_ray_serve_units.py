@@ -109,7 +109,18 @@ def test_replicas_that_a_cluster_cannot_hold_are_refused_naming_the_option():
         check_fits(spec, RayServeOptions(gpus_per_replica=1), {"CPU": 8.0}, "here")
 
 
-def test_serve_ray_refuses_gpus_a_local_cluster_lacks_before_deploying(monkeypatch, capsys):
+def test_serve_ray_warns_like_the_single_process_server_and_about_ignored_connection_options():
+    from dicache.commands.serve_ray import ray_warnings
+
+    args = parse_serve_argv(["--ray", "--host", "0.0.0.0", "--max-connections", "50", "--keep-alive-timeout", "2"])
+    exposed, ignored = ray_warnings(args, replica_spec_from_args(args, None).settings)
+    assert "--host 0.0.0.0 is reachable from other machines and no API key is set" in exposed
+    assert ignored.startswith("--max-connections, --keep-alive-timeout: ignored with --ray")
+    quiet = parse_serve_argv(["--ray", "--host", "0.0.0.0", "--api-key", "k", "--body-timeout", "5"])
+    assert ray_warnings(quiet, replica_spec_from_args(quiet, None).settings) == []
+
+
+def test_serve_ray_refuses_gpus_a_local_cluster_lacks_before_deploying(monkeypatch, capsys, caplog):
     """On a machine without GPUs, --gpus-per-replica / --tp-size with GPUs is a usage error once the local
     cluster shows its resources, instead of a deployment that waits forever for GPUs."""
     ray = pytest.importorskip("ray")
@@ -128,8 +139,9 @@ def test_serve_ray_refuses_gpus_a_local_cluster_lacks_before_deploying(monkeypat
     monkeypatch.setattr(serve, "start", lambda **kw: calls.append("serve.start"))
     monkeypatch.setattr(serve, "run", lambda *a, **kw: calls.append("serve.run"))
     monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
-    argv = ["serve", "--ray", "--device", "cuda", "--tp-size", "2", "--port", "30299"]
+    argv = ["serve", "--ray", "--device", "cuda", "--tp-size", "2", "--port", "30299", "--host", "0.0.0.0"]
     assert cli_main(argv) == 2
+    assert "--host 0.0.0.0 is reachable from other machines and no API key is set" in caplog.text
     assert "--replicas=1 × 2 GPU(s) per replica" in capsys.readouterr().err
     assert "serve.start" not in calls and "serve.run" not in calls and calls[-1] == "shutdown"
 

@@ -98,6 +98,28 @@ def serve_options_from_args(args: argparse.Namespace, spec: Any, cluster_gpus: f
     return RayServeOptions(**{**values_from_args(args, RayServeOptions), "gpus_per_replica": gpus})
 
 
+def ray_warnings(args: argparse.Namespace, settings: Any) -> list[str]:
+    """What `dicache serve --ray` warns about at start: a reachable address without an API key (as the single-process
+    server does), and connection options that only the single-process server (uvicorn) applies."""
+    from ..server.runner import exposure_warnings
+    from ..server.settings import ConnectionLimits
+    from .serve import limits_from_args
+
+    warnings = exposure_warnings(args.host, settings)
+    given, default = limits_from_args(args), ConnectionLimits()
+    ignored = [
+        ConnectionLimits.model_fields[name].json_schema_extra["flag"]
+        for name in ("max_connections", "keep_alive_s", "header_timeout_s")
+        if getattr(given, name) != getattr(default, name)
+    ]
+    if ignored:
+        warnings.append(
+            f"{', '.join(ignored)}: ignored with --ray (Ray Serve's proxy holds the connections, with its own limits); "
+            "the request limits, --max-body-bytes and --body-timeout apply"
+        )
+    return warnings
+
+
 def run_ray(args: argparse.Namespace) -> int:
     import contextlib
     import logging
@@ -125,6 +147,8 @@ def run_ray(args: argparse.Namespace) -> int:
         print(profile, flush=True)
     spec = replica_spec_from_args(args, cache_config)
     ray_serve.deployment_options(spec, serve_options_from_args(args, spec, cluster_gpus=0))  # check before starting
+    for warning in ray_warnings(args, spec.settings):
+        logging.getLogger("dicache.server").warning(warning)
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port={args.port} is invalid: must be between 1 and 65535")
 
