@@ -100,6 +100,7 @@ def test_tp_x_ulysses_replica_reserves_one_gpu_per_rank_in_one_placement_group()
 def test_replicas_that_a_cluster_cannot_hold_are_refused_naming_the_option():
     spec, tp = ReplicaSpec(), ReplicaSpec(tp_size=2)
     check_fits(spec, RayServeOptions(replicas=2), {"CPU": 2.0}, "here")
+    check_fits(spec, RayServeOptions(replicas=10, cpus_per_replica=0.1, gpus_per_replica=0.1), {"CPU": 1, "GPU": 1}, "")
     check_fits(tp, RayServeOptions(cpus_per_replica=1, gpus_per_replica=2), {"CPU": 2.0, "GPU": 2.0}, "here")
     with pytest.raises(ConfigError, match=r"--replicas=1 × 2 GPU\(s\) per replica \(--gpus-per-replica, --tp-size"):
         check_fits(tp, RayServeOptions(gpus_per_replica=2), {"CPU": 16.0}, "here")

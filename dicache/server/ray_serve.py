@@ -190,7 +190,7 @@ def check_fits(spec: ReplicaSpec, options: RayServeOptions, cluster: dict[str, f
     for kind in ("GPU", "CPU"):
         have = float(cluster.get(kind, 0.0))
         total = need[kind] * options.replicas
-        if total <= have:
+        if total <= have + 1e-6:  # fractions: 10 × 0.1 GPU fit on one GPU
             continue
         per = f"{need[kind]:g} {kind}(s) per replica ({flags[kind]}"
         per += f", --tp-size × --ulysses-degree = {spec.world_size})" if spec.world_size > 1 else ")"
