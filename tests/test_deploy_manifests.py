@@ -13,6 +13,10 @@ import importlib
 import pathlib
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import yaml
@@ -99,6 +103,10 @@ def test_single_process_deployment_fits_the_server_it_runs():
     assert pre_stop[0] == "sleep"
     # the grace period covers the preStop wait plus the longest request the server accepts
     assert pod["spec"]["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + settings.request_timeout_s
+    # on SIGTERM the server gives accepted requests --drain-timeout seconds (then answers them 503): it must cover
+    # the longest request, and the grace period the drain plus the 15 s `dicache serve --help` asks for
+    assert settings.drain_grace_s >= settings.request_timeout_s
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + settings.drain_grace_s + 15
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
     assert int(annotations["prometheus.io/port"]) == args.port
@@ -157,3 +165,31 @@ def test_image_matches_the_ray_pin():
     assert base.startswith(f"rayproject/ray:{_ray_pin()}-")
     install = next(line for line in dockerfile.splitlines() if line.startswith("RUN pip install"))
     assert any(part.endswith("[ray]") for part in shlex.split(install))
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep")
+def test_ray_worker_prestop_returns_once_no_replica_runs(tmp_path):
+    """The worker's preStop hook waits while a Serve replica process runs on the pod, and returns at once when none
+    does (its own shell, whose command line holds the pattern, must not count). `ray` is a stub here."""
+    if subprocess.run(["pgrep", "-f", "ray::ServeReplica"], capture_output=True).returncode == 0:
+        pytest.skip("a Ray Serve replica runs on this machine")
+    cluster = yaml.safe_load(RAYSERVICE.read_text())["spec"]["rayClusterConfig"]
+    (worker,) = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"]
+    hook = worker["lifecycle"]["preStop"]["exec"]["command"]
+    stub = tmp_path / "ray"
+    stub.write_text("#!/bin/sh\nexit 0\n")
+    stub.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "HOSTNAME": "pod-0"}
+    started = time.monotonic()
+    assert subprocess.run(hook, env=env, timeout=20).returncode == 0
+    assert time.monotonic() - started < 10
+    replica = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(3)", "ray::ServeReplica:dicache:DicacheServer"]
+    )
+    try:
+        started = time.monotonic()
+        assert subprocess.run(hook, env=env, timeout=20).returncode == 0
+        assert time.monotonic() - started >= 2  # it waited for the replica to stop
+    finally:
+        replica.kill()
+        replica.wait()

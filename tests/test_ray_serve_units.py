@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,6 +28,7 @@ from dicache.server.ray_serve import (
     ReplicaHeaderMiddleware,
     ReplicaSpec,
     args_to_argv,
+    check_fits,
     deployment_options,
 )
 
@@ -94,6 +97,100 @@ def test_tp_x_ulysses_replica_reserves_one_gpu_per_rank_in_one_placement_group()
         deployment_options(ReplicaSpec(device="cpu"), RayServeOptions(gpus_per_replica=1))
 
 
+def test_replicas_that_a_cluster_cannot_hold_are_refused_naming_the_option():
+    spec, tp = ReplicaSpec(), ReplicaSpec(tp_size=2)
+    check_fits(spec, RayServeOptions(replicas=2), {"CPU": 2.0}, "here")
+    check_fits(spec, RayServeOptions(replicas=10, cpus_per_replica=0.1, gpus_per_replica=0.1), {"CPU": 1, "GPU": 1}, "")
+    check_fits(tp, RayServeOptions(cpus_per_replica=1, gpus_per_replica=2), {"CPU": 2.0, "GPU": 2.0}, "here")
+    with pytest.raises(ConfigError, match=r"--replicas=1 × 2 GPU\(s\) per replica \(--gpus-per-replica, --tp-size"):
+        check_fits(tp, RayServeOptions(gpus_per_replica=2), {"CPU": 16.0}, "here")
+    with pytest.raises(ConfigError, match=r"= 3 CPU\(s\), but the local Ray cluster has 2: lower --replicas or"):
+        check_fits(spec, RayServeOptions(replicas=3), {"CPU": 2.0}, "the local Ray cluster")
+    with pytest.raises(ConfigError, match=r"= 1 GPU\(s\), but here has 0: .* or serve on CPUs with --device cpu"):
+        check_fits(spec, RayServeOptions(gpus_per_replica=1), {"CPU": 8.0}, "here")
+
+
+def test_serve_ray_warns_like_the_single_process_server_and_about_ignored_connection_options():
+    from dicache.commands.serve_ray import ray_warnings
+
+    args = parse_serve_argv(["--ray", "--host", "0.0.0.0", "--max-connections", "50", "--keep-alive-timeout", "2"])
+    exposed, ignored = ray_warnings(args, replica_spec_from_args(args, None).settings)
+    assert "--host 0.0.0.0 is reachable from other machines and no API key is set" in exposed
+    assert ignored.startswith("--max-connections, --keep-alive-timeout: ignored with --ray")
+    quiet = parse_serve_argv(["--ray", "--host", "0.0.0.0", "--api-key", "k", "--body-timeout", "5"])
+    assert ray_warnings(quiet, replica_spec_from_args(quiet, None).settings) == []
+
+
+def test_serve_ray_refuses_gpus_a_local_cluster_lacks_before_deploying(monkeypatch, capsys, caplog):
+    """On a machine without GPUs, --gpus-per-replica / --tp-size with GPUs is a usage error once the local
+    cluster shows its resources, instead of a deployment that waits forever for GPUs."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    calls = []
+
+    class Context:
+        address_info = {"gcs_address": "local"}
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append("init") or Context())
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **kw: (_ for _ in ()).throw(ValueError("no metrics board")))
+    monkeypatch.setattr(serve, "start", lambda **kw: calls.append("serve.start"))
+    monkeypatch.setattr(serve, "run", lambda *a, **kw: calls.append("serve.run"))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    argv = ["serve", "--ray", "--device", "cuda", "--tp-size", "2", "--port", "30299", "--host", "0.0.0.0"]
+    assert cli_main(argv) == 2
+    assert "--host 0.0.0.0 is reachable from other machines and no API key is set" in caplog.text
+    assert "--replicas=1 × 2 GPU(s) per replica" in capsys.readouterr().err
+    assert "serve.start" not in calls and "serve.run" not in calls and calls[-1] == "shutdown"
+
+
+def test_serve_ray_stopped_while_its_replicas_start_cleans_up_and_exits_0(monkeypatch, capsys):
+    """SIGTERM while `serve.run` waits for the replicas to load (minutes with big weights): the start-up stops, the
+    cluster is shut down and the command exits 0 (Ray's own handler used to abort the process, status 134)."""
+    import signal
+
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    calls = []
+
+    class Context:
+        address_info = {"gcs_address": "local"}
+
+    def loading(*args, **kwargs):  # a deployment that takes its time; the orchestrator sends SIGTERM meanwhile
+        calls.append("serve.run")
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):
+            time.sleep(0.05)
+        calls.append("serve.run returned")
+
+    def unhandled(*_):
+        raise AssertionError("SIGTERM during start-up was left to the default handler")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kw: Context())
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **kw: (_ for _ in ()).throw(ValueError("no metrics board")))
+    monkeypatch.setattr(serve, "start", lambda **kw: calls.append("serve.start"))
+    monkeypatch.setattr(serve, "run", loading)
+    monkeypatch.setattr(serve, "delete", lambda name: calls.append("serve.delete"))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, unhandled)
+    try:
+        assert cli_main(["serve", "--ray", "--device", "cpu", "--port", "30299"]) == 0
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert "serve.run returned" not in calls
+    assert calls[-3:] == ["serve.delete", "serve.shutdown", "shutdown"]
+    assert "stopped while starting" in capsys.readouterr().out
+
+
 def test_command_line_options_become_spec_and_options():
     args = parse_serve_argv(
         ["--ray", "--replicas", "2", "--max-replicas", "6", "--tp-size", "2", "--max-queue", "3", "--device", "cuda"]
@@ -119,6 +216,23 @@ def test_builder_args_map_to_the_same_options_and_errors():
         parse_serve_argv(args_to_argv({"replica": 2}))
     with pytest.raises(ConfigError, match="argument --replicas: invalid int value: 'two'"):
         parse_serve_argv(args_to_argv({"replicas": "two"}))
+
+
+def test_serve_run_with_the_builder_gives_its_local_cluster_the_openai_shaped_proxy_errors(monkeypatch):
+    """`serve run dicache.server.ray_serve:app_builder ...` builds the app before it starts a local Ray cluster: the
+    builder sets the proxy callback variable that the cluster inherits, unless the environment already has one."""
+    ray = pytest.importorskip("ray")
+    from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
+    from dicache.server.ray_serve import app_builder
+
+    assert not ray.is_initialized()
+    monkeypatch.setenv(CALLBACK_ENV, "")  # recorded, so that the variable is restored (or removed) after
+    monkeypatch.delenv(CALLBACK_ENV)
+    app_builder({"replicas": "2", "device": "cpu"})
+    assert os.environ[CALLBACK_ENV] == CALLBACK_PATH
+    monkeypatch.setenv(CALLBACK_ENV, "mine:callback")
+    app_builder({"device": "cpu"})
+    assert os.environ[CALLBACK_ENV] == "mine:callback"
 
 
 def test_serve_help_lists_the_ray_options(capsys):

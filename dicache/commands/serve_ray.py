@@ -1,7 +1,8 @@
 """`dicache serve --ray`: the same server as N Ray Serve replicas behind one endpoint (`dicache.server.ray_serve`).
 
 Without `--ray-address` it starts a local Ray cluster; with one (or RAY_ADDRESS) it deploys onto that cluster. It
-then runs until SIGINT / SIGTERM, and on exit deletes the application (each replica finishes its requests first).
+then runs until SIGINT / SIGTERM, and on exit deletes the application (each replica finishes its requests first);
+a signal while the replicas are still starting stops the start-up. Either way it exits 0.
 Nothing here imports Ray unless `--ray` is given.
 """
 
@@ -29,6 +30,11 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     from .fields import add_options
 
     add_options(group, RayServeOptions, checked=False)  # the options' own messages name the flag and the bound
+
+
+class _StoppedStarting(BaseException):
+    """SIGINT / SIGTERM while the application was being deployed (a BaseException, so that no handler in Ray's code
+    path mistakes it for a failure)."""
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -92,6 +98,28 @@ def serve_options_from_args(args: argparse.Namespace, spec: Any, cluster_gpus: f
     return RayServeOptions(**{**values_from_args(args, RayServeOptions), "gpus_per_replica": gpus})
 
 
+def ray_warnings(args: argparse.Namespace, settings: Any) -> list[str]:
+    """What `dicache serve --ray` warns about at start: a reachable address without an API key (as the single-process
+    server does), and connection options that only the single-process server (uvicorn) applies."""
+    from ..server.runner import exposure_warnings
+    from ..server.settings import ConnectionLimits
+    from .serve import limits_from_args
+
+    warnings = exposure_warnings(args.host, settings)
+    given, default = limits_from_args(args), ConnectionLimits()
+    ignored = [
+        ConnectionLimits.model_fields[name].json_schema_extra["flag"]
+        for name in ("max_connections", "keep_alive_s", "header_timeout_s")
+        if getattr(given, name) != getattr(default, name)
+    ]
+    if ignored:
+        warnings.append(
+            f"{', '.join(ignored)}: ignored with --ray (Ray Serve's proxy holds the connections, with its own limits); "
+            "the request limits, --max-body-bytes and --body-timeout apply"
+        )
+    return warnings
+
+
 def run_ray(args: argparse.Namespace) -> int:
     import contextlib
     import logging
@@ -119,6 +147,8 @@ def run_ray(args: argparse.Namespace) -> int:
         print(profile, flush=True)
     spec = replica_spec_from_args(args, cache_config)
     ray_serve.deployment_options(spec, serve_options_from_args(args, spec, cluster_gpus=0))  # check before starting
+    for warning in ray_warnings(args, spec.settings):
+        logging.getLogger("dicache.server").warning(warning)
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port={args.port} is invalid: must be between 1 and 65535")
 
@@ -131,26 +161,44 @@ def run_ray(args: argparse.Namespace) -> int:
     else:
         context = ray.init(address=address, logging_level=logging.WARNING)
     print(f"Ray cluster at {context.address_info.get('gcs_address') or address}", flush=True)
+    stop, starting = threading.Event(), [True]
+
+    def on_signal(*_: Any) -> None:
+        stop.set()
+        if starting[0]:  # abort the deployment in progress (serve.run waits for every replica to load)
+            starting[0] = False
+            raise _StoppedStarting
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before Serve starts: Ray's own handler would abort the process
+        signal.signal(sig, on_signal)
     try:
-        options = serve_options_from_args(args, spec, cluster_gpus=ray.cluster_resources().get("GPU", 0))
-        serve.start(
-            http_options={
-                "host": args.host,
-                "port": args.port,
-                # backstop for time spent in Serve's own queue; the app's own timeout answers first
-                "request_timeout_s": spec.settings.request_timeout_s + ray_serve.SHUTDOWN_MARGIN_S,
-            }
-        )
-        serve.run(ray_serve.build_application(spec, options), name=ray_serve.APP_NAME, route_prefix="/", blocking=False)
+        try:
+            options = serve_options_from_args(args, spec, cluster_gpus=ray.cluster_resources().get("GPU", 0))
+            if address is None:  # a local cluster cannot grow: refuse replicas it cannot place, before deploying
+                ray_serve.check_fits(spec, options, ray.cluster_resources(), "the local Ray cluster")
+            serve.start(
+                http_options={
+                    "host": args.host,
+                    "port": args.port,
+                    # backstop for time spent in Serve's own queue; the app's own timeout answers first
+                    "request_timeout_s": spec.settings.request_timeout_s + ray_serve.SHUTDOWN_MARGIN_S,
+                }
+            )
+            serve.run(
+                ray_serve.build_application(spec, options), name=ray_serve.APP_NAME, route_prefix="/", blocking=False
+            )
+            starting[0] = False
+        except _StoppedStarting:
+            print("stopped while starting: removing the deployment", flush=True)
+            with contextlib.suppress(Exception):  # nothing deployed yet, or Serve not started
+                serve.delete(ray_serve.APP_NAME)
+            return 0
         what = (
             f"{options.replicas} replica(s)"
             if not options.autoscaling
             else f"{options.replicas} replica(s), autoscaling {options.min_replicas or 1}..{options.max_replicas}"
         )
         print(f"dicache on Ray Serve: {what} at http://{args.host}:{args.port} (Ctrl-C or SIGTERM stops)", flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(1.0):
             pass
         print("stopping: every replica finishes its requests first", flush=True)

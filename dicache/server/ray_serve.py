@@ -171,6 +171,35 @@ def gpus_per_rank(spec: ReplicaSpec, options: RayServeOptions) -> float:
     return gpus / world if world > 1 else gpus
 
 
+def replica_resources(spec: ReplicaSpec, options: RayServeOptions) -> dict[str, float]:
+    """CPUs and GPUs one replica reserves, all its ranks included (rank 0 `cpus_per_replica`, the others 1 CPU)."""
+    return {
+        "CPU": options.cpus_per_replica + (spec.world_size - 1),
+        "GPU": gpus_per_rank(spec, options) * spec.world_size,
+    }
+
+
+def check_fits(spec: ReplicaSpec, options: RayServeOptions, cluster: dict[str, float], where: str) -> None:
+    """Raise ConfigError naming the option when the initial replicas do not fit in `cluster` (its total resources).
+
+    For a cluster that cannot grow (the local one `dicache serve --ray` starts): Serve would otherwise wait forever
+    for resources that never come.
+    """
+    need = replica_resources(spec, options)
+    flags = {"CPU": "--cpus-per-replica", "GPU": "--gpus-per-replica"}
+    for kind in ("GPU", "CPU"):
+        have = float(cluster.get(kind, 0.0))
+        total = need[kind] * options.replicas
+        if total <= have + 1e-6:  # fractions: 10 × 0.1 GPU fit on one GPU
+            continue
+        per = f"{need[kind]:g} {kind}(s) per replica ({flags[kind]}"
+        per += f", --tp-size × --ulysses-degree = {spec.world_size})" if spec.world_size > 1 else ")"
+        raise ConfigError(
+            f"--replicas={options.replicas} × {per} = {total:g} {kind}(s), but {where} has {have:g}: "
+            f"lower --replicas or {flags[kind]}" + (", or serve on CPUs with --device cpu" if kind == "GPU" else "")
+        )
+
+
 def deployment_options(spec: ReplicaSpec, options: RayServeOptions) -> dict[str, Any]:
     """The keyword arguments of `serve.deployment(...)` for `spec` and `options` (pure: no Ray needed)."""
     settings = spec.settings
@@ -311,11 +340,18 @@ def app_builder(args: dict[str, Any]) -> Any:
 
     `args` are `dicache serve` options without the dashes (see `args_to_argv`); cache settings are read here from
     `SGLANG_CACHE_DIT_*` over `profile`, once, and sent to every replica. A bad option fails the deployment with
-    the same message as the command line.
+    the same message as the command line. Called before Ray is initialized (`serve run` with an import path, which
+    then starts a local cluster), it sets `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` for that cluster's proxy
+    (`ray_proxy`); elsewhere the cluster's environment must set it.
     """
+    import ray
+
     from ..commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
     from ..profiles import cache_config as read_cache_config
+    from .ray_proxy import CALLBACK_ENV, CALLBACK_PATH
 
+    if not ray.is_initialized():  # `serve run <module>:app_builder` builds first, then starts a local cluster that
+        os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)  # inherits this: its proxy answers Serve's errors our way
     parsed = parse_serve_argv(args_to_argv(dict(args or {})))
     spec = replica_spec_from_args(parsed, read_cache_config(parsed.profile))
     return build_application(spec, serve_options_from_args(parsed, spec))
