@@ -159,6 +159,34 @@ def test_rayservice_serve_config_builds_with_the_dicache_serve_parser():
             assert importlib.import_module(CALLBACK_PATH.split(":")[0])
 
 
+def _serving_containers() -> dict[str, dict]:
+    (deployment,) = [d for d in _docs(SERVER) if d["kind"] == "Deployment"]
+    (single,) = deployment["spec"]["template"]["spec"]["containers"]
+    found = {"single-process": single}
+    for name, template in _ray_templates().items():
+        (container,) = template["spec"]["containers"]
+        found[f"ray-{name}"] = container
+    return found
+
+
+def test_every_serving_pod_takes_the_api_key_from_a_secret(monkeypatch):
+    for name, container in _serving_containers().items():
+        (key,) = [e for e in container.get("env", []) if e["name"] == "DICACHE_API_KEY"]
+        ref = key["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"], ref.get("optional", False)) == ("dicache-api-key", "api-key", False), name
+        assert "value" not in key and not any("api-key" in str(arg) for arg in container.get("command", [])), name
+
+    # with the Secret's value in the environment, both manifests' servers require it
+    monkeypatch.setenv("DICACHE_API_KEY", "from-the-secret")
+    (deployment,) = [d for d in _docs(SERVER) if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = parse_serve_argv(container["command"][2:])
+    assert settings_from_args(args).api_key == "from-the-secret"
+    (app,) = yaml.safe_load(yaml.safe_load(RAYSERVICE.read_text())["spec"]["serveConfigV2"])["applications"]
+    spec = replica_spec_from_args(parse_serve_argv(args_to_argv(app["args"])), cache_config=None)
+    assert spec.settings.api_key == "from-the-secret"
+
+
 def test_image_matches_the_ray_pin():
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     base = re.search(r"^FROM (\S+)", dockerfile, re.M).group(1)
