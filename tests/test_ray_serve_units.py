@@ -214,7 +214,7 @@ def test_builder_args_map_to_the_same_options_and_errors():
     assert parse_serve_argv(argv).default_size == (64, 64)
     with pytest.raises(ConfigError, match="unrecognized arguments: --replica 2"):
         parse_serve_argv(args_to_argv({"replica": 2}))
-    with pytest.raises(ConfigError, match="argument --replicas: invalid int value: 'two'"):
+    with pytest.raises(ConfigError, match="argument --replicas: 'two' is invalid: must be an integer"):
         parse_serve_argv(args_to_argv({"replicas": "two"}))
 
 
@@ -390,6 +390,12 @@ def test_serve_ray_rejects_bad_options_before_starting_a_cluster(capsys):
     assert "--gpus-per-replica=1 is invalid with --tp-size 2 × --ulysses-degree 1" in capsys.readouterr().err
     assert cli_main(["serve", "--ray", "--replicas", "3", "--max-replicas", "2"]) == 2
     assert "--replicas=3 is invalid with autoscaling" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # not a number at all: argparse's usage error, worded like the others
+        cli_main(["serve", "--ray", "--replicas", "abc"])
+    assert "argument --replicas: 'abc' is invalid: must be an integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--ray", "--cpus-per-replica", "two"])
+    assert "argument --cpus-per-replica: 'two' is invalid: must be a number" in capsys.readouterr().err
     assert not ray.is_initialized()
 
 

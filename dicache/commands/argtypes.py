@@ -8,20 +8,31 @@ import math
 from collections.abc import Callable
 
 
-def integer(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An integer in [low, high] (high None: no upper bound)."""
-    allowed = f"an integer >= {low}" if high is None else f"an integer between {low} and {high}"
+def integer(low: int | None, high: int | None = None) -> Callable[[str], int]:
+    """An integer in [low, high] (None: no bound on that side)."""
+    if low is None:
+        allowed = "an integer" if high is None else f"an integer <= {high}"
+    else:
+        allowed = f"an integer >= {low}" if high is None else f"an integer between {low} and {high}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {allowed}") from None
-        if value < low or (high is not None and value > high):
+        if (low is not None and value < low) or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {allowed}")
         return value
 
     return parse
+
+
+def any_number(text: str) -> float:
+    """Any float, nan and inf included (whoever takes it checks the value): only text that is no number fails."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a number") from None
 
 
 def number(

@@ -59,17 +59,16 @@ def _shown(default: Any) -> str | None:
 def _parse(field: FieldInfo, kind: Any, extra: dict[str, Any], checked: bool) -> Any:
     if kind is str:
         return None
-    found = bounds(field) if checked else {}
+    found = bounds(field) if checked else {}  # unchecked: the type only, the model names the bounds
     high = found.get("le")
     if kind is int:
         if "gt" in found:
             raise TypeError(f"{extra['flag']}: integers take ge / le bounds, not gt")
-        if "ge" not in found:
-            return int
-        return argtypes.integer(int(found["ge"]), None if high is None else int(high))
+        low = int(found["ge"]) if "ge" in found else None
+        return argtypes.integer(low, None if high is None else int(high))
     if kind is float:
         unit = f"of {extra['unit']}" if extra["unit"] else ""
         if "ge" in found:
             return argtypes.number(found["ge"], allow_low=True, unit=unit, high=high)
-        return argtypes.number(found["gt"], unit=unit, high=high) if "gt" in found else float
+        return argtypes.number(found["gt"], unit=unit, high=high) if "gt" in found else argtypes.any_number
     raise TypeError(f"{extra['flag']}: no command-line type for {kind}")
