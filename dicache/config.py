@@ -242,13 +242,13 @@ class CacheConfig(BaseSettings):
     scm_compute_bins: StepBins = setting(
         None,
         env="SCM_COMPUTE_BINS",
-        allowed=f"at most {MAX_SCM_BINS} comma-separated integers in [1, {MAX_SCM_BIN}], e.g. 8,3,3,2,1,1",
+        allowed=f"at most {MAX_SCM_BINS} integers in [1, {MAX_SCM_BIN}]: a list, or comma-separated text (8,3,3,2,1,1)",
         meaning="explicit mask: runs of computed steps, alternating with SCM_CACHE_BINS",
     )
     scm_cache_bins: StepBins = setting(
         None,
         env="SCM_CACHE_BINS",
-        allowed=f"at most {MAX_SCM_BINS} comma-separated integers in [1, {MAX_SCM_BIN}], e.g. 1,2,2,2,3",
+        allowed=f"at most {MAX_SCM_BINS} integers in [1, {MAX_SCM_BIN}]: a list, or comma-separated text (1,2,2,2,3)",
         meaning="explicit mask: runs of cacheable steps, alternating with SCM_COMPUTE_BINS",
     )
     scm_policy: Literal["dynamic", "static"] = setting(
