@@ -348,7 +348,7 @@ def test_sigterm_drains_every_replica_like_the_single_process_server(model_sourc
 
             wait_until(both_generating, timeout=60, what="both replicas to be generating")
             cmd.proc.send_signal(signal.SIGTERM)
-            cmd.wait_for(r"draining: new requests get 503", 30)
+            cmd.wait_for(r"stopping: every replica finishes its requests first", 30)
 
             answered: list[httpx.Response] = []
 
