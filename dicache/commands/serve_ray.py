@@ -139,8 +139,8 @@ def run_ray(args: argparse.Namespace) -> int:
         from ray import serve
 
         from ..server import ray_serve
-        from ..server.ray_drain import DrainBoard, wait_drained
         from ..server.ray_drain import board_name as drain_board_name
+        from ..server.ray_drain import start_board, wait_drained
         from ..server.ray_metrics import NAMESPACE, board_name
         from ..server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
     except ModuleNotFoundError as exc:
@@ -194,12 +194,9 @@ def run_ray(args: argparse.Namespace) -> int:
                     "request_timeout_s": spec.settings.request_timeout_s + ray_serve.SHUTDOWN_MARGIN_S,
                 }
             )
-            board = (
-                ray.remote(DrainBoard)
-                .options(name=drain_board_name(ray_serve.APP_NAME), namespace=NAMESPACE, num_cpus=0, get_if_exists=True)
-                .remote()
-            )
-            spec = dataclasses.replace(spec, drain_board=drain_board_name(ray_serve.APP_NAME))
+            board = start_board(drain_board_name(ray_serve.APP_NAME), NAMESPACE)
+            if board is not None:  # else the replicas do not drain first: Serve's own graceful shutdown only
+                spec = dataclasses.replace(spec, drain_board=drain_board_name(ray_serve.APP_NAME))
             serve.run(
                 ray_serve.build_application(spec, options), name=ray_serve.APP_NAME, route_prefix="/", blocking=False
             )
@@ -225,11 +222,15 @@ def run_ray(args: argparse.Namespace) -> int:
             flush=True,
         )
         try:
-            pending = wait_drained(
-                board,
-                grace + ray_serve.ANSWER_TIMEOUT_S + DRAIN_MARGIN_S,
-                hurry=lambda: signals[0] >= 2,
-                stop=lambda: signals[0] >= 3,
+            pending = (
+                {}
+                if board is None
+                else wait_drained(
+                    board,
+                    grace + ray_serve.ANSWER_TIMEOUT_S + DRAIN_MARGIN_S,
+                    hurry=lambda: signals[0] >= 2,
+                    stop=lambda: signals[0] >= 3,
+                )
             )
         except Exception as exc:  # the board died: Serve's own graceful shutdown still finishes the requests
             logging.getLogger("dicache.server").warning("drain: the drain board failed (%s)", exc)

@@ -61,6 +61,18 @@ class DrainBoard:
         return {r: n for r, (t, done, n) in self._reports.items() if now - t <= self.ttl_s and not done}
 
 
+def start_board(name: str, namespace: str) -> Any:
+    """Driver side: the `DrainBoard` actor (owned by the calling driver, so it goes with it), or None (logged) when
+    it cannot be created."""
+    import ray
+
+    try:
+        return ray.remote(DrainBoard).options(name=name, namespace=namespace, num_cpus=0, get_if_exists=True).remote()
+    except Exception as exc:
+        log.warning("no drain board (%s): on SIGTERM the replicas only get Serve's graceful shutdown", exc)
+        return None
+
+
 async def follow(name: str, namespace: str, replica: str, drain: Any) -> None:
     """Replica side, on the app's event loop until cancelled: report to the board `name` every `POLL_S` and start
     `drain` (the app's `Drain`) once the board says so. Never raises; an unreachable board is retried."""
