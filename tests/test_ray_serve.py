@@ -12,7 +12,8 @@ CPU replicas of the embedded checkpoint.
 - SIGTERM stops the command with exit status 0;
 - SIGTERM with requests in flight drains every replica as the single-process server drains: a new request and
   `/health` get 503 + Retry-After (OpenAI shape, not Serve's 404), the accepted requests get 200 or, past a short
-  `--drain-timeout`, 503, and the command exits 0 (a second command, started once the first one stopped).
+  `--drain-timeout` (or after a second SIGTERM), 503, and the command exits 0 (a second command, started once the
+  first one stopped).
 
 The test process joins the command's cluster as a second Ray driver to kill a replica and deploy the split one.
 Skipped when Ray is not installed (`pip install 'dicache[ray]'`; the test extra installs it).
@@ -330,10 +331,13 @@ def test_sigterm_stops_the_command_with_status_0(command):
         httpx.get(command.url + "/health", timeout=5)
 
 
-def test_sigterm_drains_every_replica_like_the_single_process_server(model_source, tmp_path):
-    """Last, after the module's command stopped (the machine holds one 2-CPU cluster at a time)."""
+@pytest.mark.parametrize("how", ["grace_period", "second_signal"])
+def test_sigterm_drains_every_replica_like_the_single_process_server(model_source, tmp_path, how):
+    """Last, after the module's command stopped (the machine holds one 2-CPU cluster at a time). `grace_period`: a
+    4 s --drain-timeout runs out; `second_signal`: a 600 s one is cut short by a second SIGTERM."""
     port = _free_port()
-    cmd = Command(_command_args(model_source, port, "--drain-timeout", "4"), tmp_path / "serve.log", _command_env())
+    grace = "4" if how == "grace_period" else "600"
+    cmd = Command(_command_args(model_source, port, "--drain-timeout", grace), tmp_path / "serve.log", _command_env())
     try:
         cmd.wait_for(r"dicache on Ray Serve: 2 replica\(s\) at ", START_TIMEOUT)
         url = f"http://127.0.0.1:{port}"
@@ -364,13 +368,18 @@ def test_sigterm_drains_every_replica_like_the_single_process_server(model_sourc
             assert error["code"] == "shutting_down" and error["type"] == "server_unavailable", error
             health = httpx.get(url + "/health", timeout=30)
             assert (health.status_code, health.json()) == (503, {"status": "draining"})
+            if how == "second_signal":
+                hurried = time.monotonic()
+                cmd.proc.send_signal(signal.SIGTERM)
             answers = [f.result(timeout=120) for f in futures]  # nothing hangs
         codes = collections.Counter(a.status_code for a in answers)
-        assert set(codes) <= {200, 503} and codes[503], codes  # 4 s cannot hold 3 long generations per replica
+        assert set(codes) <= {200, 503} and codes[503], codes  # the grace cannot hold 3 long generations per replica
         for answer in answers:
             if answer.status_code == 503:  # the drain's answer to what could not finish
                 assert answer.json()["error"]["code"] == "shutting_down" and answer.headers["retry-after"] == "5"
         assert cmd.proc.wait(90) == 0, cmd.output()[-4000:]
         assert "drained: every replica answered its requests" in cmd.output(), cmd.output()[-4000:]
+        if how == "second_signal":
+            assert time.monotonic() - hurried < 60  # not the 600 s grace period
     finally:
         cmd.stop()
