@@ -234,10 +234,10 @@ def run_ray(args: argparse.Namespace) -> int:
             )
         except Exception as exc:  # the board died: Serve's own graceful shutdown still finishes the requests
             logging.getLogger("dicache.server").warning("drain: the drain board failed (%s)", exc)
-            pending = {}
+            pending = {"?": 0}
         if pending:
             logging.getLogger("dicache.server").warning("drain: replica(s) %s not drained in time", sorted(pending))
-        else:
+        elif board is not None:
             print("drained: every replica answered its requests", flush=True)
         serve.delete(ray_serve.APP_NAME)
     finally:
