@@ -342,26 +342,18 @@ def test_sigterm_drains_every_replica_like_the_single_process_server(model_sourc
         cmd.wait_for(r"dicache on Ray Serve: 2 replica\(s\) at ", START_TIMEOUT)
         url = f"http://127.0.0.1:{port}"
         assert len(_replica_ids(url, 4)) == 2
-        # 80 uncached transformer calls each (over a second), 8 per replica: more than the drain lets finish
+        # 80 uncached transformer calls each (over a second), 6 per replica: more than the drain lets finish
         long = dict(BODIES["turbo"], num_inference_steps=40, guidance_scale=4.5, enable_cache=False)
-        with ThreadPoolExecutor(16) as pool:
-            futures = [pool.submit(_post, url, dict(long, seed=300 + i), 90.0) for i in range(16)]
+        with ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(_post, url, dict(long, seed=300 + i), 90.0) for i in range(12)]
 
             def both_generating() -> bool:
                 return sorted(_replica_samples(url, "dicache_generations_running").values()) == [1.0, 1.0]
 
             wait_until(both_generating, timeout=60, what="both replicas to be generating")
             cmd.proc.send_signal(signal.SIGTERM)
-            cmd.wait_for(r"stopping: every replica finishes its requests first", 30)
-
-            answered: list[httpx.Response] = []
-
-            def refused() -> bool:  # a new request during the drain (one sent before a replica saw it may pass)
-                answered.append(_post(url, BODIES["turbo"], timeout=30))
-                return answered[-1].status_code != 200
-
-            wait_until(refused, timeout=10, what="a new request to be refused")
-            late = answered[-1]
+            cmd.wait_for(r"draining: every replica answers new requests 503", 30)
+            late = _post(url, BODIES["turbo"], timeout=30)  # a new request during the drain
             assert late.status_code == 503, (late.status_code, late.text[:300])  # not Serve's 404
             assert late.headers["retry-after"] == "5" and late.headers[REPLICA_HEADER]
             error = late.json()["error"]
@@ -373,7 +365,7 @@ def test_sigterm_drains_every_replica_like_the_single_process_server(model_sourc
                 cmd.proc.send_signal(signal.SIGTERM)
             answers = [f.result(timeout=120) for f in futures]  # nothing hangs
         codes = collections.Counter(a.status_code for a in answers)
-        assert set(codes) <= {200, 503} and codes[503], codes  # the drain cannot hold 8 long generations per replica
+        assert set(codes) <= {200, 503} and codes[503], codes  # the drain cannot hold 6 long generations per replica
         for answer in answers:
             if answer.status_code == 503:  # the drain's answer to what could not finish
                 assert answer.json()["error"]["code"] == "shutting_down" and answer.headers["retry-after"] == "5"

@@ -453,8 +453,11 @@ def test_drain_board_waits_for_live_replicas_until_they_are_done():
     board = DrainBoard(ttl_s=3.0, clock=lambda: now[0])
     assert board.report("a", False, 2) == (False, False) and board.report("b", False, 0) == (False, False)
     board.begin()
-    assert board.report("a", False, 2) == (True, False)
-    assert board.pending() == {"a": 2, "b": 0}
+    assert board.unaware() == ["a", "b"]  # their drains have not begun
+    assert board.report("a", False, 2) == (True, False)  # told, not draining yet
+    assert board.unaware() == ["a", "b"]
+    board.report("a", False, 2, draining=True)
+    assert board.unaware() == ["b"] and board.pending() == {"a": 2, "b": 0}
     board.report("b", True)
     assert board.pending() == {"a": 2}
     now[0] = 2.5
@@ -466,7 +469,7 @@ def test_drain_board_waits_for_live_replicas_until_they_are_done():
 
 class _FakeDrain:
     def __init__(self) -> None:
-        self.finished, self.in_flight, self.hurried, self.runs = False, 0, False, 0
+        self.finished, self.draining, self.in_flight, self.hurried, self.runs = False, False, 0, False, 0
 
         class Queue:
             waiting = 0
@@ -475,7 +478,7 @@ class _FakeDrain:
 
     async def run(self) -> None:
         self.runs += 1
-        self.finished = True
+        self.draining = self.finished = True
 
     def hurry(self) -> None:
         self.hurried = True

@@ -139,8 +139,8 @@ def run_ray(args: argparse.Namespace) -> int:
         from ray import serve
 
         from ..server import ray_serve
+        from ..server.ray_drain import begin_drain, start_board, wait_drained
         from ..server.ray_drain import board_name as drain_board_name
-        from ..server.ray_drain import start_board, wait_drained
         from ..server.ray_metrics import NAMESPACE, board_name
         from ..server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
     except ModuleNotFoundError as exc:
@@ -215,13 +215,17 @@ def run_ray(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             pass
         print("stopping: every replica finishes its requests first", flush=True)
-        grace = spec.settings.drain_grace_s
-        print(
-            f"draining: new requests get 503; accepted generations have {grace:g} s "
-            "(signal again to stop them now, a third time to stop waiting)",
-            flush=True,
-        )
+        grace, log = spec.settings.drain_grace_s, logging.getLogger("dicache.server")
         try:
+            if board is not None:
+                unaware = begin_drain(board)
+                if unaware:
+                    log.warning("drain: replica(s) %s not reached (dead or busy)", unaware)
+                print(
+                    f"draining: every replica answers new requests 503; accepted generations have {grace:g} s "
+                    "(signal again to stop them now, a third time to stop waiting)",
+                    flush=True,
+                )
             pending = (
                 {}
                 if board is None
@@ -233,10 +237,10 @@ def run_ray(args: argparse.Namespace) -> int:
                 )
             )
         except Exception as exc:  # the board died: Serve's own graceful shutdown still finishes the requests
-            logging.getLogger("dicache.server").warning("drain: the drain board failed (%s)", exc)
+            log.warning("drain: the drain board failed (%s)", exc)
             pending = {"?": 0}
         if pending:
-            logging.getLogger("dicache.server").warning("drain: replica(s) %s not drained in time", sorted(pending))
+            log.warning("drain: replica(s) %s not drained in time", sorted(pending))
         elif board is not None:
             print("drained: every replica answered its requests", flush=True)
         serve.delete(ray_serve.APP_NAME)

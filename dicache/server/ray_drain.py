@@ -5,11 +5,11 @@ Serve itself removes an application's route before stopping its replicas, so cli
 `serve.delete` get Serve's 404. Instead the driver (`dicache serve --ray`) owns one `DrainBoard` actor (named
 `board_name(app)`, namespace `NAMESPACE`, gone with the driver). Each replica follows it (`follow`, a task on the
 replica's event loop, every `POLL_S`): it reports whether its drain is done and learns whether to drain. On SIGTERM
-the driver calls `begin()`; every replica then runs its app's own `Drain` (the code path of the single-process
-SIGTERM: new requests and `/health` get 503 + `Retry-After`, accepted generations get `--drain-timeout` seconds, the
-rest are answered 503). The driver waits (`wait_drained`) until every replica that reported in the last `ttl_s`
-seconds is done, or the deadline passes, and only then deletes the application. A second signal calls `hurry()`:
-every replica ends its grace period at once.
+the driver begins the drain (`begin_drain`, which waits until every live replica says it drains); each then runs
+its app's own `Drain` (the code path of the single-process SIGTERM: new requests and `/health` get 503 +
+`Retry-After`, accepted generations get `--drain-timeout` seconds, the rest are answered 503). The driver waits
+(`wait_drained`) until every replica that reported in the last `ttl_s` seconds is done, or the deadline passes, and
+only then deletes the application. A second signal calls `hurry()`: every replica ends its grace period at once.
 
 Without a board (`serve run ...:app_builder`: no driver of ours) replicas do not follow one and serve as usual; a
 board that cannot be reached (driver gone) is retried now and then, never blocking the replica.
@@ -42,23 +42,29 @@ class DrainBoard:
     def __init__(self, ttl_s: float = REPORT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s, self._clock = ttl_s, clock
         self.draining = self.hurried = False
-        self._reports: dict[str, tuple[float, bool, int]] = {}  # replica -> (when, done, in flight)
+        self._reports: dict[str, tuple[float, bool, int, bool]] = {}  # replica -> (when, done, in flight, draining)
 
-    def report(self, replica: str, done: bool, in_flight: int = 0) -> tuple[bool, bool]:
-        """Record `replica`'s state; returns (draining, hurry)."""
-        self._reports[replica] = (self._clock(), bool(done), int(in_flight))
+    def report(self, replica: str, done: bool, in_flight: int = 0, draining: bool = False) -> tuple[bool, bool]:
+        """Record `replica`'s state (`draining`: its own drain has begun); returns (drain, hurry) for it."""
+        self._reports[replica] = (self._clock(), bool(done), int(in_flight), bool(draining or done))
         return self.draining, self.hurried
 
     def begin(self) -> None:
         self.draining = True
 
     def hurry(self) -> None:
-        self.draining = self.hurried = True
+        self.begin()
+        self.hurried = True
+
+    def unaware(self) -> list[str]:
+        """Live replicas (reported within `ttl_s`) whose own drain has not begun yet."""
+        now = self._clock()
+        return sorted(r for r, (t, _, _, draining) in self._reports.items() if now - t <= self.ttl_s and not draining)
 
     def pending(self) -> dict[str, int]:
         """Replicas that reported within `ttl_s` and are not done draining -> their requests in flight."""
         now = self._clock()
-        return {r: n for r, (t, done, n) in self._reports.items() if now - t <= self.ttl_s and not done}
+        return {r: n for r, (t, done, n, _) in self._reports.items() if now - t <= self.ttl_s and not done}
 
 
 def start_board(name: str, namespace: str) -> Any:
@@ -83,7 +89,8 @@ async def follow(name: str, namespace: str, replica: str, drain: Any) -> None:
         try:
             if board is None:
                 board = await asyncio.to_thread(ray.get_actor, name, namespace=namespace)
-            ref = board.report.remote(replica, drain.finished, drain.in_flight + drain.queue.waiting)
+            busy = drain.in_flight + drain.queue.waiting
+            ref = board.report.remote(replica, drain.finished, busy, drain.draining)
             draining, hurry = await asyncio.to_thread(ray.get, ref, timeout=CALL_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
@@ -96,21 +103,33 @@ async def follow(name: str, namespace: str, replica: str, drain: Any) -> None:
             continue
         if draining and task is None:
             log.info("replica %s: the driver asked to drain", replica)
-            task = asyncio.ensure_future(drain.run())
+            task = asyncio.ensure_future(drain.run())  # the next report says whether it began
         if hurry:
             drain.hurry()
         await asyncio.sleep(POLL_S)
 
 
-def wait_drained(board: Any, deadline_s: float, hurry: Callable[[], bool], stop: Callable[[], bool]) -> dict:
-    """Driver side: begin the drain on the board (a Ray actor handle) and wait until no replica is pending, at most
-    `deadline_s` seconds; `hurry()` true -> tell the replicas to end their grace period; `stop()` true -> give up
-    waiting. Returns the replicas still pending (empty after a clean drain)."""
+def begin_drain(board: Any, timeout_s: float = REPORT_TTL_S) -> list[str]:
+    """Driver side: begin the drain on the board (a Ray actor handle) and wait, at most `timeout_s`, until every live
+    replica reports that its drain began (it refuses new requests). Returns the replicas not draining in time."""
     import ray
 
     ray.get(board.begin.remote(), timeout=CALL_TIMEOUT_S)
+    deadline = time.monotonic() + timeout_s
+    while unaware := ray.get(board.unaware.remote(), timeout=CALL_TIMEOUT_S):
+        if time.monotonic() > deadline:
+            return unaware
+        time.sleep(POLL_S / 2)
+    return []
+
+
+def wait_drained(board: Any, deadline_s: float, hurry: Callable[[], bool], stop: Callable[[], bool]) -> dict:
+    """Driver side, after `begin_drain`: wait until no replica is pending, at most `deadline_s` seconds; `hurry()`
+    true -> tell the replicas to end their grace period; `stop()` true -> give up waiting. Returns the replicas
+    still pending (empty after a clean drain)."""
+    import ray
+
     start, hurried = time.monotonic(), False
-    time.sleep(POLL_S * 2 + 0.1)  # every live replica has seen the flag (its next report says it is not done)
     pending: dict = {}
     while time.monotonic() - start < deadline_s and not stop():
         if hurry() and not hurried:
