@@ -9,7 +9,11 @@ CPU replicas of the embedded checkpoint.
   within its client timeout;
 - a replica holding its model over 2 processes (Ulysses 2, gloo, a placement group of 2 CPU bundles) gives the
   single-process bytes and cache decisions too;
-- SIGTERM stops the command with exit status 0.
+- SIGTERM stops the command with exit status 0;
+- SIGTERM with requests in flight drains every replica as the single-process server drains: a new request and
+  `/health` get 503 + Retry-After (OpenAI shape, not Serve's 404), the accepted requests get 200 or, past a short
+  `--drain-timeout` (or after a second SIGTERM), 503, and the command exits 0 (a second command, started once the
+  first one stopped).
 
 The test process joins the command's cluster as a second Ray driver to kill a replica and deploy the split one.
 Skipped when Ray is not installed (`pip install 'dicache[ray]'`; the test extra installs it).
@@ -118,12 +122,8 @@ class Command:
             raise
 
 
-@pytest.fixture(scope="module")
-def command(model_source, tmp_path_factory):
-    """`dicache serve --ray --replicas 2` on CPU (1 CPU and 1 torch thread per replica); this process joins its Ray
-    cluster as a driver."""
-    port = _free_port()
-    env = {
+def _command_env() -> dict[str, str]:
+    return {
         **{k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_CACHE_DIT_", "RAY_ADDRESS"))},
         **CACHE_ENV,
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -131,10 +131,19 @@ def command(model_source, tmp_path_factory):
         "RAY_AUTH_MODE": "token",  # Ray's default for a local cluster, said explicitly: this process joins with it
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),  # this checkout
     }
-    args = ["--replicas", "2", "--device", "cpu", "--torch-threads", "1", "--port", str(port), *SETTINGS_FLAGS]
-    if model_source is not None:
-        args += ["--model", model_source]
-    cmd = Command(args, tmp_path_factory.mktemp("ray") / "serve.log", env)
+
+
+def _command_args(model_source, port: int, *extra: str) -> list[str]:
+    args = ["--replicas", "2", "--device", "cpu", "--torch-threads", "1", "--port", str(port), *SETTINGS_FLAGS, *extra]
+    return args + (["--model", model_source] if model_source is not None else [])
+
+
+@pytest.fixture(scope="module")
+def command(model_source, tmp_path_factory):
+    """`dicache serve --ray --replicas 2` on CPU (1 CPU and 1 torch thread per replica); this process joins its Ray
+    cluster as a driver."""
+    port = _free_port()
+    cmd = Command(_command_args(model_source, port), tmp_path_factory.mktemp("ray") / "serve.log", _command_env())
     try:
         address = cmd.wait_for(r"Ray cluster at (\S+)", START_TIMEOUT).group(1)
         cmd.wait_for(r"dicache on Ray Serve: 2 replica\(s\) at ", START_TIMEOUT)
@@ -320,3 +329,49 @@ def test_sigterm_stops_the_command_with_status_0(command):
     assert "stopping: every replica finishes its requests first" in command.output()
     with pytest.raises(httpx.ConnectError):
         httpx.get(command.url + "/health", timeout=5)
+
+
+@pytest.mark.parametrize("how", ["grace_period", "second_signal"])
+def test_sigterm_drains_every_replica_like_the_single_process_server(model_source, tmp_path, how):
+    """Last, after the module's command stopped (the machine holds one 2-CPU cluster at a time). `grace_period`: a
+    4 s --drain-timeout runs out; `second_signal`: a 600 s one is cut short by a second SIGTERM."""
+    port = _free_port()
+    grace = "4" if how == "grace_period" else "600"
+    cmd = Command(_command_args(model_source, port, "--drain-timeout", grace), tmp_path / "serve.log", _command_env())
+    try:
+        cmd.wait_for(r"dicache on Ray Serve: 2 replica\(s\) at ", START_TIMEOUT)
+        url = f"http://127.0.0.1:{port}"
+        assert len(_replica_ids(url, 4)) == 2
+        # 80 uncached transformer calls each (over a second), 6 per replica: more than the drain lets finish
+        long = dict(BODIES["turbo"], num_inference_steps=40, guidance_scale=4.5, enable_cache=False)
+        with ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(_post, url, dict(long, seed=300 + i), 90.0) for i in range(12)]
+
+            def both_generating() -> bool:
+                return sorted(_replica_samples(url, "dicache_generations_running").values()) == [1.0, 1.0]
+
+            wait_until(both_generating, timeout=60, what="both replicas to be generating")
+            cmd.proc.send_signal(signal.SIGTERM)
+            cmd.wait_for(r"draining: every replica answers new requests 503", 30)
+            late = _post(url, BODIES["turbo"], timeout=30)  # a new request during the drain
+            assert late.status_code == 503, (late.status_code, late.text[:300])  # not Serve's 404
+            assert late.headers["retry-after"] == "5" and late.headers[REPLICA_HEADER]
+            error = late.json()["error"]
+            assert error["code"] == "shutting_down" and error["type"] == "server_unavailable", error
+            health = httpx.get(url + "/health", timeout=30)
+            assert (health.status_code, health.json()) == (503, {"status": "draining"})
+            if how == "second_signal":
+                hurried = time.monotonic()
+                cmd.proc.send_signal(signal.SIGTERM)
+            answers = [f.result(timeout=120) for f in futures]  # nothing hangs
+        codes = collections.Counter(a.status_code for a in answers)
+        assert set(codes) <= {200, 503} and codes[503], codes  # the drain cannot hold 6 long generations per replica
+        for answer in answers:
+            if answer.status_code == 503:  # the drain's answer to what could not finish
+                assert answer.json()["error"]["code"] == "shutting_down" and answer.headers["retry-after"] == "5"
+        assert cmd.proc.wait(90) == 0, cmd.output()[-4000:]
+        assert "drained: every replica answered its requests" in cmd.output(), cmd.output()[-4000:]
+        if how == "second_signal":
+            assert time.monotonic() - hurried < 60  # not the 600 s grace period
+    finally:
+        cmd.stop()

@@ -438,3 +438,96 @@ def test_replica_applies_speed_options_in_order():
     calls.clear()
     ReplicaSpec().apply_speed(Backend())
     assert calls == []
+
+
+# ---------------------------------------------------------------------------------------------- drain on SIGTERM
+def test_a_replica_is_given_its_drain_before_serve_stops_it():
+    """Serve's graceful shutdown of a replica waits for the longer of the longest request and the app's drain."""
+    from dicache.server import app as app_module
+    from dicache.server import ray_serve
+
+    assert ray_serve.ANSWER_TIMEOUT_S == app_module.ANSWER_TIMEOUT_S
+    spec = ReplicaSpec(settings=ServerSettings(request_timeout_s=20, drain_grace_s=60))
+    config = deployment_options(spec, RayServeOptions())
+    assert config["graceful_shutdown_timeout_s"] == 60 + ray_serve.ANSWER_TIMEOUT_S + ray_serve.SHUTDOWN_MARGIN_S
+
+
+def test_drain_board_waits_for_live_replicas_until_they_are_done():
+    from dicache.server.ray_drain import DrainBoard
+
+    now = [0.0]
+    board = DrainBoard(ttl_s=3.0, clock=lambda: now[0])
+    assert board.report("a", False, 2) == (False, False) and board.report("b", False, 0) == (False, False)
+    board.begin()
+    assert board.unaware() == ["a", "b"]  # their drains have not begun
+    assert board.report("a", False, 2) == (True, False)  # told, not draining yet
+    assert board.unaware() == ["a", "b"]
+    board.report("a", False, 2, draining=True)
+    assert board.unaware() == ["b"] and board.pending() == {"a": 2, "b": 0}
+    board.report("b", True)
+    assert board.pending() == {"a": 2}
+    now[0] = 2.5
+    board.hurry()
+    assert board.report("a", False, 1) == (True, True)
+    now[0] = 6.0  # "a" stopped reporting (died): not waited for
+    assert board.pending() == {}
+
+
+class _FakeDrain:
+    def __init__(self) -> None:
+        self.finished, self.draining, self.in_flight, self.hurried, self.runs = False, False, 0, False, 0
+
+        class Queue:
+            waiting = 0
+
+        self.queue = Queue()
+
+    async def run(self) -> None:
+        self.runs += 1
+        self.draining = self.finished = True
+
+    def hurry(self) -> None:
+        self.hurried = True
+
+
+def test_a_replica_follows_the_board_and_keeps_serving_without_one(monkeypatch):
+    """`follow` starts the app's drain when the board says so; without a board it just retries, never raising."""
+    ray = pytest.importorskip("ray")
+    from dicache.server import ray_drain
+
+    board = ray_drain.DrainBoard()
+
+    class Handle:  # a Ray actor handle over `board`, calls answered at once
+        class report:  # noqa: N801
+            @staticmethod
+            def remote(*args):
+                return board.report(*args)
+
+    reachable = [False]
+
+    def get_actor(name, namespace):
+        if not reachable[0]:
+            raise ValueError(f"Failed to look up actor {name}")
+        return Handle
+
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(ray_drain, "RETRY_S", 0.05)
+    monkeypatch.setattr(ray_drain, "POLL_S", 0.01)
+    drain = _FakeDrain()
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(ray_drain.follow("board", "ns", "r1", drain))
+        await asyncio.sleep(0.2)  # no board: keeps retrying, no drain
+        assert not task.done() and drain.runs == 0
+        reachable[0] = True
+        await asyncio.sleep(0.2)
+        assert drain.runs == 0 and board.pending() == {"r1": 0}
+        board.hurry()
+        await asyncio.sleep(0.2)
+        assert drain.runs == 1 and drain.hurried and board.pending() == {}  # drained, and reported done
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())

@@ -1,8 +1,10 @@
 """`dicache serve --ray`: the same server as N Ray Serve replicas behind one endpoint (`dicache.server.ray_serve`).
 
 Without `--ray-address` it starts a local Ray cluster; with one (or RAY_ADDRESS) it deploys onto that cluster. It
-then runs until SIGINT / SIGTERM, and on exit deletes the application (each replica finishes its requests first);
-a signal while the replicas are still starting stops the start-up. Either way it exits 0.
+then runs until SIGINT / SIGTERM, which drains every replica as the single-process server drains (`ray_drain`: new
+requests and `/health` get 503 + Retry-After, accepted generations get `--drain-timeout` seconds, the rest get 503;
+a second signal ends the grace period at once, a third stops waiting), then deletes the application. A signal while
+the replicas are still starting stops the start-up. Either way it exits 0.
 Nothing here imports Ray unless `--ray` is given.
 """
 
@@ -30,6 +32,10 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     from .fields import add_options
 
     add_options(group, RayServeOptions, checked=False)  # the options' own messages name the flag and the bound
+
+
+DRAIN_MARGIN_S = 3.0
+"""Seconds the driver waits for the replicas' drains beyond `--drain-timeout` + their answer timeout."""
 
 
 class _StoppedStarting(BaseException):
@@ -122,6 +128,7 @@ def ray_warnings(args: argparse.Namespace, settings: Any) -> list[str]:
 
 def run_ray(args: argparse.Namespace) -> int:
     import contextlib
+    import dataclasses
     import logging
     import os
     import signal
@@ -132,6 +139,8 @@ def run_ray(args: argparse.Namespace) -> int:
         from ray import serve
 
         from ..server import ray_serve
+        from ..server.ray_drain import begin_drain, start_board, wait_drained
+        from ..server.ray_drain import board_name as drain_board_name
         from ..server.ray_metrics import NAMESPACE, board_name
         from ..server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
     except ModuleNotFoundError as exc:
@@ -161,9 +170,10 @@ def run_ray(args: argparse.Namespace) -> int:
     else:
         context = ray.init(address=address, logging_level=logging.WARNING)
     print(f"Ray cluster at {context.address_info.get('gcs_address') or address}", flush=True)
-    stop, starting = threading.Event(), [True]
+    stop, starting, signals = threading.Event(), [True], [0]
 
     def on_signal(*_: Any) -> None:
+        signals[0] += 1
         stop.set()
         if starting[0]:  # abort the deployment in progress (serve.run waits for every replica to load)
             starting[0] = False
@@ -184,6 +194,9 @@ def run_ray(args: argparse.Namespace) -> int:
                     "request_timeout_s": spec.settings.request_timeout_s + ray_serve.SHUTDOWN_MARGIN_S,
                 }
             )
+            board = start_board(drain_board_name(ray_serve.APP_NAME), NAMESPACE)
+            if board is not None:  # else the replicas do not drain first: Serve's own graceful shutdown only
+                spec = dataclasses.replace(spec, drain_board=drain_board_name(ray_serve.APP_NAME))
             serve.run(
                 ray_serve.build_application(spec, options), name=ray_serve.APP_NAME, route_prefix="/", blocking=False
             )
@@ -202,10 +215,39 @@ def run_ray(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             pass
         print("stopping: every replica finishes its requests first", flush=True)
+        grace, log = spec.settings.drain_grace_s, logging.getLogger("dicache.server")
+        try:
+            if board is not None:
+                unaware = begin_drain(board)
+                if unaware:
+                    log.warning("drain: replica(s) %s not reached (dead or busy)", unaware)
+                print(
+                    f"draining: every replica answers new requests 503; accepted generations have {grace:g} s "
+                    "(signal again to stop them now, a third time to stop waiting)",
+                    flush=True,
+                )
+            pending = (
+                {}
+                if board is None
+                else wait_drained(
+                    board,
+                    grace + ray_serve.ANSWER_TIMEOUT_S + DRAIN_MARGIN_S,
+                    hurry=lambda: signals[0] >= 2,
+                    stop=lambda: signals[0] >= 3,
+                )
+            )
+        except Exception as exc:  # the board died: Serve's own graceful shutdown still finishes the requests
+            log.warning("drain: the drain board failed (%s)", exc)
+            pending = {"?": 0}
+        if pending:
+            log.warning("drain: replica(s) %s not drained in time", sorted(pending))
+        elif board is not None:
+            print("drained: every replica answered its requests", flush=True)
         serve.delete(ray_serve.APP_NAME)
     finally:
-        with contextlib.suppress(ValueError):  # ValueError: no replica got as far as creating the metrics board
-            ray.kill(ray.get_actor(board_name(ray_serve.APP_NAME), namespace=NAMESPACE))
+        for name in (board_name(ray_serve.APP_NAME), drain_board_name(ray_serve.APP_NAME)):
+            with contextlib.suppress(ValueError):  # ValueError: not created (no replica got that far, or no deploy)
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE))
         if address is None:
             serve.shutdown()
         ray.shutdown()

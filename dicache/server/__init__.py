@@ -14,7 +14,7 @@ for tests and benchmarks).
 On Ray Serve (the optional `dicache[ray]` extra; nothing here imports Ray otherwise): `ray_serve` (replicas of this
 app, the `serve run` / KubeRay application builder), `ray_group` (a replica split over tp × ulysses processes),
 `ray_metrics` + `metrics_merge` (`/metrics` aggregated across replicas), `ray_proxy` (Serve's own errors in the
-OpenAI shape).
+OpenAI shape), `ray_drain` (SIGTERM drains every replica before the application is deleted).
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ middleware and the error contract are the single-process server's. What Ray adds
 - `X-Dicache-Replica: <replica id>` on every answer says which replica served it;
 - `/metrics` is aggregated across replicas: one scrape returns every live replica's series, labelled
   `replica="<id>"` (`ray_metrics`);
-- health: Serve calls `check_health` every 10 s; a replica whose model group lost a rank is replaced.
+- health: Serve calls `check_health` every 10 s; a replica whose model group lost a rank is replaced;
+- drain: under `dicache serve --ray`, SIGTERM drains every replica through its app's own `Drain` (503 + Retry-After
+  for new requests and `/health`, `--drain-timeout` for accepted generations) before the application is deleted
+  (`ray_drain`).
 
 Entry points: `dicache serve --ray --replicas N` (`dicache.commands.serve_ray`), or the application builder
 `dicache.server.ray_serve:app_builder` for `serve run` / `serve deploy` / KubeRay's `serveConfigV2`, whose args
@@ -35,13 +38,15 @@ from ..errors import ConfigError
 from ..options import Options, option
 from .settings import ServerSettings
 
+ANSWER_TIMEOUT_S = 10.0  # = app.ANSWER_TIMEOUT_S (not imported: this module loads without the server's imports)
+
 log = logging.getLogger("dicache.server.ray")
 
 APP_NAME = "dicache"
 DEPLOYMENT_NAME = "DicacheServer"
 REPLICA_HEADER = "x-dicache-replica"
 SHUTDOWN_MARGIN_S = 10.0
-"""Seconds Serve waits for a stopping replica beyond the longest request (`request_timeout_s`)."""
+"""Seconds Serve waits for a stopping replica beyond the longest request (`request_timeout_s`) or its drain."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class ReplicaSpec:
     load_format: str = "auto"
     quantization: Any = None  # a validated `QuantizationSpec` (`--quantization fp8`) or None
     compile: bool = False
+    drain_board: str | None = None  # the driver's `ray_drain.DrainBoard` actor; None: no driver to follow
 
     @property
     def world_size(self) -> int:
@@ -213,8 +219,9 @@ def deployment_options(spec: ReplicaSpec, options: RayServeOptions) -> dict[str,
         # a replica never holds more than it can queue; the rest waits in Serve's router (then 429)
         "max_ongoing_requests": settings.workers + settings.max_queue,
         "max_queued_requests": max(1, settings.max_queue),
-        # a stopping replica (scale-down, node drain, redeploy) finishes its longest request first
-        "graceful_shutdown_timeout_s": settings.request_timeout_s + SHUTDOWN_MARGIN_S,
+        # a stopping replica (scale-down, node drain, redeploy) finishes its longest request, or its drain, first
+        "graceful_shutdown_timeout_s": max(settings.request_timeout_s, settings.drain_grace_s + ANSWER_TIMEOUT_S)
+        + SHUTDOWN_MARGIN_S,
         "graceful_shutdown_wait_loop_s": 1.0,
     }
     if spec.world_size > 1:
@@ -282,6 +289,8 @@ class DicacheReplica:
 
         app = create_app(self.backend, self.spec.settings, metrics=self.metrics)
         app.add_middleware(ReplicaHeaderMiddleware, replica=self.replica)
+        if self.spec.drain_board is not None:
+            _follow_drain_board(app, self.spec.drain_board, self.replica)
         return app
 
     def check_health(self) -> None:
@@ -296,6 +305,28 @@ class DicacheReplica:
             metrics.stop()
         if backend is not None:
             backend.close()
+
+
+def _follow_drain_board(app: Any, board: str, replica: str) -> None:
+    """Run `ray_drain.follow` on the app's event loop for the app's lifetime (its lifespan, wrapped)."""
+    import asyncio
+    import contextlib
+
+    from .ray_drain import follow
+    from .ray_metrics import NAMESPACE
+
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app_: Any):
+        async with inner(app_) as state:
+            task = asyncio.ensure_future(follow(board, NAMESPACE, replica, app.state.drain))
+            try:
+                yield state
+            finally:
+                task.cancel()
+
+    app.router.lifespan_context = lifespan
 
 
 def _with_device(spec: ReplicaSpec, device: str) -> ReplicaSpec:
