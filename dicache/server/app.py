@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -45,7 +45,7 @@ from .schemas import (
     ModelList,
     Timings,
 )
-from .settings import ServerSettings
+from .settings import ANSWER_TIMEOUT_S, ServerSettings
 
 log = logging.getLogger("dicache.server")
 
@@ -53,7 +53,6 @@ GENERATIONS = "/v1/images/generations"
 ENDPOINTS = frozenset(
     {GENERATIONS, "/v1/models", "/v1/server_info", "/health", "/health_generate", "/metrics", "/docs", "/openapi.json"}
 )
-ANSWER_TIMEOUT_S = 10.0  # after the drain stopped the unfinished generations, wait this long for their answers
 
 
 class Backend(Protocol):
@@ -97,9 +96,15 @@ REQUEST_BODY_DOC = {
 
 
 def create_app(
-    backend: Backend, settings: ServerSettings | None = None, metrics: ServerMetrics | None = None
+    backend: Backend,
+    settings: ServerSettings | None = None,
+    metrics: ServerMetrics | None = None,
+    background: Sequence[Callable[[FastAPI], Awaitable[None]]] = (),
 ) -> FastAPI:
-    """The app; its queue starts with the app's lifespan and drains (`app.state.drain`) on shutdown."""
+    """The app; its queue starts with the app's lifespan and drains (`app.state.drain`) on shutdown.
+
+    `background`: coroutine functions of the app run as tasks for its lifetime (started once the queue runs,
+    cancelled at shutdown before the drain), e.g. a Ray replica following its driver's drain (`ray_drain.follow`)."""
     settings = settings or ServerSettings()
     metrics = metrics or ServerMetrics()
     metrics.set_model_info(model_info(backend, settings))
@@ -121,9 +126,12 @@ def create_app(
             queue.capacity,
             "required" if settings.api_key else "not required",
         )
+        tasks = [asyncio.ensure_future(run(app)) for run in background]
         try:
             yield
         finally:
+            for task in tasks:
+                task.cancel()
             await drain.run()
             await asyncio.to_thread(queue.shutdown, True, ANSWER_TIMEOUT_S)
             log.info(

@@ -36,9 +36,7 @@ from pydantic import model_validator
 from ..config import CacheConfig
 from ..errors import ConfigError
 from ..options import Options, option
-from .settings import ServerSettings
-
-ANSWER_TIMEOUT_S = 10.0  # = app.ANSWER_TIMEOUT_S (not imported: this module loads without the server's imports)
+from .settings import ANSWER_TIMEOUT_S, ServerSettings
 
 log = logging.getLogger("dicache.server.ray")
 
@@ -287,10 +285,15 @@ class DicacheReplica:
     def __serve_build_asgi_app__(self) -> Any:
         from . import create_app
 
-        app = create_app(self.backend, self.spec.settings, metrics=self.metrics)
+        background = []
+        if self.spec.drain_board is not None:  # follow the driver's drain (`dicache serve --ray` on SIGTERM)
+            from .ray_drain import follow
+            from .ray_metrics import NAMESPACE
+
+            board, replica = self.spec.drain_board, self.replica
+            background.append(lambda app: follow(board, NAMESPACE, replica, app.state.drain))
+        app = create_app(self.backend, self.spec.settings, metrics=self.metrics, background=background)
         app.add_middleware(ReplicaHeaderMiddleware, replica=self.replica)
-        if self.spec.drain_board is not None:
-            _follow_drain_board(app, self.spec.drain_board, self.replica)
         return app
 
     def check_health(self) -> None:
@@ -305,28 +308,6 @@ class DicacheReplica:
             metrics.stop()
         if backend is not None:
             backend.close()
-
-
-def _follow_drain_board(app: Any, board: str, replica: str) -> None:
-    """Run `ray_drain.follow` on the app's event loop for the app's lifetime (its lifespan, wrapped)."""
-    import asyncio
-    import contextlib
-
-    from .ray_drain import follow
-    from .ray_metrics import NAMESPACE
-
-    inner = app.router.lifespan_context
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app_: Any):
-        async with inner(app_) as state:
-            task = asyncio.ensure_future(follow(board, NAMESPACE, replica, app.state.drain))
-            try:
-                yield state
-            finally:
-                task.cancel()
-
-    app.router.lifespan_context = lifespan
 
 
 def _with_device(spec: ReplicaSpec, device: str) -> ReplicaSpec:

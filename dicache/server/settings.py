@@ -15,6 +15,9 @@ from pydantic import model_validator
 
 from ..options import Options, option
 
+ANSWER_TIMEOUT_S = 10.0
+"""Seconds a drain waits for the answers of the generations it stopped (after `drain_grace_s`)."""
+
 
 class ServerSettings(Options):
     """Bounds every request is checked against; a value outside them is a 400 naming the field.
