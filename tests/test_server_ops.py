@@ -376,3 +376,25 @@ def test_cli_refuses_metrics_auth_without_a_key_and_too_many_connections(monkeyp
     if hard != resource.RLIM_INFINITY:
         assert cli_main(["serve", "--max-connections", str(hard + 1), "--model", "/nonexistent"]) == 2
         assert f"--max-connections={hard + 1} is invalid" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- background tasks
+def test_background_tasks_run_for_the_app_lifetime(backend):
+    """`create_app(background=...)`: each coroutine function runs once the queue does, with the app, and is
+    cancelled at shutdown (a Ray replica follows its driver's drain this way)."""
+    import asyncio
+
+    seen: list[str] = []
+
+    async def follower(app) -> None:
+        seen.append(f"started, queue running: {app.state.queue.num_workers > 0}, draining: {app.state.drain.draining}")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    with BackgroundServer(create_app(backend, ServerSettings(drain_grace_s=0), background=[follower])) as srv:
+        assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+        assert seen == ["started, queue running: True, draining: False"]
+    assert seen[1:] == ["cancelled"]
