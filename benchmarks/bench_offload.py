@@ -321,12 +321,13 @@ class OffloadBench:
     def cap_budget(self, cap: float) -> tuple[float, str]:
         """GiB the allocator may use for card size `cap` (tiny: the budget that keeps `cap` blocks resident)."""
         if self.args.tiny:
-            from dicache.offload.pipeline import memory_needs
+            from dicache.offload.pipeline import default_reserve_bytes, memory_needs
 
             needs = memory_needs(self.pipe, self.size, self.size, 1, True, True, dicache.CacheConfig.from_env({}))
             resident, block = int(cap), max(needs.block_bytes)
             slots = min(2, len(needs.block_bytes) - resident)
             total = needs.other_dit_bytes + (resident + slots) * block + needs.dit_activation_bytes + needs.cache_bytes
+            total += default_reserve_bytes(self.device, total)  # on CUDA the plan keeps >= 0.5 GiB free on top
             return total / GiB, f"{resident} resident blocks"
         return cap - self.args.context_gib, f"{cap:g} GiB card"
 

@@ -99,6 +99,12 @@ def always_run_blocks(fn: int, bn: int, num_blocks: int, cached_step_blocks: Seq
     return tuple(first) + tuple(middle) + tuple(last)
 
 
+def default_reserve_bytes(device: torch.device, budget_bytes: int | None) -> int:
+    """Bytes a plan keeps free for allocator slack and library workspaces: on CUDA the larger of 0.5 GiB and 2 % of
+    the budget, elsewhere (or without a budget) none."""
+    return max(GiB // 2, int(0.02 * budget_bytes)) if (device.type == "cuda" and budget_bytes) else 0
+
+
 def enable_pipeline_offload(
     pipe: Any,
     settings: OffloadSettings,
@@ -144,7 +150,7 @@ def enable_pipeline_offload(
     needs = memory_needs(pipe, height, width, max_images, cfg, cfg_batched, config, size_source)
     budget, source = _budget(settings, device)
     if reserve_bytes is None:
-        reserve_bytes = max(GiB // 2, int(0.02 * budget)) if (device.type == "cuda" and budget) else 0
+        reserve_bytes = default_reserve_bytes(device, budget)
     needs = MemoryNeeds(**{**needs.__dict__, "reserve_bytes": int(reserve_bytes)})
     plan = plan_memory(needs, settings, budget, always_run, source)
 
