@@ -337,7 +337,10 @@ def test_sigterm_drains_every_replica_like_the_single_process_server(model_sourc
     4 s --drain-timeout runs out; `second_signal`: a 600 s one is cut short by a second SIGTERM."""
     port = _free_port()
     grace = "4" if how == "grace_period" else "600"
-    cmd = Command(_command_args(model_source, port, "--drain-timeout", grace), tmp_path / "serve.log", _command_env())
+    # --max-queue 32: Serve's router holds the 12 requests arriving at once while it assigns them (with 8 it may drop
+    # some as backpressure, 429, before any drain)
+    args = _command_args(model_source, port, "--drain-timeout", grace, "--max-queue", "32")
+    cmd = Command(args, tmp_path / "serve.log", _command_env())
     try:
         cmd.wait_for(r"dicache on Ray Serve: 2 replica\(s\) at ", START_TIMEOUT)
         url = f"http://127.0.0.1:{port}"

@@ -236,7 +236,8 @@ def create_app(
             },
         }
 
-    @app.api_route("/health", methods=["GET", "HEAD"], summary="Liveness: 200 ok, or 503 while draining")
+    @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
+    @app.get("/health", summary="Liveness: 200 ok, or 503 while draining")
     async def health() -> JSONResponse:
         status = _status(queue, drain)
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
