@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from publish import command_line, publish  # noqa: E402
+
 from dicache.calibration import RECOMMENDED_FAMILY  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT  # noqa: E402
@@ -223,12 +225,8 @@ def main(argv=None) -> int:
         results[section] = {"fidelity": section_fidelity, "block": section_block}[section](args, results)
         out.write_text(json.dumps(results, indent=1))
         print(markdown({**results, "block": results.get("block")}, "(partial)"), flush=True)
-    command = "python benchmarks/bench_fp8.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = markdown(results, command.strip())
-    print(text)
-    if args.results:
-        with open(args.results, "a") as fh:
-            fh.write(text)
+    command = command_line("bench_fp8.py", argv)
+    publish(markdown(results, command), args.results)
     return 0
 
 

@@ -38,6 +38,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_serving import CACHE_MODES, ROOT, VARIANTS, free_port, wait_healthy, write_model_folder  # noqa: E402
+from publish import command_line, publish  # noqa: E402
 
 API_KEY = "bench-ops-7f3c2a9e41d0"
 
@@ -303,12 +304,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.port = args.port or free_port()
     results = run(args)
-    command = "python benchmarks/bench_server_ops.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = markdown(results, args, command.strip())
-    print(text)
-    if args.results:
-        with open(args.results, "a") as fh:
-            fh.write(text)
+    command = command_line("bench_server_ops.py", argv)
+    publish(markdown(results, args, command), args.results)
     return 0
 
 

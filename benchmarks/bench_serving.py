@@ -38,6 +38,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from publish import command_line, publish  # noqa: E402
+
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT  # noqa: E402
 
 SGLANG_PUBLISHED = {"turbo_c1_latency_s": 1.56, "turbo_c20_req_per_s": 0.64, "peak_GB": 37.5}
@@ -346,12 +348,8 @@ def main(argv=None) -> int:
     p.add_argument("--results", default=None)
     args = p.parse_args(argv)
     results = run(args)
-    command = "python benchmarks/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = markdown(results, args, command.strip())
-    print(text)
-    if args.results:
-        with open(args.results, "a") as fh:
-            fh.write(text)
+    command = command_line("bench_serving.py", argv)
+    publish(markdown(results, args, command), args.results)
     return 0
 
 
