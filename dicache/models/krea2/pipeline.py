@@ -53,6 +53,7 @@ __all__ = [
     "EMBEDDED_CHECKPOINT",
     "EMBEDDED_TURBO_CHECKPOINT",
     "OUTPUT_TYPES",
+    "CallPlan",
     "PRESETS",
     "Krea2Pipeline",
     "Krea2PipelineOutput",
@@ -77,6 +78,32 @@ class Krea2PipelineOutput:
 
     images: Any
     latents: torch.Tensor
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """One call's resolved arguments (`Krea2Pipeline.plan_call`): image size and token grid, schedule, guidance,
+    batch (`num_prompts · num_images_per_prompt` rows) and how CFG runs."""
+
+    height: int
+    width: int
+    rows: int
+    cols: int
+    steps: int
+    guidance_scale: float
+    variant: str
+    num_prompts: int
+    num_images_per_prompt: int
+    cfg_batched: bool
+    output_type: str
+
+    @property
+    def cfg(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    @property
+    def batch(self) -> int:
+        return self.num_prompts * self.num_images_per_prompt
 
 
 def _null_scope(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
@@ -319,6 +346,108 @@ class Krea2Pipeline(PipelineOptimizations):
             raise ValueError(f"output_type={output_type!r} needs a VAE; this pipeline has none (use 'latent')")
         return layout.to_output(self.vae.decode(self.unpack(latents, height, width).to(self.vae.dtype)), output_type)
 
+    # ------------------------------------------------------------------ a call, phase by phase
+    def plan_call(
+        self,
+        num_prompts: int,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        num_images_per_prompt: int = 1,
+        output_type: str = "pil",
+        variant: str | None = None,
+        cfg_batched: bool | None = None,
+    ) -> CallPlan:
+        """`__call__`'s arguments resolved and checked (defaults from `variant`, sizes against the VAE and patch
+        multiple, the request against an offload plan); no model runs. Raises `ValueError` naming a bad argument."""
+        variant = resolve_variant(self, variant)
+        preset = PRESETS[variant]
+        steps = preset.num_inference_steps if num_inference_steps is None else num_inference_steps
+        scale = preset.guidance_scale if guidance_scale is None else float(guidance_scale)
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"num_inference_steps={steps!r} is invalid: must be an integer >= 1")
+        if not scale >= 1.0:
+            raise ValueError(f"guidance_scale={scale!r} is invalid: must be >= 1 (1 = no CFG; standard convention)")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type={output_type!r} is invalid: must be one of {', '.join(OUTPUT_TYPES)}")
+        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r} is invalid: must be an integer >= 1")
+        height = height or self.default_size[0]
+        width = width or self.default_size[1]
+        rows, cols = self.latent_grid(height, width)
+        batch = num_prompts * num_images_per_prompt
+        if self.offload is not None:
+            self.offload.check_request(height, width, batch, scale > 1.0)
+        if cfg_batched is None:
+            cfg_batched = self.offload is not None and self.offload.cfg_batched
+        return CallPlan(
+            height, width, rows, cols, steps, scale, variant, num_prompts, num_images_per_prompt, cfg_batched,
+            output_type,
+        )  # fmt: skip
+
+    def condition(
+        self,
+        plan: CallPlan,
+        prompts: list[str] | None,
+        negative_prompt: str | list[str] | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
+    ) -> tuple[TextConditioning, TextConditioning | None]:
+        """The text phase: `(cond, uncond)` for `plan` (uncond None without CFG). Every prompt is encoded before any
+        text conditioning, so an offloaded text encoder comes in once per call."""
+        if prompt_embeds is None:
+            prompt_embeds, prompt_embeds_mask = self.encode_prompt(prompts)
+        if plan.cfg and negative_prompt_embeds is None:
+            negatives = negative_prompt if negative_prompt is not None else ""
+            negatives = [negatives] * plan.num_prompts if isinstance(negatives, str) else list(negatives)
+            if len(negatives) != plan.num_prompts:
+                raise ValueError(
+                    f"negative_prompt has {len(negatives)} entries; expected 1 or one per prompt ({plan.num_prompts})"
+                )
+            negative_prompt_embeds, negative_prompt_embeds_mask = self.encode_prompt(negatives)
+        cond = self.text_conditioning(prompt_embeds, prompt_embeds_mask, plan.num_images_per_prompt)
+        uncond = None
+        if plan.cfg:
+            uncond = self.text_conditioning(
+                negative_prompt_embeds, negative_prompt_embeds_mask, plan.num_images_per_prompt
+            )
+        return cond, uncond
+
+    def starting_latents(
+        self,
+        plan: CallPlan,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        latents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The noise `plan` starts from: `latents` (moved to the device, fp32) if given, else drawn from `generator`
+        or, without one, from a CPU generator seeded with `seed`."""
+        if latents is not None:
+            return latents.to(self.device, torch.float32)
+        if generator is None and seed is not None:
+            generator = torch.Generator("cpu").manual_seed(int(seed))
+        return self.initial_latents(plan.batch, plan.height, plan.width, generator)
+
+    def run_denoise(
+        self,
+        plan: CallPlan,
+        cond: TextConditioning,
+        uncond: TextConditioning | None,
+        latents: torch.Tensor,
+        callback_on_step_end: StepCallback | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+    ) -> torch.Tensor:
+        """The denoising phase of `plan` (`denoise` over its schedule)."""
+        sigmas = self.sigmas(plan.steps, plan.rows * plan.cols, plan.variant)
+        return self.denoise(
+            cond, uncond, latents, plan.rows, plan.cols, sigmas, plan.guidance_scale, plan.cfg_batched,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+        )  # fmt: skip
+
     @torch.no_grad()
     def __call__(
         self,
@@ -352,60 +481,26 @@ class Krea2Pipeline(PipelineOptimizations):
         a returned "latents" replaces the latents for the following steps and the output. To stop early, either set
         `pipe._interrupt = True` in the callback (diffusers' way: the remaining steps are skipped, the latents so far
         are decoded and returned), or raise: the exception leaves the call at once, nothing is decoded.
+
+        The phases run in order and can be called one by one (the server runs them on separate threads):
+        `plan_call`, `condition`, `starting_latents`, `run_denoise`, `decode`.
         """
         self._interrupt = False
-        variant = resolve_variant(self, variant)
-        preset = PRESETS[variant]
-        steps = preset.num_inference_steps if num_inference_steps is None else num_inference_steps
-        scale = preset.guidance_scale if guidance_scale is None else float(guidance_scale)
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"num_inference_steps={steps!r} is invalid: must be an integer >= 1")
-        if not scale >= 1.0:
-            raise ValueError(f"guidance_scale={scale!r} is invalid: must be >= 1 (1 = no CFG; standard convention)")
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type={output_type!r} is invalid: must be one of {', '.join(OUTPUT_TYPES)}")
-        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r} is invalid: must be an integer >= 1")
-        height = height or self.default_size[0]
-        width = width or self.default_size[1]
-        rows, cols = self.latent_grid(height, width)
-
         if prompt_embeds is None and prompt is None:
             raise ValueError("pass a prompt (or prompt_embeds)")
         prompts = None if prompt_embeds is not None else ([prompt] if isinstance(prompt, str) else list(prompt))
         num_prompts = prompt_embeds.shape[0] if prompt_embeds is not None else len(prompts)
-        if self.offload is not None:
-            self.offload.check_request(height, width, num_prompts * num_images_per_prompt, scale > 1.0)
-        if cfg_batched is None:
-            cfg_batched = self.offload is not None and self.offload.cfg_batched
-        # every prompt is encoded before any text conditioning: an offloaded text encoder comes in once per call
-        if prompt_embeds is None:
-            prompt_embeds, prompt_embeds_mask = self.encode_prompt(prompts)
-        if scale > 1.0 and negative_prompt_embeds is None:
-            negatives = negative_prompt if negative_prompt is not None else ""
-            negatives = [negatives] * num_prompts if isinstance(negatives, str) else list(negatives)
-            if len(negatives) != num_prompts:
-                raise ValueError(
-                    f"negative_prompt has {len(negatives)} entries; expected 1 or one per prompt ({num_prompts})"
-                )
-            negative_prompt_embeds, negative_prompt_embeds_mask = self.encode_prompt(negatives)
-        cond = self.text_conditioning(prompt_embeds, prompt_embeds_mask, num_images_per_prompt)
-        uncond = None
-        if scale > 1.0:
-            uncond = self.text_conditioning(negative_prompt_embeds, negative_prompt_embeds_mask, num_images_per_prompt)
-
-        batch = num_prompts * num_images_per_prompt
-        if latents is None:
-            if generator is None and seed is not None:
-                generator = torch.Generator("cpu").manual_seed(int(seed))
-            latents = self.initial_latents(batch, height, width, generator)
-        else:
-            latents = latents.to(self.device, torch.float32)
-        sigmas = self.sigmas(steps, rows * cols, variant)
-        latents = self.denoise(
-            cond, uncond, latents, rows, cols, sigmas, scale, cfg_batched,
-            callback_on_step_end=callback_on_step_end,
-            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+        plan = self.plan_call(
+            num_prompts, height, width, num_inference_steps, guidance_scale, num_images_per_prompt, output_type,
+            variant, cfg_batched,
         )  # fmt: skip
-        images = self.decode(latents, height, width, output_type)
+        cond, uncond = self.condition(
+            plan, prompts, negative_prompt, prompt_embeds, prompt_embeds_mask, negative_prompt_embeds,
+            negative_prompt_embeds_mask,
+        )  # fmt: skip
+        latents = self.starting_latents(plan, seed, generator, latents)
+        latents = self.run_denoise(
+            plan, cond, uncond, latents, callback_on_step_end, callback_on_step_end_tensor_inputs
+        )
+        images = self.decode(latents, plan.height, plan.width, plan.output_type)
         return Krea2PipelineOutput(images=images, latents=latents)
