@@ -30,7 +30,7 @@ from .body_limit import BodyLimitMiddleware
 from .drain import Drain, DrainMiddleware
 from .errors import ApiError, install_error_handlers
 from .generation import Defaults, GenerationSpec, resolve
-from .handling import GenerationProbe, await_job, job_runner, parse_generation_request, submit
+from .handling import GenerationProbe, await_job, job_runner, parse_generation_request, response_body, submit
 from .jobs import JobQueue
 from .metrics import MetricsMiddleware, ServerMetrics
 from .schemas import (
@@ -173,15 +173,18 @@ def create_app(
         description=GENERATE_DESCRIPTION,
         openapi_extra=REQUEST_BODY_DOC,
     )
-    async def generate_images(request: Request) -> ImagesResponse:
+    async def generate_images(request: Request) -> ImagesResponse | Response:
         arrived = time.monotonic()
         body = await parse_generation_request(request)
         spec = resolve(body, settings, backend.defaults, backend.cache_config, backend.num_blocks)
         job = submit(queue, spec)
         result = await await_job(queue, job, request, arrived + settings.request_timeout_s, settings)
-        return ImagesResponse(
+        data_json = getattr(result, "data_json", None)  # serialised by the worker (`handling.images_json`)
+        answer = ImagesResponse(
             created=int(time.time()),
-            data=[ImageObject(b64_json=b, sha256=h) for b, h in zip(result.images_b64, result.sha256)],
+            data=[]
+            if data_json
+            else [ImageObject(b64_json=b, sha256=h) for b, h in zip(result.images_b64, result.sha256)],
             output_format=spec.output_format,
             size=f"{spec.width}x{spec.height}",
             cache_stats=result.stats.to_dict() if result.stats is not None else None,
@@ -199,6 +202,9 @@ def create_app(
             ),
             timings=Timings(queued_s=round(job.queued_s, 6), generate_s=round(job.run_s, 6)),
         )
+        if data_json:
+            return Response(response_body(answer, data_json), media_type="application/json")
+        return answer
 
     @app.get("/v1/models", response_model=ModelList, summary="The served model")
     async def list_models() -> ModelList:

@@ -1,10 +1,15 @@
-"""`PipelineBackend`: runs one `GenerationSpec` on a cache-enabled Krea-2 pipeline, in the calling (worker) thread.
+"""`PipelineBackend`: runs one `GenerationSpec` on a cache-enabled Krea-2 pipeline, phase by phase.
 
-Each generation runs inside its own request scope with the settings `resolve` validated (`GenerationSpec.cache`),
+The phases (encode: text conditioning and starting noise; denoise; decode: VAE, pixels, image file) run on threads
+of their own (`stages.GenerationStages`), so that with several requests in flight (`--workers`) one request's
+encoding and decoding overlap another's denoising; an offloaded or multi-process pipeline runs them in the worker's
+thread, one generation at a time. Either way a request's output is the same bytes. Each generation's denoising runs
+inside its own request scope with the settings `resolve` validated (`GenerationSpec.cache`),
 so its cache state (residuals, counters, statistics) lives in the worker's context and is never shared with another
 request; the pipeline's random generator is seeded from the request's seed. Output images come back base64-encoded
 (PNG, JPEG or WebP) plus a SHA-256 of the decoded float32 array, a bitwise fingerprint of what the model produced
-whatever the encoding.
+whatever the encoding; the pixels are quantised on the model's device and the file is encoded once, beside the
+fingerprint (another thread).
 
 A generation asked to stop (`should_stop()` true: its client left, its time ran out or the server is shutting down)
 ends with `GenerationStopped` at its next stop point: before each transformer call and each block of the
@@ -20,8 +25,10 @@ import base64
 import contextvars
 import hashlib
 import io
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +37,11 @@ import torch
 
 from .. import api as dicache_api
 from ..config import CacheConfig
+from ..reduction import PARALLEL_LAYOUT_ATTR
 from ..stats import RequestStats
 from ..sweep.flops import request_flops
 from .generation import Defaults, GenerationSpec
+from .stages import GenerationStages, inline
 from .stop_points import install_stop_points
 
 
@@ -42,8 +51,9 @@ class GenerationStopped(Exception):
 
 @dataclass
 class GenerationResult:
-    """`seconds`: the whole generation (pipeline + encoding); `pipeline_s`: the pipeline call alone;
-    `flops`: estimated FLOPs of the transformer work done (None when the model's config does not allow it)."""
+    """`seconds`: the whole generation (waits for busy phases included); `pipeline_s`: the time spent inside the
+    model's phases (text encoding, denoising, VAE decoding), waits and image-file encoding excluded; `flops`:
+    estimated FLOPs of the transformer work done (None when the model's config does not allow it)."""
 
     images_b64: list[str]
     sha256: list[str]
@@ -62,23 +72,37 @@ def to_float_images(images: Any) -> np.ndarray:
 
 
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+PNG_COMPRESS_LEVEL = 1
+"""zlib level of the PNG files served: 1 encodes several times faster than PIL's default 6 for files about a tenth
+larger; PNG is lossless at every level (the pixels are the same)."""
 
 
-def encode_image(image: np.ndarray, output_format: str = "png", quality: int = 100) -> bytes:
-    """float (H, W, C) in [0, 1] -> image bytes, rounded to 8 bits as the pipeline's PIL output is.
+def quantize_pixels(images: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    """float images in [0, 1] -> uint8, rounded half to even as the pipeline's PIL output is (`round(clip(x) · 255)`);
+    the same arithmetic on a numpy array or a tensor on any device gives the same bytes."""
+    if isinstance(images, torch.Tensor):
+        return (images.clamp(0.0, 1.0) * 255).round().to(torch.uint8)
+    return (np.clip(images, 0.0, 1.0) * 255).round().astype(np.uint8)
 
-    `output_format`: png (lossless; `quality` unused), jpeg or webp (`quality` in percent, 0..100)."""
+
+def encode_pixels(pixels: np.ndarray, output_format: str = "png", quality: int = 100) -> bytes:
+    """uint8 (H, W, C) -> image file bytes. `output_format`: png (lossless; `quality` unused), jpeg or webp
+    (`quality` in percent, 0..100)."""
     from PIL import Image
 
     if output_format not in _PIL_FORMATS:
         raise ValueError(f"output_format={output_format!r} is invalid: must be one of {', '.join(_PIL_FORMATS)}")
-    pixels = (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
     buffer = io.BytesIO()
-    options = {} if output_format == "png" else {"quality": int(quality)}
+    options = {"compress_level": PNG_COMPRESS_LEVEL} if output_format == "png" else {"quality": int(quality)}
     Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(
         buffer, format=_PIL_FORMATS[output_format], **options
     )
     return buffer.getvalue()
+
+
+def encode_image(image: np.ndarray, output_format: str = "png", quality: int = 100) -> bytes:
+    """float (H, W, C) in [0, 1] -> image bytes, rounded to 8 bits as the pipeline's PIL output is."""
+    return encode_pixels(quantize_pixels(image), output_format, quality)
 
 
 def encode_png(image: np.ndarray) -> bytes:
@@ -86,27 +110,55 @@ def encode_png(image: np.ndarray) -> bytes:
     return encode_image(image, "png")
 
 
+def host_images(images: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The pipeline's `output_type="pt"` images `(n, 3, H, W)` in [0, 1] -> `(floats, pixels)` on the host: the
+    float32 `(n, H, W, 3)` array the fingerprint is taken of and its uint8 pixels, quantised on the images' device
+    (a quarter of the bytes to copy, no float temporaries on the host)."""
+    hwc = images.detach().float().permute(0, 2, 3, 1).contiguous()
+    return hwc.cpu().numpy(), quantize_pixels(hwc).cpu().numpy()
+
+
 _should_stop: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar(
     "dicache_server_should_stop", default=None
 )
+
+
+@dataclass
+class _Encoded:
+    """What the encode phase hands to the denoise phase."""
+
+    plan: Any
+    cond: Any
+    uncond: Any
+    latents: torch.Tensor
+    seconds: float
 
 
 class PipelineBackend:
     """One pipeline, cache-enabled with `cache_config` (the environment's, read once at start-up).
 
     Args:
-        pipe: a pipeline with the native call signature (`dicache.models.krea2.Krea2Pipeline`), including its
+        pipe: a pipeline with the native call signature and phases (`dicache.models.krea2.Krea2Pipeline`:
+            `plan_call`, `condition`, `starting_latents`, `run_denoise`, `decode`), including its
             `callback_on_step_end`.
         cache_config: the server-wide settings; `enable_cache` is the default of requests that do not say.
         defaults: what requests that leave fields out get.
+        staged: run the phases on their own threads and CUDA streams (`stages.GenerationStages`), so that requests
+            in flight overlap; None decides at the first generation: staged unless the pipeline is offloaded or split
+            over processes (then the phases run in the worker's thread, one generation at a time).
     """
 
-    def __init__(self, pipe: Any, cache_config: CacheConfig, defaults: Defaults) -> None:
+    def __init__(self, pipe: Any, cache_config: CacheConfig, defaults: Defaults, staged: bool | None = None) -> None:
         dicache_api.enable(pipe, cache_config)
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
         self.pipe, self.cache_config, self.defaults = pipe, cache_config, defaults
         self.num_blocks = dicache_api.session_of(pipe).num_blocks
+        self.staged = staged
+        self._stages: GenerationStages | None = None
+        self._stages_lock = threading.Lock()
+        self._one_at_a_time = threading.Lock()  # the unstaged mode runs whole generations one by one
+        self._digests = ThreadPoolExecutor(1, thread_name_prefix="dicache-digest")
         self._install_stop_checks()
 
     def _install_stop_checks(self) -> None:
@@ -117,38 +169,74 @@ class PipelineBackend:
             (getattr(self.pipe, "transformer", None), getattr(self.pipe, "vae", None)), _check_stop
         )
 
+    def stages(self) -> GenerationStages | None:
+        """The phase threads (created at the first call), or None in the unstaged mode."""
+        with self._stages_lock:
+            if self.staged is None:
+                self.staged = can_stage(self.pipe)
+            if self.staged and self._stages is None:
+                self._stages = GenerationStages(self.pipe.device)
+            return self._stages
+
     def generate(self, spec: GenerationSpec, should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         start = time.perf_counter()
         token = _should_stop.set(should_stop)
         try:
             _check_stop()  # abandoned while it waited for this worker
-            # the pipeline's current session (a later `dicache.enable` replaces it); the config was checked by `resolve`
-            session = dicache_api.session_of(self.pipe)
-            with torch.inference_mode(), session.request(config=spec.cache):
-                output = self.pipe(
-                    prompt=spec.prompt,
-                    negative_prompt=spec.negative_prompt,
-                    height=spec.height,
-                    width=spec.width,
-                    num_inference_steps=spec.num_inference_steps,
-                    guidance_scale=spec.guidance_scale,
-                    seed=spec.seed,
-                    num_images_per_prompt=spec.n,
-                    output_type="np",
-                    variant=spec.variant,
-                    callback_on_step_end=_stop_after_step,
-                )
+            stages = self.stages()
+            if stages is None:
+                with self._one_at_a_time:
+                    return self._phases(spec, inline, start)
+            return self._phases(spec, stages.run, start)
         finally:
             _should_stop.reset(token)
-        pipeline_s = time.perf_counter() - start
-        stats = dicache_api.stats(self.pipe)  # this context's last request: the one just run
-        b64, digests = [], []
-        for image in to_float_images(output.images):
-            digests.append(hashlib.sha256(image.tobytes()).hexdigest())
-            encoded = encode_image(image, spec.output_format, spec.output_quality)
-            b64.append(base64.b64encode(encoded).decode("ascii"))
+
+    def _phases(self, spec: GenerationSpec, run: Callable[..., Any], start: float) -> GenerationResult:
+        encoded = run("encode", self._encode, spec)
+        latents, stats, denoise_s = run("denoise", self._denoise, spec, encoded)
+        images_b64, digests, decode_s = run("decode", self._decode, spec, encoded.plan, latents)
         flops = self.estimate_flops(spec, stats)
-        return GenerationResult(b64, digests, stats, time.perf_counter() - start, pipeline_s, flops)
+        pipeline_s = encoded.seconds + denoise_s + decode_s
+        return GenerationResult(images_b64, digests, stats, time.perf_counter() - start, pipeline_s, flops)
+
+    def _encode(self, spec: GenerationSpec) -> _Encoded:
+        """Phase 1: the call's plan, its text conditioning and its starting noise (seeded on the CPU)."""
+        start = time.perf_counter()
+        plan = self.pipe.plan_call(
+            1, spec.height, spec.width, spec.num_inference_steps, spec.guidance_scale, spec.n, "pt", spec.variant
+        )
+        cond, uncond = self.pipe.condition(plan, [spec.prompt], spec.negative_prompt)
+        latents = self.pipe.starting_latents(plan, seed=spec.seed)
+        return _Encoded(plan, cond, uncond, latents, time.perf_counter() - start)
+
+    def _denoise(self, spec: GenerationSpec, encoded: _Encoded) -> tuple[torch.Tensor, RequestStats | None, float]:
+        """Phase 2: the denoising loop in the request's cache scope (`spec.cache`, checked by `resolve`); returns the
+        latents and the request's cache statistics."""
+        _check_stop()
+        start = time.perf_counter()
+        prepare_compiled_thread(self.pipe)
+        # the pipeline's current session (a later `dicache.enable` replaces it); the config was checked by `resolve`
+        session = dicache_api.session_of(self.pipe)
+        with session.request(config=spec.cache):
+            latents = self.pipe.run_denoise(
+                encoded.plan, encoded.cond, encoded.uncond, encoded.latents, callback_on_step_end=_stop_after_step
+            )
+        stats = dicache_api.stats(self.pipe)  # this context's last request: the one just run
+        return latents, stats, time.perf_counter() - start
+
+    def _decode(self, spec: GenerationSpec, plan: Any, latents: torch.Tensor) -> tuple[list[str], list[str], float]:
+        """Phase 3: VAE decode, pixels quantised on the device, the fingerprint (another thread) and the image files
+        in base64."""
+        _check_stop()
+        start = time.perf_counter()
+        floats, pixels = host_images(self.pipe.decode(latents, plan.height, plan.width, "pt"))
+        decode_s = time.perf_counter() - start
+        digests = self._digests.submit(lambda: [hashlib.sha256(image).hexdigest() for image in floats])
+        b64 = [
+            base64.b64encode(encode_pixels(image, spec.output_format, spec.output_quality)).decode("ascii")
+            for image in pixels
+        ]
+        return b64, digests.result(), decode_s
 
     def estimate_flops(self, spec: GenerationSpec, stats: RequestStats | None) -> float | None:
         """FLOPs of the transformer work `stats` records (`dicache.sweep.flops`), of the whole model (all ranks
@@ -206,8 +294,27 @@ class PipelineBackend:
         }
 
     def close(self) -> None:
+        if self._stages is not None:
+            self._stages.close()
+        self._digests.shutdown(wait=True)
         self.stop_points.remove()
         dicache_api.disable(self.pipe)
+
+
+def can_stage(pipe: Any) -> bool:
+    """Whether `pipe`'s phases may run on threads of their own: it has them, and none of its weights move between
+    phases (offload) or wait on other processes (a model split by `dicache.parallel`)."""
+    transformer = getattr(pipe, "transformer", None)
+    has_phases = all(hasattr(pipe, name) for name in ("plan_call", "condition", "starting_latents", "run_denoise"))
+    return has_phases and getattr(pipe, "offload", None) is None and not hasattr(transformer, PARALLEL_LAYOUT_ATTR)
+
+
+def prepare_compiled_thread(pipe: Any) -> None:
+    """Apply the compiled transformer's torch.compile settings in this thread (they are per thread from torch 2.12
+    on: a worker would otherwise recompile under the default limits)."""
+    apply = getattr(getattr(pipe, "transformer", None), "apply_compile_settings", None)
+    if apply is not None:
+        apply()
 
 
 def _compiled_graphs() -> int:

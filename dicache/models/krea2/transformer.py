@@ -452,15 +452,26 @@ class Krea2Transformer(nn.Module):
         embeddings stay eager). All blocks share one compiled graph per input shape; `dynamic=None` lets dynamo
         make the sequence length symbolic at the second distinct shape, so a new resolution or prompt length costs
         at most one recompilation. Raises the dynamo recompile limit to cover one entry per block."""
-        import torch._dynamo
-
-        config = torch._dynamo.config
-        limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        setattr(config, limit_name, max(getattr(config, limit_name), 4 * len(self.transformer_blocks)))
+        self.recompile_limit = 4 * len(self.transformer_blocks)
+        self.apply_compile_settings()
         for block in self.transformer_blocks:
             block.compile(fullgraph=fullgraph, dynamic=dynamic, backend=backend)
         self.compiled = True
         return self
+
+    def apply_compile_settings(self) -> None:
+        """Raise the calling thread's dynamo recompile limit to `recompile_limit` (set by `compile_blocks`; nothing
+        before). torch.compile's settings are per thread from torch 2.12 on, so every thread that runs the compiled
+        blocks calls this first (the server's denoising thread does)."""
+        limit = getattr(self, "recompile_limit", None)
+        if limit is None:
+            return
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        if getattr(config, limit_name) < limit:
+            setattr(config, limit_name, limit)
 
     # -- text -------------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,88 @@
+"""`GenerationStages`: the phases of a generation on threads of their own, so that the requests in flight overlap.
+
+A generation has three phases: `encode` (prompt to text conditioning, starting noise), `denoise` (the transformer
+loop) and `decode` (VAE, pixels, image file, base64). Each phase has one thread and, on CUDA, one stream; a phase
+runs one request at a time, first come first served. With two or more requests in flight (`--workers`), one
+request's encoding and decoding run while another denoises, on other streams, instead of leaving the GPU idle
+between denoising loops.
+
+Contract of `run(phase, fn, *args)`:
+- `fn(*args)` runs on the phase's thread, in a copy of the caller's `contextvars` context (so the request's cache
+  scope, its stop check and anything else the caller set are seen), under `torch.inference_mode` and the phase's
+  CUDA stream; the call returns `fn`'s result (or raises its exception) once the phase's GPU work is finished, so its
+  tensors may be read from any stream, and `args` stay referenced until then (no other stream reuses their memory
+  while a kernel may still read them).
+- Outputs equal those of the same phases run one after another in one thread: each phase runs the same kernels in
+  the same order on one stream, and no state is shared between requests but the weights.
+- A phase always runs on the same thread, so thread-local state (cuDNN's attention plans, cuBLAS handles,
+  torch.compile's settings from torch 2.12 on) is built once, by the warm-up, rather than once per worker thread.
+
+`inline(phase, fn, *args)` has the same signature and runs `fn` in the calling thread (one request at a time in
+every phase): the mode for offloaded and multi-process models, whose phases move weights or run collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+PHASES = ("encode", "denoise", "decode")
+
+_T = TypeVar("_T")
+
+
+class GenerationStages:
+    """One thread (and CUDA stream on a CUDA `device`) per phase; see the module docstring."""
+
+    def __init__(self, device: torch.device | str, phases: tuple[str, ...] = PHASES) -> None:
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        self._streams = {phase: torch.cuda.Stream(self.device) if cuda else None for phase in phases}
+        self._executors = {
+            phase: ThreadPoolExecutor(1, thread_name_prefix=f"dicache-{phase}", initializer=self._enter_thread)
+            for phase in phases
+        }
+        self._closed = False
+
+    def _enter_thread(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def run(self, phase: str, fn: Callable[..., _T], *args: Any) -> _T:
+        if self._closed:
+            raise RuntimeError("GenerationStages: closed")
+        if phase not in self._executors:
+            raise ValueError(f"phase={phase!r} is invalid: must be one of {', '.join(self._executors)}")
+        context = contextvars.copy_context()
+        return self._executors[phase].submit(context.run, self._in_phase, phase, fn, args).result()
+
+    def _in_phase(self, phase: str, fn: Callable[..., _T], args: tuple) -> _T:
+        stream = self._streams[phase]
+        with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            result = fn(*args)
+            if stream is not None:
+                stream.synchronize()
+        return result
+
+    def thread_of(self, phase: str) -> threading.Thread | None:
+        """The phase's thread once it has run something (for tests and diagnostics)."""
+        threads = getattr(self._executors[phase], "_threads", ())
+        return next(iter(threads), None)
+
+    def close(self) -> None:
+        """Finish what was submitted and stop the threads."""
+        self._closed = True
+        for executor in self._executors.values():
+            executor.shutdown(wait=True)
+
+
+def inline(phase: str, fn: Callable[..., _T], *args: Any) -> _T:
+    """`GenerationStages.run` in the calling thread (sequential mode)."""
+    with torch.inference_mode():
+        return fn(*args)
