@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import pathlib
+import platform
 import sys
 import time
 
@@ -30,9 +31,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from publish import command_line, publish  # noqa: E402
 
 from dicache.calibration import RECOMMENDED_FAMILY  # noqa: E402
+from dicache.fp8_emulation import ACTIVATION_BLOCK, WEIGHT_BLOCK, EmulatedScheme  # noqa: E402
+from dicache.hadamard import DEFAULT_MAX_BLOCK  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT  # noqa: E402
-from dicache.quantization import LAYER_GROUPS, QuantizationSpec  # noqa: E402
+from dicache.quantization import DEFAULT_FP8_INCLUDE, LAYER_GROUPS, QuantizationSpec  # noqa: E402
 from dicache.sweep.metrics import psnr  # noqa: E402
 
 LINEAR_GROUPS = ("attn_qkv", "attn_gate", "attn_out", "ff_in", "ff_out")
@@ -45,9 +48,12 @@ def heldout() -> list[tuple[str, int]]:
     return [(p["prompt"], int(p["seed"])) for p in data["prompts"] if p.get("split") == "heldout"]
 
 
-def sample(pipe: Krea2Pipeline, samples, steps: int, scale: float, variant: str, cache: dict | None) -> torch.Tensor:
+def sample(
+    pipe: Krea2Pipeline, samples, steps: int, scale: float, variant: str, cache: dict | None, embeds=None
+) -> torch.Tensor:
     """Images `(N, 3, H, W)` in [0, 1], one per (prompt, seed), all in one batch (each row drawn from its own seed):
-    eager FP8 linears pay a fixed cost per call, so one batched call per step keeps this section short."""
+    eager FP8 linears pay a fixed cost per call, so one batched call per step keeps this section short. `embeds`:
+    `PromptEmbeddings` to reuse (the text encoder is not quantised; on a CPU it costs more than the sampling)."""
     import dicache
 
     height, width = pipe.default_size
@@ -56,8 +62,9 @@ def sample(pipe: Krea2Pipeline, samples, steps: int, scale: float, variant: str,
     )
     if cache is not None:
         dicache.enable(pipe, cache)
+    text = {"prompt": [prompt for prompt, _ in samples]} if embeds is None else embeds.call_kwargs(scale > 1.0)
     images = pipe(
-        [prompt for prompt, _ in samples],
+        **text,
         latents=latents,
         num_inference_steps=steps,
         guidance_scale=scale,
@@ -67,6 +74,20 @@ def sample(pipe: Krea2Pipeline, samples, steps: int, scale: float, variant: str,
     if cache is not None:
         dicache.disable(pipe)
     return images.float().cpu()
+
+
+class PromptEmbeddings:
+    """The samples' prompt (and empty negative prompt) encodings, computed once."""
+
+    def __init__(self, pipe: Krea2Pipeline, samples) -> None:
+        self.cond = pipe.encode_prompt([prompt for prompt, _ in samples])
+        self.uncond = pipe.encode_prompt([""] * len(samples))
+
+    def call_kwargs(self, cfg: bool) -> dict:
+        kwargs = {"prompt_embeds": self.cond[0], "prompt_embeds_mask": self.cond[1]}
+        if cfg:
+            kwargs.update(negative_prompt_embeds=self.uncond[0], negative_prompt_embeds_mask=self.uncond[1])
+        return kwargs
 
 
 def section_fidelity(args, results: dict) -> list[dict]:
@@ -112,6 +133,54 @@ def _fidelity_rows(args, results: dict, samples, configs: dict) -> list[dict]:
     results["fidelity_note"] = (
         f"embedded checkpoint, bf16 on {torch.cuda.get_device_name()}, {len(samples)} held-out prompts (own seeds) "
         "in one batch, 128 px; PSNR against bf16 uncached at the same seed"
+    )
+    return rows
+
+
+EMULATED_SCHEMES = {
+    "row": EmulatedScheme(),
+    "block": EmulatedScheme(ACTIVATION_BLOCK, WEIGHT_BLOCK),
+    "hadamard": EmulatedScheme(rotation_block=DEFAULT_MAX_BLOCK),
+}
+"""FP8 scalings compared in emulation: torchao's per-row (activations per token, weights per output channel; the
+product's), 1x128 activation / 128x128 weight blocks, and per-row after a Hadamard rotation of the input axis."""
+EMULATED_DEFAULT = (
+    "row:all", "block:all", "hadamard:all", "row:attn_qkv", "row:*.attn.to_q", "row:*.attn.to_k", "row:*.attn.to_v",
+    "row:attn_out", "row:attn_gate,ff_in,ff_out", "hadamard:attn_qkv,attn_out",
+)  # fmt: skip
+
+
+def section_emulated(args, results: dict) -> list[dict]:
+    """Emulated FP8 (`dicache.fp8_emulation`) on any device: for each `SCHEME:GROUPS` of `--emulate`, the block
+    linears matching GROUPS ("all", group names or globs, comma-separated) compute in emulated FP8 with SCHEME;
+    PSNR against the same pipeline in its own dtype (bf16), same seeds."""
+    from dicache.fp8_emulation import emulate_fp8, restore_linears
+    from dicache.quantization import selected_linears
+
+    samples = heldout()[: args.num_prompts]
+    pipe = Krea2Pipeline.from_pretrained(device=args.device, dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    embeds = PromptEmbeddings(pipe, samples)
+    schedules = {name: SCHEDULES[name] for name in args.schedules.split(",")}
+    refs = {name: sample(pipe, samples, *sched, None, embeds) for name, sched in schedules.items()}
+    rows = []
+    for config in args.emulate:
+        scheme, _, groups = config.partition(":")
+        include = DEFAULT_FP8_INCLUDE if groups == "all" else tuple(groups.split(","))
+        names = selected_linears(pipe.transformer, QuantizationSpec(include=include, exclude=()))
+        emulate_fp8(pipe.transformer, names, EMULATED_SCHEMES[scheme])
+        row = {"scheme": scheme, "fp8_groups": groups, "linears": len(names)}
+        for name, sched in schedules.items():
+            values = psnr(sample(pipe, samples, *sched, None, embeds), refs[name])
+            row[f"{name}_mean_dB"] = round(sum(values) / len(values), 2)
+            row[f"{name}_worst_dB"] = round(min(values), 2)
+        restore_linears(pipe.transformer)
+        rows.append(row)
+        print(f"emulated: {row}", flush=True)
+    results["emulated_note"] = (
+        f"embedded checkpoint in bf16 on {args.device}, FP8 e4m3 emulated in float32 (exact accumulation; "
+        f"dicache.fp8_emulation), {len(samples)} held-out prompts (own seeds) in one batch, 128 px; PSNR against "
+        "bf16 at the same seed"
     )
     return rows
 
@@ -194,7 +263,7 @@ def markdown(results: dict, command: str) -> str:
         f"Command: `{command}`  ",
         f"Machine: {results['device']}, torch {results['torch']}, torchao {results['torchao']}\n",
     ]
-    for name in ("fidelity", "block"):
+    for name in ("emulated", "fidelity", "block"):
         rows = results.get(name)
         if not rows:
             continue
@@ -213,16 +282,33 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--exclude", nargs="+", default=None, help=f"an exclusion choice to add ({', '.join(LAYER_GROUPS)})"
     )
+    parser.add_argument("--device", default="cuda", help="emulated section: where to run (cpu works)")
+    parser.add_argument("--schedules", default="raw28,turbo8", help=f"emulated section: of {', '.join(SCHEDULES)}")
+    parser.add_argument(
+        "--emulate",
+        nargs="+",
+        default=list(EMULATED_DEFAULT),
+        metavar="SCHEME:GROUPS",
+        help=f"emulated section: schemes {', '.join(EMULATED_SCHEMES)}; groups 'all' or comma-separated group names "
+        "or globs",
+    )
     parser.add_argument("--results", default=None)
     args = parser.parse_args(argv)
-    import torchao
+    try:
+        import torchao
 
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "torchao": torchao.__version__}
+        torchao_version = torchao.__version__
+    except ImportError:
+        torchao_version = "not installed"
+    on_cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if on_cuda else f"{platform.machine()} CPU ({os.cpu_count()} cores)"
+    results = {"device": device, "torch": torch.__version__, "torchao": torchao_version}
     out = pathlib.Path(os.environ.get("OUT", ".")) / "bench_fp8.json"
     if "fidelity" not in args.sections and out.is_file():  # a block-only run picks its groups from an earlier one
         results["fidelity"] = json.loads(out.read_text()).get("fidelity")
     for section in args.sections.split(","):
-        results[section] = {"fidelity": section_fidelity, "block": section_block}[section](args, results)
+        run = {"emulated": section_emulated, "fidelity": section_fidelity, "block": section_block}[section]
+        results[section] = run(args, results)
         out.write_text(json.dumps(results, indent=1))
         print(markdown({**results, "block": results.get("block")}, "(partial)"), flush=True)
     command = command_line("bench_fp8.py", argv)

@@ -49,6 +49,7 @@ import dicache  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler  # noqa: E402
 from dicache.policies.step_mask import preset_mask  # noqa: E402
+from dicache.quantization import parse_quantization  # noqa: E402
 
 SECTIONS = ("forward", "masks", "sglang", "overhead", "profile")
 # the step-mask presets; masks are cache-dit's (cache_dit.steps_mask) when it is importable, else ours
@@ -73,6 +74,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="none",
         choices=("none", "fp8"),
         help="quantize our transformer (pipe.quantize, default exclusions) before compiling; diffusers stays bf16",
+    )
+    p.add_argument(
+        "--quantization-exclude",
+        nargs="+",
+        default=None,
+        metavar="GROUP_OR_GLOB",
+        help="block linears kept in bf16 under --quantization fp8, replacing the defaults (as `dicache serve` takes "
+        "it; `none`: every block linear in FP8)",
     )
     p.add_argument("--raw-steps", type=int, default=50)
     p.add_argument("--turbo-steps", type=int, default=8)
@@ -121,8 +130,11 @@ class Bench:
         self.nm = self._mask(self.neg_valid)
         self.pipe = Krea2Pipeline(transformer=self.ours, scheduler=FlowMatchEulerScheduler())
         self.pipe.set_progress_bar_config(disable=True)
-        if self.args.quantization != "none":
-            self.pipe.quantize(self.args.quantization)  # what `--quantization fp8` does
+        self.quantization_label = self.args.quantization
+        if self.args.quantization != "none":  # what `--quantization fp8 [--quantization-exclude ...]` does
+            spec = parse_quantization(self.args.quantization, self.args.quantization_exclude)
+            self.pipe.quantize(spec)
+            self.quantization_label = f"{spec.method} (bf16: {' '.join(spec.exclude) or 'none'})"
         self.dpipe = None
         if self.ref is not None:
             from diffusers import FlowMatchEulerDiscreteScheduler
@@ -143,7 +155,7 @@ class Bench:
         self.results["setup"] = {
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.machine(),
             "torch": torch.__version__,
-            "dtype": str(self.dtype) + ("" if self.args.quantization == "none" else f" + {self.args.quantization}"),
+            "dtype": str(self.dtype) + ("" if self.args.quantization == "none" else f" + {self.quantization_label}"),
             "size": self.size,
             "text_len": self.text_len,
             "valid_text": self.valid,

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from publish import command_line, publish  # noqa: E402
 
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT  # noqa: E402
+from dicache.server.memory import COMPONENTS  # noqa: E402
 
 SGLANG_PUBLISHED = {"turbo_c1_latency_s": 1.56, "turbo_c20_req_per_s": 0.64, "peak_GB": 37.5}
 """SGLang's Krea-2 Turbo serving figures from the seed docs (H200, 1024², default cache)."""
@@ -64,12 +65,34 @@ QWEN3_VL_4B_VISION = dict(
     num_position_embeddings=2304,
     deepstack_visual_indexes=[5, 11, 17],
 )
+TURBO_RECOMMENDED = {
+    "Fn_compute_blocks": 0,
+    "max_warmup_steps": 0,
+    "scm_preset": "curved",
+    "scm_policy": "static",
+    "scm_compute_fraction": 0.6,
+    "scm_curve": 2.0,
+    "enable_taylorseer": True,
+    "taylorseer_distance": "sigma",
+    "taylorseer_damping": 0.5,
+    "forecaster": "corrected",
+}
+"""README "Recommended settings", Turbo: curved 0.6 with the corrected forecaster (5 of 8 steps computed, a skipped
+step runs no block). Override with --recommended-params when the recommendation changes."""
 CACHE_MODES = {
     "off": {"enable_cache": False},
     "default": {"enable_cache": True, "cache_dit_params": {}},
     "sglang": {"enable_cache": True, "cache_dit_params": {"residual_diff_threshold": 1e9}},
+    "recommended": {"enable_cache": True, "cache_dit_params": TURBO_RECOMMENDED},
 }
 VARIANTS = {"turbo": (8, 1.0), "raw": (50, 4.5)}
+SERVERS = {
+    "none": [],
+    "fp8": ["--quantization", "fp8"],
+    "fp8-attn-bf16": ["--quantization", "fp8", "--quantization-exclude", "attn_qkv", "attn_out"],
+}
+"""Server kinds: their `dicache serve` flags. fp8-attn-bf16 is the FP8 default of 2026-12-01 (attention
+projections in bf16), still reachable with --quantization-exclude."""
 
 
 # ----------------------------------------------------------------------------------------------------- model folder
@@ -158,14 +181,15 @@ class GpuMemoryPoller:
         return round(self.peak * 2**20 / 1e9, 2) if self.enabled else None
 
 
-def start_server(args, model_dir: pathlib.Path, quantization: str, port: int, log_path: pathlib.Path):
+def start_server(args, model_dir: pathlib.Path, server: str, port: int, log_path: pathlib.Path):
     cmd = [sys.executable, "-m", "dicache.cli", "serve", "--model", str(model_dir), "--load-format", "dummy"]
     cmd += ["--port", str(port), "--device", args.device, "--max-queue", "256", "--timeout", "1800"]
-    cmd += ["--workers", str(args.workers), "--log-level", "warning"]
+    cmd += ["--log-level", "warning"]
+    if args.workers is not None:  # else the server's default
+        cmd += ["--workers", str(args.workers)]
     if args.compile:
         cmd.append("--compile")
-    if quantization != "none":
-        cmd += ["--quantization", quantization]
+    cmd += SERVERS[server] + args.server_args.split()
     env = {**os.environ, "SGLANG_CACHE_DIT_ENABLED": "false", "PYTHONUNBUFFERED": "1"}
     log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -209,7 +233,8 @@ PROMPTS = [
 ]
 
 
-def one_request(url: str, body: dict) -> float:
+def one_request(url: str, body: dict) -> tuple[float, str]:
+    """(seconds, the image's sha256 fingerprint) of one generation."""
     import httpx
 
     start = time.perf_counter()
@@ -217,12 +242,16 @@ def one_request(url: str, body: dict) -> float:
     seconds = time.perf_counter() - start
     if r.status_code != 200:
         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-    if not r.json()["data"][0].get("b64_json"):
+    image = r.json()["data"][0]
+    if not image.get("b64_json"):
         raise RuntimeError("response without an image")
-    return seconds
+    return seconds, image["sha256"]
 
 
-def load(url: str, variant: str, cache: str, concurrency: int, requests: int, size: int) -> dict:
+def load(url: str, variant: str, cache: str, concurrency: int, requests: int, size: int, seen: dict) -> dict:
+    """Latency and throughput of `requests` generations from `concurrency` clients. `seen`: (variant, cache, seed)
+    -> fingerprint of earlier runs; `same_bytes` says whether every repeated (variant, cache, seed) gave the bytes
+    it gave before (the same-seed guarantee across concurrency), None when nothing repeated."""
     steps, guidance = VARIANTS[variant]
     bodies = [
         {
@@ -237,9 +266,15 @@ def load(url: str, variant: str, cache: str, concurrency: int, requests: int, si
     ]
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        latencies = list(pool.map(lambda b: one_request(url, b), bodies))
+        answers = list(pool.map(lambda b: one_request(url, b), bodies))
     wall = time.perf_counter() - start
-    latencies.sort()
+    latencies = sorted(seconds for seconds, _ in answers)
+    same = None
+    for body, (_, digest) in zip(bodies, answers):
+        key = (variant, cache, body["seed"])
+        if key in seen:
+            same = (same is not False) and seen[key] == digest
+        seen.setdefault(key, digest)
     p99 = latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))]
     return {
         "requests": requests,
@@ -247,6 +282,7 @@ def load(url: str, variant: str, cache: str, concurrency: int, requests: int, si
         "latency_median_s": round(statistics.median(latencies), 3),
         "latency_p99_s": round(p99, 3),
         "throughput_req_s": round(requests / wall, 3),
+        "same_bytes": same,
     }
 
 
@@ -262,6 +298,27 @@ def plan(args) -> list[tuple[str, str, int, int]]:
     return runs
 
 
+def server_memory(url: str) -> dict | None:
+    """The server's GPU memory breakdown (`/v1/server_info` "memory": `dicache.server.memory.memory_breakdown`)."""
+    import httpx
+
+    return httpx.get(f"{url}/v1/server_info", timeout=30).json().get("memory")
+
+
+def memory_columns(breakdown: dict | None, smi_peak_gb: float | None) -> dict:
+    """A run's memory columns: weights, peak activations, allocator peak, and the CUDA context (nvidia-smi's peak for
+    the process minus the allocator's peak reserve)."""
+    if not breakdown:
+        return {}
+    context = None if smi_peak_gb is None else round(smi_peak_gb - breakdown["peak_reserved_GB"], 2)
+    return {
+        "weights_GB": round(sum(breakdown["weights_GB"].values()), 2),
+        "activations_peak_GB": breakdown["activations_peak_GB"],
+        "allocator_peak_GB": breakdown["peak_reserved_GB"],
+        "context_GB": context,
+    }
+
+
 def run(args) -> dict:
     results = {"runs": [], "servers": {}}
     work = pathlib.Path(tempfile.mkdtemp(prefix="dicache-serving-"))
@@ -270,31 +327,34 @@ def run(args) -> dict:
     out_dir = pathlib.Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
     with GpuMemoryPoller(args.device.startswith("cuda")) as memory:
-        for quantization in args.servers:
+        for server in args.servers:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             memory.reset()
-            proc, command = start_server(args, model_dir, quantization, port, out_dir / f"serve_{quantization}.log")
+            proc, command = start_server(args, model_dir, server, port, out_dir / f"serve_{server}.log")
             try:
                 ready_s = wait_healthy(url, proc, args.start_timeout)
-                results["servers"][quantization] = {
+                results["servers"][server] = {
                     "command": command,
                     "ready_s": round(ready_s, 1),
                     "peak_GB_after_warmup": memory.peak_gb,
+                    "memory_after_warmup": server_memory(url),
                 }
-                print(f"server {quantization}: ready in {ready_s:.1f} s: {command}", flush=True)
+                print(f"server {server}: ready in {ready_s:.1f} s: {command}", flush=True)
                 memory.reset()  # from here on: the serving-time peak (loading and warm-up reported above)
-                warmed = set()
+                warmed, seen = set(), {}
                 for variant, cache, concurrency, requests in plan(args):
                     if variant not in warmed:  # one untimed request of each variant
-                        load(url, variant, cache, 1, 1, size)
+                        load(url, variant, cache, 1, 1, size, seen)
                         warmed.add(variant)
-                    row = {"quantization": quantization, "variant": variant}
+                    row = {"server": server, "variant": variant}
                     row.update(cache=cache, concurrency=concurrency)
-                    row.update(load(url, variant, cache, concurrency, requests, size))
+                    row.update(load(url, variant, cache, concurrency, requests, size, seen))
                     row["server_peak_GB"] = memory.peak_gb
+                    row.update(memory_columns(server_memory(url), memory.peak_gb))
                     results["runs"].append(row)
                     print(f"run: {row}", flush=True)
+                results["servers"][server]["memory_at_end"] = server_memory(url)
             finally:
                 stop_server(proc)
                 (out_dir / "bench_serving.json").write_text(json.dumps(results, indent=1))
@@ -314,7 +374,7 @@ def markdown(results: dict, args, command: str) -> str:
         f"\n## End to end through `dicache serve` ({datetime.datetime.now():%Y-%m-%d %H:%M})\n",
         f"Command: `{command}`  ",
         f"Machine: {device}; model: {'tiny (embedded configs)' if args.tiny else 'full-size Krea-2'} with random "
-        f"weights (`--load-format dummy`), {'128' if args.tiny else '1024'}², workers {args.workers}, "
+        f"weights (`--load-format dummy`), {'128' if args.tiny else '1024'}², workers {args.workers or 'default'}, "
         f"{'compiled' if args.compile else 'eager'}  ",
         "Server commands: "
         + "; ".join(
@@ -326,9 +386,20 @@ def markdown(results: dict, args, command: str) -> str:
     ]
     rows = results["runs"]
     if rows:
-        keys = list(rows[0])
+        keys = list(dict.fromkeys(k for r in rows for k in r))
         lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
         lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    breakdowns = {name: s.get("memory_at_end") for name, s in results["servers"].items() if s.get("memory_at_end")}
+    if breakdowns:
+        lines += ["", "GPU memory at the end of each server's runs (GB; `/v1/server_info`, torch's allocator):", ""]
+        lines += ["| server | " + " | ".join(f"weights {c}" for c in COMPONENTS) + " | peak allocated | peak "
+                  "activations | peak reserved | reserve now |", "|" + "---|" * (len(COMPONENTS) + 5)]  # fmt: skip
+        for name, m in breakdowns.items():
+            weights = " | ".join(str(m["weights_GB"].get(c)) for c in COMPONENTS)
+            lines.append(
+                f"| {name} | {weights} | {m['peak_allocated_GB']} | {m['activations_peak_GB']} | "
+                f"{m['peak_reserved_GB']} | {m['reserve_GB']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -336,17 +407,23 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="the embedded checkpoint's configs (a logic check)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--servers", nargs="+", default=["none", "fp8"], choices=("none", "fp8"), help="quantization")
+    p.add_argument("--servers", nargs="+", default=["none", "fp8"], choices=tuple(SERVERS), help="server kinds")
+    p.add_argument("--server-args", default="", help="more `dicache serve` flags for every server, one string")
     p.add_argument("--variants", nargs="+", default=["turbo", "raw"], choices=tuple(VARIANTS))
     p.add_argument("--caches", nargs="+", default=["off", "sglang"], choices=tuple(CACHE_MODES))
+    p.add_argument(
+        "--recommended-params", type=json.loads, default=None, help="JSON cache_dit_params of the 'recommended' mode"
+    )
     p.add_argument("--requests-c1", type=int, default=3)
     p.add_argument("--requests-c20", type=int, default=20)
     p.add_argument("--raw-requests", type=int, default=1)
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=int, default=None, help="the server's --workers (default: the server's)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--results", default=None)
     args = p.parse_args(argv)
+    if args.recommended_params is not None:
+        CACHE_MODES["recommended"]["cache_dit_params"] = args.recommended_params
     results = run(args)
     command = command_line("bench_serving.py", argv)
     publish(markdown(results, args, command), args.results)

@@ -82,10 +82,15 @@ class QuantizationSpec:
                 )
 
 
+NO_EXCLUSIONS = "none"
+"""The `--quantization-exclude` value that keeps no block linear in bf16."""
+
+
 def parse_quantization(method: str | None, exclude: Sequence[str] | None = None) -> QuantizationSpec | None:
     """`--quantization` / `quantization=` to a spec: None, "none" or "" mean no quantization.
 
-    `exclude` replaces the default exclusions when given (group names from `LAYER_GROUPS` or glob patterns).
+    `exclude` replaces the default exclusions when given (group names from `LAYER_GROUPS` or glob patterns;
+    `["none"]`: every selected linear in FP8).
     """
     if method is None or str(method).strip().lower() in ("", "none"):
         if exclude:
@@ -94,7 +99,15 @@ def parse_quantization(method: str | None, exclude: Sequence[str] | None = None)
     method = str(method).strip().lower()
     if exclude is None:
         return QuantizationSpec(method=method)
-    return QuantizationSpec(method=method, exclude=tuple(exclude))
+    exclude = tuple(exclude)
+    if NO_EXCLUSIONS in exclude:
+        if len(exclude) > 1:
+            raise QuantizationError(
+                f"quantization exclude={list(exclude)} is invalid: {NO_EXCLUSIONS!r} (nothing kept in bf16) must "
+                "stand alone"
+            )
+        exclude = ()
+    return QuantizationSpec(method=method, exclude=exclude)
 
 
 def _expand(patterns: Sequence[str], num_blocks: int) -> list[str]:

@@ -99,6 +99,7 @@ def settings_from_args(args: argparse.Namespace):
     import os
 
     from ..errors import ConfigError
+    from ..offload.cli import settings_from_args as offload_settings_from_args
     from ..server.auth import API_KEY_ENV
     from ..server.settings import ServerSettings
     from .fields import values_from_args
@@ -108,10 +109,12 @@ def settings_from_args(args: argparse.Namespace):
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.metrics_auth and not api_key:
         raise ConfigError(f"serve: --metrics-auth needs an API key (--api-key or {API_KEY_ENV})")
+    values = values_from_args(args, ServerSettings)
+    if values["workers"] is None:  # left out: overlap the phases, unless offload runs generations one at a time
+        offloaded = offload_settings_from_args(args).any
+        values["workers"] = 1 if offloaded else ServerSettings.model_fields["workers"].default
     try:
-        return ServerSettings(
-            **values_from_args(args, ServerSettings), max_pixels=args.max_side * args.max_side, api_key=api_key
-        )
+        return ServerSettings(**values, max_pixels=args.max_side * args.max_side, api_key=api_key)
     except ValueError as exc:
         raise ConfigError(f"serve: {exc}") from None
 
@@ -172,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         size_source=" (--max-side, --max-n)",
         parallel=ctx.enabled,
         cache_config=cache_config,
-        workers=args.workers,
+        workers=settings.workers,
     )
     # with offload, loading quantizes, plans and places, then compiles, in that order
     speed = dict(quantization=speed_spec(args), compile=args.compile) if offload else {}

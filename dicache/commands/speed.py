@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from ..models.loading import LOAD_FORMATS
-from ..quantization import LAYER_GROUPS, QUANTIZATION_METHODS, parse_quantization
+from ..quantization import LAYER_GROUPS, NO_EXCLUSIONS, QUANTIZATION_METHODS, parse_quantization
 
 
 def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,8 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="GROUP_OR_GLOB",
         default=None,
         help="block linears kept in bf16 under --quantization fp8, replacing the defaults: group names "
-        f"({', '.join(LAYER_GROUPS)}) or glob patterns over module names, e.g. 'transformer_blocks.*.attn.to_gate'",
+        f"({', '.join(LAYER_GROUPS)}) or glob patterns over module names, e.g. 'transformer_blocks.*.attn.to_gate'; "
+        f"'{NO_EXCLUSIONS}': every block linear in FP8",
     )
     group.add_argument(
         "--compile",

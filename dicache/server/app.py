@@ -32,6 +32,7 @@ from .errors import ApiError, install_error_handlers
 from .generation import Defaults, GenerationSpec, resolve
 from .handling import GenerationProbe, await_job, job_runner, parse_generation_request, response_body, submit
 from .jobs import JobQueue
+from .memory import memory_breakdown
 from .metrics import MetricsMiddleware, ServerMetrics
 from .schemas import (
     GUIDANCE_DOC,
@@ -221,7 +222,10 @@ def create_app(
             )
         return ModelCard(id=settings.model_id, created=started)
 
-    @app.get("/v1/server_info", summary="Queue state, limits and the start-up cache settings (API key if set)")
+    @app.get(
+        "/v1/server_info",
+        summary="Queue state, limits, the start-up cache settings and the GPU memory breakdown (API key if set)",
+    )
     async def server_info() -> dict[str, Any]:
         return {
             "status": _status(queue, drain),
@@ -240,6 +244,7 @@ def create_app(
                 "sources": backend.cache_config.sources(),
                 "profile": profile_source(backend.cache_config),
             },
+            "memory": memory_breakdown(getattr(backend, "pipe", None)),
         }
 
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too

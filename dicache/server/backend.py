@@ -41,6 +41,7 @@ from ..reduction import PARALLEL_LAYOUT_ATTR
 from ..stats import RequestStats
 from ..sweep.flops import request_flops
 from .generation import Defaults, GenerationSpec
+from .memory import release_cached_memory
 from .stages import GenerationStages, inline
 from .stop_points import install_stop_points
 
@@ -287,6 +288,7 @@ class PipelineBackend:
                 )
                 self.generate(spec)
                 runs += 1
+        release_cached_memory(self.pipe.device)  # the warm-up's Raw requests need more than a Turbo server keeps
         return {
             "generations": runs,
             "seconds": round(time.perf_counter() - start, 2),
@@ -394,4 +396,5 @@ def load_backend(
     pipe = Krea2Pipeline.from_pretrained(
         resolve_model(model, variant), dtype=dtype, device=device, load_format=load_format, **(offload or {})
     )
+    release_cached_memory(pipe.device)  # what loading left reserved (e.g. bf16 weights replaced by FP8 ones)
     return PipelineBackend(pipe, config, variant_defaults(pipe, variant, default_size))

@@ -83,6 +83,8 @@ def job_runner(backend: Any, metrics: ServerMetrics) -> Callable[[Job], Any]:
             raise
         if spec.probe:
             return result
+        if hasattr(result, "images_b64"):  # the answer's bulk, serialised here rather than on the event loop
+            result.data_json = images_json(result.images_b64, result.sha256)
         metrics.generations.labels("ok").inc()
         stats = getattr(result, "stats", None)
         if stats is not None:
@@ -95,8 +97,6 @@ def job_runner(backend: Any, metrics: ServerMetrics) -> Callable[[Job], Any]:
             flops=getattr(result, "flops", None),
             pipeline_s=getattr(result, "pipeline_s", 0.0),
         )
-        if hasattr(result, "images_b64"):  # the answer's bulk, serialised here rather than on the event loop
-            result.data_json = images_json(result.images_b64, result.sha256)
         return result
 
     return run_job

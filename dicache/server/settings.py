@@ -39,7 +39,16 @@ class ServerSettings(Options):
         le=100_000,
         help="requests allowed to wait for a busy worker; more get 429; 0: take requests only when a worker is free",
     )
-    workers: int = option(1, flag="--workers", ge=1, le=64, help="generations run at once; outputs do not depend on it")
+    workers: int = option(
+        2,
+        flag="--workers",
+        ge=1,
+        le=64,
+        default_text="2; 1 with the memory options",
+        help="requests in flight at once: text encoding, denoising and decoding each run one request at a time on a "
+        "thread (and CUDA stream) of their own, so with 2 or more one request's encoding and decoding overlap "
+        "another's denoising; outputs do not depend on it",
+    )
     request_timeout_s: float = option(
         600.0,
         flag="--timeout",

@@ -137,7 +137,8 @@ class Krea2TextEncoder:
         """Load `tokenizer/` and `text_encoder/` of a diffusers-layout Krea-2 folder (local or Hub; `hub_kwargs`:
         `cache_dir`, `revision`, `local_files_only`). Select layers come from `model_index.json`
         (`text_encoder_select_layers`), defaulting to `KREA2_SELECT_LAYERS`. dtype: bf16 on CUDA, else fp32.
-        `load_format="dummy"`: random weights from `text_encoder/config.json` alone.
+        `load_format="dummy"`: random weights from `text_encoder/config.json` alone. The parts the taps never read
+        are dropped after loading (`drop_untapped_parts`; their count in `dropped_parameters`).
         """
         from transformers import AutoTokenizer, Qwen3VLModel
 
@@ -161,7 +162,27 @@ class Krea2TextEncoder:
             raise CheckpointError(
                 f"cannot load the Krea-2 tokenizer/text encoder from {path_or_repo_id}: {err}"
             ) from err
-        return cls(tokenizer, text_encoder.to(device).eval(), select_layers, max_sequence_length)
+        encoder = cls(tokenizer, text_encoder.to(device).eval(), select_layers, max_sequence_length)
+        encoder.dropped_parameters = drop_untapped_parts(text_encoder, encoder.select_layers)
+        return encoder
+
+
+def drop_untapped_parts(text_encoder: torch.nn.Module, select_layers: tuple[int, ...]) -> int:
+    """Remove, in place, what Krea-2's taps never read from a `Qwen3VLModel`: the vision tower (only images use it)
+    and, when the last tap is below the final norm, the decoder layers after the last tapped one and the final norm
+    (the hidden state of layer i, un-normed, is what tap i reads, with or without the layers after it). Saves their
+    memory (Qwen3-VL-4B: the 0.4 B-parameter vision tower and the untapped 36th layer) and the last layer's compute.
+    Returns the number of parameters removed; a module without these parts is left as it is."""
+    before = sum(p.numel() for p in text_encoder.parameters())
+    if isinstance(getattr(text_encoder, "visual", None), torch.nn.Module):
+        del text_encoder.visual
+    language = getattr(text_encoder, "language_model", None)
+    layers = getattr(language, "layers", None)
+    last = max(select_layers)
+    if isinstance(layers, torch.nn.ModuleList) and last < len(layers):
+        del layers[last:]
+        language.norm = torch.nn.Identity()  # hidden_states[-1] is the norm's output: now layer `last`'s own
+    return before - sum(p.numel() for p in text_encoder.parameters())
 
 
 def template_token_counts(tokenizer) -> tuple[int, int]:
