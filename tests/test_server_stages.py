@@ -194,3 +194,20 @@ def test_the_prebuilt_answer_is_the_models_json():
     assert json.loads(built) == json.loads(full.model_dump_json())
     with pytest.raises(ValueError, match="base64 and hex digests only"):
         images_json(['a"b'], ["00"])
+
+
+def test_serve_runs_two_requests_at_once_unless_offloaded():
+    from dicache.cli import build_parser
+    from dicache.commands.serve import settings_from_args
+    from dicache.errors import ConfigError
+    from dicache.offload.cli import offload_options
+
+    def settings(*options):
+        return settings_from_args(build_parser().parse_args(["serve", *options]))
+
+    assert settings().workers == 2 and settings("--workers", "3").workers == 3
+    offloaded = build_parser().parse_args(["serve", "--dit-cpu-offload"])
+    assert settings_from_args(offloaded).workers == 1
+    assert offload_options(offloaded, workers=settings_from_args(offloaded).workers)  # accepted: one at a time
+    with pytest.raises(ConfigError, match="--workers 2 is invalid with the memory options"):
+        offload_options(offloaded, workers=settings("--dit-cpu-offload", "--workers", "2").workers)

@@ -196,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
         apply_speed_options(backend.pipe, args)
     if args.compile:  # every rank warms up the same way, before serving, so the first request is not the slow one
         print(f"warm-up (compile): {backend.warm_up()}", flush=True)
+    from ..server.memory import release_cached_memory
+
+    release_cached_memory(backend.pipe.device)  # what quantisation and the warm-up left reserved; peaks from here
     backend = lockstep(backend, ctx)
     if backend is None:  # a follower rank: it replayed rank 0's requests until rank 0 closed
         ctx.shutdown()
