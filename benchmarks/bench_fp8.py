@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fnmatch
 import json
 import os
 import pathlib
@@ -35,7 +36,12 @@ from dicache.fp8_emulation import ACTIVATION_BLOCK, WEIGHT_BLOCK, EmulatedScheme
 from dicache.hadamard import DEFAULT_MAX_BLOCK  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT  # noqa: E402
-from dicache.quantization import DEFAULT_FP8_INCLUDE, LAYER_GROUPS, QuantizationSpec  # noqa: E402
+from dicache.quantization import (  # noqa: E402
+    DEFAULT_FP8_INCLUDE,
+    LAYER_GROUPS,
+    TEXT_ENCODER_FP8_INCLUDE,
+    QuantizationSpec,
+)
 from dicache.sweep.metrics import psnr  # noqa: E402
 
 LINEAR_GROUPS = ("attn_qkv", "attn_gate", "attn_out", "ff_in", "ff_out")
@@ -150,9 +156,13 @@ EMULATED_DEFAULT = (
 )  # fmt: skip
 
 
+TEXT_ENCODER = "text_encoder"
+
+
 def section_emulated(args, results: dict) -> list[dict]:
     """Emulated FP8 (`dicache.fp8_emulation`) on any device: for each `SCHEME:GROUPS` of `--emulate`, the block
-    linears matching GROUPS ("all", group names or globs, comma-separated) compute in emulated FP8 with SCHEME;
+    linears matching GROUPS ("all", group names or globs, comma-separated; "text_encoder": the text encoder's
+    decoder-layer linears, as `--text-encoder-quantization fp8` picks them) compute in emulated FP8 with SCHEME;
     PSNR against the same pipeline in its own dtype (bf16), same seeds."""
     from dicache.fp8_emulation import emulate_fp8, restore_linears
     from dicache.quantization import selected_linears
@@ -166,15 +176,22 @@ def section_emulated(args, results: dict) -> list[dict]:
     rows = []
     for config in args.emulate:
         scheme, _, groups = config.partition(":")
-        include = DEFAULT_FP8_INCLUDE if groups == "all" else tuple(groups.split(","))
-        names = selected_linears(pipe.transformer, QuantizationSpec(include=include, exclude=()))
-        emulate_fp8(pipe.transformer, names, EMULATED_SCHEMES[scheme])
+        if groups == TEXT_ENCODER:  # the text encoder's decoder-layer linears: its outputs change, so re-encode
+            model = pipe.text_encoder.text_encoder
+            names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+            names = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in TEXT_ENCODER_FP8_INCLUDE)]
+        else:
+            model = pipe.transformer
+            include = DEFAULT_FP8_INCLUDE if groups == "all" else tuple(groups.split(","))
+            names = selected_linears(model, QuantizationSpec(include=include, exclude=()))
+        emulate_fp8(model, names, EMULATED_SCHEMES[scheme])
+        config_embeds = PromptEmbeddings(pipe, samples) if model is not pipe.transformer else embeds
         row = {"scheme": scheme, "fp8_groups": groups, "linears": len(names)}
         for name, sched in schedules.items():
-            values = psnr(sample(pipe, samples, *sched, None, embeds), refs[name])
+            values = psnr(sample(pipe, samples, *sched, None, config_embeds), refs[name])
             row[f"{name}_mean_dB"] = round(sum(values) / len(values), 2)
             row[f"{name}_worst_dB"] = round(min(values), 2)
-        restore_linears(pipe.transformer)
+        restore_linears(model)
         rows.append(row)
         print(f"emulated: {row}", flush=True)
     results["emulated_note"] = (

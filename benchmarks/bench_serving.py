@@ -90,9 +90,10 @@ SERVERS = {
     "none": [],
     "fp8": ["--quantization", "fp8"],
     "fp8-attn-bf16": ["--quantization", "fp8", "--quantization-exclude", "attn_qkv", "attn_out"],
+    "fp8-te": ["--quantization", "fp8", "--text-encoder-quantization", "fp8"],
 }
 """Server kinds: their `dicache serve` flags. fp8-attn-bf16 is the FP8 default of 2026-12-01 (attention
-projections in bf16), still reachable with --quantization-exclude."""
+projections in bf16), still reachable with --quantization-exclude; fp8-te adds the text encoder in FP8."""
 
 
 # ----------------------------------------------------------------------------------------------------- model folder

@@ -97,3 +97,15 @@ def test_an_empty_exclusion_is_spelled_none():
     assert parse_quantization("fp8", ["none"]).exclude == ()
     with pytest.raises(QuantizationError, match="'none' .* must stand alone"):
         parse_quantization("fp8", ["none", "attn_gate"])
+
+
+def test_text_encoder_fp8_is_checked_before_anything_runs(capsys):
+    from dicache.cli import main
+    from dicache.quantization import quantize_text_encoder
+
+    with pytest.raises(QuantizationError, match="text encoder quantization='int4' is invalid"):
+        quantize_text_encoder(torch.nn.Linear(2, 2), "int4")
+    with pytest.raises(QuantizationError, match="no linear of Linear matches"):
+        quantize_text_encoder(torch.nn.Linear(2, 2))
+    code = main(["generate", "x", "--device", "cpu", "--text-encoder-quantization", "fp8", "--dit-cpu-offload"])
+    assert code == 2 and "cannot be combined with the memory options" in capsys.readouterr().err

@@ -10,7 +10,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from dicache.quantization import QuantizationSpec, parse_quantization, quantize_transformer
+from dicache.quantization import (
+    QuantizationError,
+    QuantizationSpec,
+    parse_quantization,
+    quantize_text_encoder,
+    quantize_transformer,
+)
 
 
 def offload_settings(*options: Any) -> Any:
@@ -40,6 +46,14 @@ class PipelineOptimizations:
         if spec is None:
             return []
         return quantize_transformer(self.transformer, spec)
+
+    def quantize_text_encoder(self, method: str = "fp8") -> list[str]:
+        """FP8 for the text encoder's decoder-layer linears in place (`dicache.quantization.quantize_text_encoder`);
+        returns their names. Raises `QuantizationError` where FP8 cannot run, or without a text encoder."""
+        encoder = getattr(self, "text_encoder", None)
+        if encoder is None:
+            raise QuantizationError("text encoder quantization: this pipeline has no text encoder")
+        return quantize_text_encoder(getattr(encoder, "text_encoder", encoder), method)
 
     def compile(self: _Pipe, *, dynamic: bool | None = None, backend: str = "inductor") -> _Pipe:
         """`torch.compile` the transformer blocks (see `Krea2Transformer.compile_blocks`); the first call at a new
