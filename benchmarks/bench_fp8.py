@@ -19,6 +19,7 @@ import argparse
 import datetime
 import fnmatch
 import json
+import math
 import os
 import pathlib
 import platform
@@ -41,6 +42,7 @@ from dicache.quantization import (  # noqa: E402
     LAYER_GROUPS,
     TEXT_ENCODER_FP8_INCLUDE,
     QuantizationSpec,
+    parse_quantization,
 )
 from dicache.sweep.metrics import psnr  # noqa: E402
 
@@ -96,13 +98,27 @@ class PromptEmbeddings:
         return kwargs
 
 
+def exclusion_choices(args) -> dict[str, QuantizationSpec]:
+    """`--exclude` (one choice, groups as separate words) and `--compare` (choices, groups comma-separated;
+    "default": the product's default exclusions, "none": every block linear in FP8), by label."""
+    choices = [args.exclude] if args.exclude else []
+    choices += [[] if c == "default" else c.split(",") for c in args.compare or []]
+    specs = {}
+    for groups in choices:
+        spec = parse_quantization("fp8", groups or None)
+        specs[f"fp8 excluding {' '.join(spec.exclude) or 'nothing'}"] = spec
+    return specs
+
+
 def section_fidelity(args, results: dict) -> list[dict]:
     samples = heldout()[: args.num_prompts]
     configs: dict[str, tuple[QuantizationSpec | None, dict | None]] = {}
-    if args.exclude:  # one exclusion choice (the default's: QuantizationSpec()), alone and with the cache
-        spec = QuantizationSpec(exclude=tuple(args.exclude))
-        configs[f"fp8 excluding {' '.join(args.exclude)}"] = (spec, None)
-        configs[f"fp8 excluding {' '.join(args.exclude)} + cache curved 0.4"] = (spec, RECOMMENDED)
+    choices = exclusion_choices(args)
+    if choices:  # given exclusion choices alone, the first also with the cache
+        for index, (label, spec) in enumerate(choices.items()):
+            configs[label] = (spec, None)
+            if index == 0:
+                configs[f"{label} + cache curved 0.4"] = (spec, RECOMMENDED)
         configs["cache curved 0.4 (bf16)"] = (None, RECOMMENDED)
         return _fidelity_rows(args, results, samples, configs)
     configs = {
@@ -181,9 +197,10 @@ def section_emulated(args, results: dict) -> list[dict]:
             names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
             names = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in TEXT_ENCODER_FP8_INCLUDE)]
         else:
-            model = pipe.transformer
+            model = pipe.transformer  # among the block linears only, as `--quantization-exclude` selects them
+            blocks = set(selected_linears(model, QuantizationSpec(exclude=())))
             include = DEFAULT_FP8_INCLUDE if groups == "all" else tuple(groups.split(","))
-            names = selected_linears(model, QuantizationSpec(include=include, exclude=()))
+            names = [n for n in selected_linears(model, QuantizationSpec(include=include, exclude=())) if n in blocks]
         emulate_fp8(model, names, EMULATED_SCHEMES[scheme])
         config_embeds = PromptEmbeddings(pipe, samples) if model is not pipe.transformer else embeds
         row = {"scheme": scheme, "fp8_groups": groups, "linears": len(names)}
@@ -238,13 +255,13 @@ def section_block(args, results: dict) -> list[dict]:
     temb = torch.randn(1, 1, 6 * 6144, device="cuda", dtype=torch.bfloat16) * 0.1
     angles = torch.rand(tokens, 64, device="cuda") * 6.28
     rope = (angles.cos(), angles.sin())
-    variants: dict[str, QuantizationSpec | None] = {"bf16": None, "fp8 all": QuantizationSpec(exclude=())}
+    variants: dict[str, QuantizationSpec | None] = {"bf16": None, "fp8 default": QuantizationSpec()}
+    variants["fp8 all"] = QuantizationSpec(exclude=())
     costly = costliest_groups(results.get("fidelity") or [], 2)
     for i in range(len(costly)):  # the costliest group kept in bf16, then the two costliest
         variants[f"fp8 all but {' '.join(costly[: i + 1])}"] = QuantizationSpec(exclude=tuple(costly[: i + 1]))
-    if args.exclude:
-        variants[f"fp8 excluding {' '.join(args.exclude)}"] = QuantizationSpec(exclude=tuple(args.exclude))
-    rows, bf16_ms = [], None
+    variants.update(exclusion_choices(args))
+    rows, bf16_ms, reference = [], None, None
     with torch.no_grad():
         for label, spec in variants.items():
             stack = Stack(copy.deepcopy(block))
@@ -252,16 +269,27 @@ def section_block(args, results: dict) -> list[dict]:
                 quantize_transformer(stack, spec)
             compiled = torch.compile(stack.transformer_blocks[0], fullgraph=True)
             ms = timed_ms(lambda c=compiled: c(x, temb, rope))
+            out = compiled(x, temb, rope).float() - x.float()  # the block's own contribution (the residual)
+            reference = out if reference is None else reference
             bf16_ms = bf16_ms or ms
-            rows.append({"config": label, "ms_per_block": round(ms, 3), "speedup_vs_bf16": round(bf16_ms / ms, 3)})
+            row = {"config": label, "ms_per_block": round(ms, 3), "speedup_vs_bf16": round(bf16_ms / ms, 3)}
+            row["residual_snr_dB"] = round(snr_db(out, reference), 2) if out is not reference else None
+            rows.append(row)
             print(f"block: {rows[-1]}", flush=True)
             del stack, compiled
             torch.cuda.empty_cache()
     results["block_note"] = (
-        "one full-size block (6144 wide, 48/12 heads, SwiGLU 16384), 4144 tokens, compiled, back to back; "
-        "first/last-block exclusion costs 2/28 of (bf16 - fp8 all) per forward"
+        "one full-size block (6144 wide, 48/12 heads, SwiGLU 16384), random weights, 4144 tokens, compiled, back to "
+        "back; residual_snr_dB: the block's output minus its input against bf16's (torchao's FP8 GEMMs, fast "
+        "accumulation included, at the full size's long inputs); first/last-block exclusion costs 2/28 of "
+        "(bf16 - fp8 all) per forward"
     )
     return rows
+
+
+def snr_db(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """10 log10(|reference|² / |value - reference|²)."""
+    return 10 * math.log10(float(reference.pow(2).sum() / (value - reference).pow(2).sum().clamp_min(1e-30)))
 
 
 def costliest_groups(fidelity_rows: list[dict], count: int) -> list[str]:
@@ -297,7 +325,14 @@ def main(argv=None) -> int:
     parser.add_argument("--sections", default="fidelity,block")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument(
-        "--exclude", nargs="+", default=None, help=f"an exclusion choice to add ({', '.join(LAYER_GROUPS)})"
+        "--exclude", nargs="+", default=None, help=f"an exclusion choice to add ({', '.join(LAYER_GROUPS)}; none)"
+    )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        default=None,
+        metavar="CHOICE",
+        help="exclusion choices to measure, each comma-separated groups or globs, 'none' (all FP8) or 'default'",
     )
     parser.add_argument("--device", default="cuda", help="emulated section: where to run (cpu works)")
     parser.add_argument("--schedules", default="raw28,turbo8", help=f"emulated section: of {', '.join(SCHEDULES)}")
