@@ -138,7 +138,11 @@ class ImageObject(BaseModel):
 
 class Timings(BaseModel):
     queued_s: float = Field(..., description="Seconds waiting for a worker.")
-    generate_s: float = Field(..., description="Seconds generating (pipeline call and PNG encoding).")
+    generate_s: float = Field(
+        ...,
+        description="Seconds from a worker taking the request to its answer: the model's phases, any wait for a phase "
+        "busy with another request, and the image encoding.",
+    )
 
 
 class GenerationInfo(BaseModel):
