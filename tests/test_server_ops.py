@@ -266,7 +266,9 @@ def test_cli_sigterm_drains_answers_late_and_stalled_clients_and_exits_0(model_s
     """The real command with DICACHE_API_KEY: the openai client with the key; SIGTERM while one generation runs,
     one waits and one client trickles a body: late clients get 503 (the listener stays open), the stalled body is
     answered 503, the accepted generations finish, and the process exits 0 (so `backend.close()` runs)."""
-    proc, url = start_cli(model_source, "--max-side", "64", "--drain-timeout", "60", env={"DICACHE_API_KEY": KEY})
+    proc, url = start_cli(
+        model_source, "--max-side", "64", "--drain-timeout", "60", "--workers", "1", env={"DICACHE_API_KEY": KEY}
+    )  # one worker: one generation runs while the other waits
     auth = {"Authorization": f"Bearer {KEY}"}
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
