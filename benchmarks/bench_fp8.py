@@ -356,6 +356,7 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if on_cuda else f"{platform.machine()} CPU ({os.cpu_count()} cores)"
     results = {"device": device, "torch": torch.__version__, "torchao": torchao_version}
     out = pathlib.Path(os.environ.get("OUT", ".")) / "bench_fp8.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     if "fidelity" not in args.sections and out.is_file():  # a block-only run picks its groups from an earlier one
         results["fidelity"] = json.loads(out.read_text()).get("fidelity")
     for section in args.sections.split(","):

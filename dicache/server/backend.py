@@ -134,6 +134,12 @@ class _Encoded:
     latents: torch.Tensor
     seconds: float
 
+    @property
+    def text_tokens(self) -> dict[str, int]:
+        """Real text tokens per branch: the conditioning keeps only them (one prompt per request, so no padding)."""
+        branches = {"cond": self.cond, "uncond": self.uncond}
+        return {name: int(c.num_tokens) for name, c in branches.items() if c is not None}
+
 
 class PipelineBackend:
     """One pipeline, cache-enabled with `cache_config` (the environment's, read once at start-up).
@@ -196,7 +202,7 @@ class PipelineBackend:
         encoded = run("encode", self._encode, spec)
         latents, stats, denoise_s = run("denoise", self._denoise, spec, encoded)
         images_b64, digests, decode_s = run("decode", self._decode, spec, encoded.plan, latents)
-        flops = self.estimate_flops(spec, stats)
+        flops = self.estimate_flops(spec, stats, encoded.text_tokens)
         pipeline_s = encoded.seconds + denoise_s + decode_s
         return GenerationResult(images_b64, digests, stats, time.perf_counter() - start, pipeline_s, flops)
 
@@ -239,18 +245,22 @@ class PipelineBackend:
         ]
         return b64, digests.result(), decode_s
 
-    def estimate_flops(self, spec: GenerationSpec, stats: RequestStats | None) -> float | None:
+    def estimate_flops(
+        self, spec: GenerationSpec, stats: RequestStats | None, tokens: dict[str, int] | None = None
+    ) -> float | None:
         """FLOPs of the transformer work `stats` records (`dicache.sweep.flops`), of the whole model (all ranks
-        together when it is split over GPUs); None if the model has no Krea-2 config or text encoder to count with."""
+        together when it is split over GPUs); None if the model has no Krea-2 config or text encoder to count with.
+        `tokens`: the real text tokens per branch when known (the encode phase's), else the prompts are tokenized."""
         config = getattr(getattr(self.pipe, "transformer", None), "config", None)
         encoder = getattr(self.pipe, "text_encoder", None)
         if stats is None or config is None or encoder is None or not hasattr(encoder, "num_valid_tokens"):
             return None
         rows, cols = self.pipe.latent_grid(spec.height, spec.width)
-        prompts = {"cond": spec.prompt}
-        if "uncond" in stats.branches:
-            prompts["uncond"] = spec.negative_prompt or ""
-        tokens = {name: int(encoder.num_valid_tokens(text)[0]) for name, text in prompts.items()}
+        if tokens is None:
+            prompts = {"cond": spec.prompt}
+            if "uncond" in stats.branches:
+                prompts["uncond"] = spec.negative_prompt or ""
+            tokens = {name: int(encoder.num_valid_tokens(text)[0]) for name, text in prompts.items()}
         branches = {name: (len(b.computed_steps), len(b.cached_steps)) for name, b in stats.branches.items()}
         try:
             return request_flops(
