@@ -1,16 +1,23 @@
-"""FP8 (torchao per-row e4m3) on Krea-2: which layer groups cost fidelity, and what each costs in speed.
+"""FP8 (torchao per-row e4m3) on Krea-2: which layer groups cost fidelity, why, and what each costs in speed.
 
-- fidelity: the embedded checkpoint in bf16 on the GPU, 16 held-out prompts with their seeds, Raw 28 steps CFG 4.5
-  and 8 steps without CFG: PSNR of FP8 against bf16 (same seed) for every block linear in FP8, for one layer group
-  alone in FP8, and for all but one group; plus FP8 together with the recommended cache settings (curved 0.4)
-  and that cache setting alone, each against uncached bf16.
-- block: one full-size Krea-2 block (width 6144, 4144 tokens), compiled, back to back: bf16, every linear in FP8,
-  and FP8 with each group kept in bf16 (ms per block).
+- layers (any device; CPU emulation): per layer group, each block linear's output SNR on the inputs it really sees,
+  for per-row, 1x128/128x128-block and Hadamard-rotated scaling, SmoothQuant's migration, and the weights' and the
+  activations' rounding alone; how far the largest input channel stands out.
+- emulated (any device): end-to-end PSNR against bf16 with chosen linears in emulated FP8 (`--emulate SCHEME:GROUPS`,
+  e.g. `row:all`, `hadamard:all`, `row:*.attn.to_q`, `row:text_encoder`).
+- fidelity (GPU, torchao): the embedded checkpoint in bf16 on the GPU, 16 held-out prompts with their seeds, Raw 28
+  steps CFG 4.5 and 8 steps without CFG: PSNR of FP8 against bf16 (same seed) for every block linear in FP8, for one
+  layer group alone in FP8, and for all but one group (or for the `--compare` choices); plus FP8 together with the
+  recommended cache settings (curved 0.4) and that cache setting alone, each against uncached bf16.
+- block (GPU): one full-size Krea-2 block (width 6144, 4144 tokens), compiled, back to back: bf16, the FP8 default,
+  every linear in FP8 and each `--compare` choice (ms per block, and the block residual's SNR against bf16).
 
     python benchmarks/bench_fp8.py --results benchmarks/RESULTS.md          # GPU with compute capability >= 8.9
-    python benchmarks/bench_fp8.py --sections fidelity --exclude attn_gate  # the fidelity of one exclusion choice
+    python benchmarks/bench_fp8.py --sections fidelity,block --compare default none attn_qkv,attn_out  # issue 27
+    python benchmarks/bench_fp8.py --sections layers,emulated --device cpu --schedules turbo8   # CPU (an hour)
 
-Prints a table per section, appends them to --results, writes $OUT/bench_fp8.json.
+Prints a table per section, appends them to --results, writes $OUT/bench_fp8.json. On the GPU machine the whole of
+issue 27's FP8 step is `bash benchmarks/gpu_issue27.sh fp8` (wheels to carry: see that script).
 """
 
 from __future__ import annotations
@@ -219,6 +226,78 @@ def section_emulated(args, results: dict) -> list[dict]:
     return rows
 
 
+def section_layers(args, results: dict) -> list[dict]:
+    """Per layer group, on the inputs the block linears really see (a Raw 28-step CFG generation of
+    `--layer-prompts` held-out prompts, steps 0, 9, 18, 27, both branches): each linear's output SNR against its
+    exact output for each emulated scaling (plus SmoothQuant's scale migration with alpha 0.5 and the rounding of the
+    weights alone and of the activations alone), and how far the largest input channel stands out (max / median of
+    the per-channel maxima; outliers are what finer scales, rotations and smoothing are for)."""
+    from dicache.fp8_emulation import fake_quantize
+    from dicache.hadamard import HadamardRotation
+    from dicache.quantization import selected_linears
+
+    pipe = Krea2Pipeline.from_pretrained(device=args.device, dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    modules = dict(pipe.transformer.named_modules())
+    names = selected_linears(pipe.transformer, QuantizationSpec(exclude=()))
+    inputs: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    calls = {"n": 0}
+    kept_calls = {2 * step + branch for step in (0, 9, 18, 27) for branch in (0, 1)}
+
+    def keep(name):
+        def hook(module, args_):
+            if calls["n"] in kept_calls:
+                inputs[name].append(args_[0].detach().reshape(-1, args_[0].shape[-1]).float())
+
+        return hook
+
+    handles = [modules[name].register_forward_pre_hook(keep(name)) for name in names]
+    handles.append(pipe.transformer.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1)))
+    for prompt, seed in heldout()[: args.layer_prompts]:
+        calls["n"] = 0
+        pipe([prompt], seed=seed, num_inference_steps=28, guidance_scale=4.5, variant="raw", output_type="latent")
+    for handle in handles:
+        handle.remove()
+
+    def snr(exact, approx):
+        return 10 * math.log10(float(exact.pow(2).sum() / (exact - approx).pow(2).sum()))
+
+    def smooth(x, w, alpha=0.5):
+        s = x.abs().amax(0).clamp_min(1e-5) ** alpha / w.abs().amax(0).clamp_min(1e-5) ** (1 - alpha)
+        return x / s, w * s
+
+    schemes = {name: EMULATED_SCHEMES[name] for name in ("row", "block", "hadamard")}
+    per_group: dict[str, dict[str, list[float]]] = {}
+    for name in names:
+        x, w = torch.cat(inputs[name]), modules[name].weight.detach().float()
+        exact = x @ w.T
+        group = next(g for g in LINEAR_GROUPS if any(fnmatch.fnmatchcase(name, p) for p in LAYER_GROUPS[g]))
+        values = per_group.setdefault(group, {})
+        for label, scheme in schemes.items():
+            xs, ws = x, w
+            if scheme.rotation_block is not None:
+                rotation = HadamardRotation(x.shape[-1], scheme.rotation_block)
+                xs, ws = rotation(x), rotation(w)
+            approx = fake_quantize(xs, scheme.activation_block) @ fake_quantize(ws, scheme.weight_block).T
+            values.setdefault(f"{label}_dB", []).append(snr(exact, approx))
+        xs, ws = smooth(x, w)
+        values.setdefault("smoothquant_dB", []).append(snr(exact, fake_quantize(xs) @ fake_quantize(ws).T))
+        values.setdefault("weights_only_dB", []).append(snr(exact, x @ fake_quantize(w).T))
+        values.setdefault("activations_only_dB", []).append(snr(exact, fake_quantize(x) @ w.T))
+        maxima = x.abs().amax(0)
+        values.setdefault("channel_max_over_median", []).append(float(maxima.max() / maxima.median()))
+    rows = []
+    for group, values in per_group.items():
+        rows.append({"group": group, **{k: round(sum(v) / len(v), 2) for k, v in values.items()}})
+        print(f"layers: {rows[-1]}", flush=True)
+    results["layers_note"] = (
+        f"embedded checkpoint in bf16 on {args.device}; inputs of every block linear during Raw 28 steps CFG 4.5 of "
+        f"{args.layer_prompts} held-out prompts (steps 0, 9, 18, 27, cond and uncond); output SNR against the exact "
+        "product, mean over the group's linears; FP8 emulated (dicache.fp8_emulation)"
+    )
+    return rows
+
+
 def timed_ms(fn, seconds: float = 3.0) -> float:
     for _ in range(3):
         fn()
@@ -308,7 +387,7 @@ def markdown(results: dict, command: str) -> str:
         f"Command: `{command}`  ",
         f"Machine: {results['device']}, torch {results['torch']}, torchao {results['torchao']}\n",
     ]
-    for name in ("emulated", "fidelity", "block"):
+    for name in ("layers", "emulated", "fidelity", "block"):
         rows = results.get(name)
         if not rows:
             continue
@@ -334,7 +413,8 @@ def main(argv=None) -> int:
         metavar="CHOICE",
         help="exclusion choices to measure, each comma-separated groups or globs, 'none' (all FP8) or 'default'",
     )
-    parser.add_argument("--device", default="cuda", help="emulated section: where to run (cpu works)")
+    parser.add_argument("--device", default="cuda", help="layers / emulated sections: where to run (cpu works)")
+    parser.add_argument("--layer-prompts", type=int, default=2, help="layers section: prompts whose inputs are kept")
     parser.add_argument("--schedules", default="raw28,turbo8", help=f"emulated section: of {', '.join(SCHEDULES)}")
     parser.add_argument(
         "--emulate",
@@ -360,7 +440,8 @@ def main(argv=None) -> int:
     if "fidelity" not in args.sections and out.is_file():  # a block-only run picks its groups from an earlier one
         results["fidelity"] = json.loads(out.read_text()).get("fidelity")
     for section in args.sections.split(","):
-        run = {"emulated": section_emulated, "fidelity": section_fidelity, "block": section_block}[section]
+        sections = {"layers": section_layers, "emulated": section_emulated}
+        run = {**sections, "fidelity": section_fidelity, "block": section_block}[section]
         results[section] = run(args, results)
         out.write_text(json.dumps(results, indent=1))
         print(markdown({**results, "block": results.get("block")}, "(partial)"), flush=True)
