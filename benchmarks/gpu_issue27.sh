@@ -20,11 +20,12 @@
 #            then the FP8 GPU tests (pytest -m gpu tests/test_fp8_gpu.py)                               (~8 min)
 #   speed    bench_krea2_speed compiled: one forward (<= 0.125 s) and Turbo / Raw under SGLang's default pattern
 #            (Turbo denoise <= 0.65 s), for the FP8 default and for all-FP8 (--quantization-exclude none) (~8 min)
-#   serve    bench_serving, FP8 server (2 workers, the default): Turbo concurrency 1 (<= 0.75 s) and 20 (>= 1.35 req/s)
-#            with SGLang's default pattern, the recommended Turbo setting at concurrency 1 (the moonshot, <= 0.6 s),
-#            same-seed bytes across concurrency, peak memory (<= 28 GB) with its breakdown          (~8 min)
+#   serve    bench_serving, FP8 servers with 2 workers (the default), without and with the text encoder in FP8
+#            (fp8-te): Turbo concurrency 1 (<= 0.75 s) and 20 (>= 1.35 req/s) with SGLang's default pattern, the
+#            recommended Turbo setting (the moonshot, <= 0.6 s at concurrency 1), same-seed bytes across concurrency,
+#            peak memory (<= 28 GB) with its breakdown                                                 (~8 min)
 #   workers  bench_serving with --workers 1, Turbo concurrency 1 and 20 (compare with `serve`: 2 workers no slower
-#            alone), and the server with the text encoder in FP8 (memory)                              (~9 min)
+#            alone)                                                                                     (~5 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:?usage: bash benchmarks/gpu_issue27.sh wheels|fp8|speed|serve|workers|all}
@@ -51,15 +52,13 @@ speed() {
 }
 
 serve() {
-  timeout 560 python3 benchmarks/bench_serving.py --servers fp8 --variants turbo --caches sglang recommended \
-    --requests-c1 5 --requests-c20 20 --start-timeout 300 --results "$results"
+  timeout 560 python3 benchmarks/bench_serving.py --servers fp8 fp8-te --variants turbo --caches sglang recommended \
+    --requests-c1 5 --requests-c20 20 --start-timeout 240 --results "$results"
 }
 
 workers() {
-  timeout 280 python3 benchmarks/bench_serving.py --servers fp8 --workers 1 --variants turbo --caches sglang \
+  timeout 400 python3 benchmarks/bench_serving.py --servers fp8 --workers 1 --variants turbo --caches sglang \
     --requests-c1 5 --requests-c20 20 --start-timeout 300 --results "$results"
-  timeout 270 python3 benchmarks/bench_serving.py --servers fp8-te --variants turbo --caches sglang \
-    --requests-c1 3 --requests-c20 20 --start-timeout 300 --results "$results"
 }
 
 case "$step" in
