@@ -8,12 +8,13 @@ print(dicache.stats(pipe))      # computed / cached steps per CFG branch
 
 from .api import disable, enable, is_enabled, request, session_of, stats, step
 from .config import CacheConfig
-from .errors import BlockSplitError, ConfigError, DicacheError, NotEnabledError, UnsupportedModelError
+from .errors import BlockFormError, BlockSplitError, ConfigError, DicacheError, NotEnabledError, UnsupportedModelError
 from .stats import BranchStats, RequestStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockFormError",
     "BlockSplitError",
     "BranchStats",
     "CacheConfig",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -10,7 +11,8 @@ from typing import Any
 
 from torch import nn
 
-from .adapters import BlockForm, find_pipeline_adapter, generic_spec
+from .adapters import find_pipeline_adapter, stack_spec
+from .adapters.generic import FormArg
 from .config import CacheConfig
 from .errors import NotEnabledError, UnsupportedModelError
 from .install import InstalledHooks, install
@@ -21,10 +23,16 @@ from .stats import RequestStats
 
 @dataclass
 class _Handle:
-    session: CacheSession
-    hooks: InstalledHooks | None = None  # set on the transformer's handle
+    sessions: list[CacheSession]  # a transformer's own session, or a pipeline's transformers' sessions in order
+    hooks: InstalledHooks | None = None  # set on a transformer's handle
     detach: list = field(default_factory=list)  # pipeline detach functions
     pipelines: int = 0  # pipelines sharing this transformer's hooks
+    transformers: list = field(default_factory=list)  # a pipeline's cached transformers
+
+    @property
+    def session(self) -> CacheSession:
+        """The primary session: the transformer's, or the pipeline's first transformer's."""
+        return self.sessions[0]
 
 
 _HANDLES: weakref.WeakKeyDictionary[Any, _Handle] = weakref.WeakKeyDictionary()
@@ -44,15 +52,19 @@ def _as_config(config: CacheConfig | Mapping[str, Any] | None, base: CacheConfig
     )
 
 
-def enable(obj: Any, config: CacheConfig | Mapping[str, Any] | None = None, *, form: BlockForm | None = None) -> Any:
+def enable(obj: Any, config: CacheConfig | Mapping[str, Any] | None = None, *, form: FormArg = None) -> Any:
     """Turn step caching on for a pipeline or a transformer, in place; returns `obj`.
 
     Args:
-        obj: our `Krea2Pipeline`, a diffusers pipeline with a `transformer` (e.g. `Krea2Pipeline`), or a bare
-            transformer module whose blocks sit in an `nn.ModuleList`.
+        obj: our `Krea2Pipeline`, a diffusers pipeline of a registered family (`dicache.adapters.FAMILIES`) or any
+            diffusers pipeline with a `transformer`, or a bare transformer module whose blocks sit in
+            `nn.ModuleList`s. Every transformer of a pipeline (Wan 2.2: `transformer` and `transformer_2`) gets its
+            own cache state, warm-up and stats (`dicache.stats(pipe.transformer_2)`).
         config: a `CacheConfig`, a dict of override keys merged over the environment, or None for the
             environment (`SGLANG_CACHE_DIT_*`). Caching is on whatever `SGLANG_CACHE_DIT_ENABLED` says.
-        form: how blocks are called, for models other than single-stream `block(hidden, *args) -> hidden`.
+        form: how blocks are called, when the registered (or, for unknown models, `h -> h`) form is not right: a
+            `BlockForm` or a label such as `"(h, e) -> (e, h)"` for every block list, or one per list. The first
+            call checks the forms against what the blocks return and raises `BlockFormError` on a mismatch.
 
     Enabling an already enabled object replaces its settings.
     """
@@ -60,43 +72,51 @@ def enable(obj: Any, config: CacheConfig | Mapping[str, Any] | None = None, *, f
     if obj in _HANDLES:
         disable(obj)
     adapter = find_pipeline_adapter(obj)
-    transformer = adapter.transformer(obj) if adapter is not None else obj
-    if not isinstance(transformer, nn.Module):
-        raise UnsupportedModelError(
-            f"dicache.enable expects a pipeline with a `transformer` or an nn.Module, got {type(obj).__name__}"
-        )
-    handle = _HANDLES.get(transformer)
-    if handle is None:
-        spec = generic_spec(transformer, form)
-        session = CacheSession(resolved, num_blocks=len(spec.blocks), num_streams=spec.form.num_streams)
-        handle = _Handle(session=session, hooks=install(spec, session))
-        _HANDLES[transformer] = handle
-    elif config is not None:
-        handle.session.configure(resolved)
+    transformers = adapter.transformers(obj) if adapter is not None else [obj]
+    for transformer in transformers:
+        if not isinstance(transformer, nn.Module):
+            raise UnsupportedModelError(
+                f"dicache.enable expects a pipeline with a `transformer` or an nn.Module, got {type(obj).__name__}"
+            )
+    sessions, created = [], []
+    try:
+        for transformer in transformers:
+            handle = _HANDLES.get(transformer)
+            if handle is None:
+                spec = stack_spec(transformer, form)
+                session = CacheSession(resolved, num_blocks=spec.num_blocks, boundaries=spec.boundaries)
+                handle = _Handle([session], hooks=install(spec, session))
+                _HANDLES[transformer] = handle
+                created.append(transformer)
+            elif config is not None:
+                handle.session.configure(resolved)
+            sessions.append(handle.session)
+    except BaseException:
+        for transformer in created:
+            _HANDLES.pop(transformer).hooks.remove()
+        raise
     if adapter is not None:
-        pipe_handle = _Handle(session=handle.session, detach=[adapter.attach(obj, handle.session)])
-        handle.pipelines += 1
-        _HANDLES[obj] = pipe_handle
+        for transformer in transformers:
+            _HANDLES[transformer].pipelines += 1
+        _HANDLES[obj] = _Handle(sessions, detach=[adapter.attach(obj, sessions)], transformers=list(transformers))
     return obj
 
 
 def disable(obj: Any) -> Any:
-    """Remove everything `enable` installed on `obj` (and on its transformer); forwards are restored exactly."""
+    """Remove everything `enable` installed on `obj` (and on its transformers); forwards are restored exactly."""
     handle = _HANDLES.pop(obj, None)
     if handle is None:
         return obj
     for detach in handle.detach:
         detach()
-    adapter = find_pipeline_adapter(obj)
-    if adapter is not None:
-        transformer = adapter.transformer(obj)
+    for transformer in handle.transformers:
         inner = _HANDLES.get(transformer)
         if inner is not None:
             inner.pipelines -= 1
             if inner.pipelines <= 0:
                 _HANDLES.pop(transformer, None)
                 inner.hooks.remove()
-    elif handle.hooks is not None:
+    if handle.hooks is not None:
         handle.hooks.remove()
     return obj
 
@@ -117,7 +137,8 @@ def session_of(obj: Any) -> CacheSession:
 
 
 def stats(obj: Any) -> RequestStats | None:
-    """Cache statistics of the last request run through `obj` in this context (else in any context)."""
+    """Cache statistics of the last request run through `obj` in this context (else in any context). For a pipeline
+    with several transformers, its first transformer's (`dicache.stats(pipe.transformer_2)` for the second)."""
     return session_of(obj).stats()
 
 
@@ -131,16 +152,28 @@ def request(
     """Delimit one request explicitly, optionally with its own settings: a dict of override keys (merged over the
     model's settings) or a whole `CacheConfig` (whose `enable_cache` says whether this request caches).
 
-    Calls inside share one request state; pipeline calls inside refine it rather than open a new one.
+    Calls inside share one request state; pipeline calls inside refine it rather than open a new one. On a pipeline
+    with several transformers, each opens its request (the first one's state is yielded).
     """
-    session = session_of(obj)
-    own = None if config is None else session.fit(_as_config(config, session.config, "request"))
-    with session.request(num_steps=num_inference_steps, sigmas=sigmas, config=own) as state:
-        yield state
+    sessions = _sessions_of(obj)
+    owns = [None if config is None else s.fit(_as_config(config, s.config, "request")) for s in sessions]
+    with contextlib.ExitStack() as scopes:
+        states = [
+            scopes.enter_context(s.request(num_steps=num_inference_steps, sigmas=sigmas, config=own))
+            for s, own in zip(sessions, owns)
+        ]
+        yield states[0]
 
 
 @contextmanager
 def step(obj: Any, index: int, branch: str = "cond", sigma: float | None = None) -> Iterator[None]:
     """Declare the step and branch (cond / uncond / batched) of the transformer calls inside (explicit API)."""
-    with session_of(obj).call(index, branch, sigma):
+    with contextlib.ExitStack() as scopes:
+        for session in _sessions_of(obj):
+            scopes.enter_context(session.call(index, branch, sigma))
         yield
+
+
+def _sessions_of(obj: Any) -> list[CacheSession]:
+    session_of(obj)  # NotEnabledError when not enabled
+    return _HANDLES[obj].sessions

@@ -2,11 +2,12 @@
 
 `install` puts a model's `BlockStackRunner` (`dicache.hooks`) in place, in one of two ways, both reversible:
 - seam: the model runs its stack through a method (`run_blocks`); the runner replaces it on the instance;
-- iteration: the stack's `ModuleList` yields the runner in place of its blocks while a transformer call is active,
-  so a model looping `for block in blocks: x = block(x, ...)` calls the runner once per forward.
+- iteration: each block list's `ModuleList` yields the runner's block proxies in place of its blocks while a
+  transformer call is active, so the model's own loops (`for i, block in enumerate(self.blocks): ...`) call the
+  runner once per block, over every list of the stack.
 Blocks themselves are never modified, so their own hooks and `torch.compile` keep working. The owner's forward is
-wrapped to give each call its (step, branch): declared by the pipeline, or derived from the timestep.
-`observe_blocks` attaches a `BlockObserver` to the same runner, with or without caching.
+wrapped to give each call its (step, branch), declared by the pipeline or derived from the timestep, and (iteration)
+to delimit the call. `observe_blocks` attaches a `BlockObserver` to the same runner, with or without caching.
 """
 
 from __future__ import annotations
@@ -20,20 +21,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters.base import ModelSpec
+from .adapters.stack import StackSpec
 from .block_plan import BlockObserver
-from .errors import UnsupportedModelError
 from .hooks import BlockStackRunner
 from .session import CacheSession
 
 
 class _StackIteration:
-    """Mixin for a hooked `ModuleList`: while a call is active, iterating yields the runner instead of the blocks."""
+    """Mixin for a hooked `ModuleList`: while a call is active, iterating yields the runner's proxies of its blocks."""
 
     def __iter__(self):
         runner = self.__dict__.get("_dicache_runner")
-        if runner is not None and runner.session is not None and runner.session.current_call() is not None:
-            return iter((runner,))
+        if runner is not None and runner.active():
+            start = self.__dict__["_dicache_start"]
+            return iter(runner.proxies[start : start + len(self)])
         return super().__iter__()
 
 
@@ -91,34 +92,68 @@ class _Attachment:
 _ATTACHMENTS: weakref.WeakKeyDictionary[nn.Module, _Attachment] = weakref.WeakKeyDictionary()
 
 
-def _attach(spec: ModelSpec) -> BlockStackRunner:
+def _redirect_iteration(runner: BlockStackRunner, undo: list[Callable[[], None]]) -> None:
+    for block_list, start in zip(runner.spec.lists, runner.spec.starts):
+        blocks = block_list.blocks
+        base = type(blocks)
+        blocks.__class__ = _iteration_class(base)
+        blocks.__dict__["_dicache_runner"] = runner
+        blocks.__dict__["_dicache_start"] = start
+
+        def restore(blocks: nn.ModuleList = blocks, base: type = base) -> None:
+            blocks.__class__ = base
+            blocks.__dict__.pop("_dicache_runner", None)
+            blocks.__dict__.pop("_dicache_start", None)
+
+        undo.append(restore)
+
+
+def _wrap_forward(spec: StackSpec, runner: BlockStackRunner, undo: list[Callable[[], None]]) -> None:
+    """The owner's forward: its call's (step, branch) when a cache session is attached, and (iteration) the scope in
+    which the model's loops reach the runner."""
+    owner = spec.owner
+    original_forward = owner.forward
+    delimits = spec.seam is None
+
+    @functools.wraps(original_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        session = runner.session
+        token = None
+        if session is not None:
+            current = session.current_call()
+            if current is None or not current.explicit:
+                request = session.active_request()
+                if request is not None and request.key_source is not None:
+                    key = request.key_source()
+                else:
+                    key = _timestep_key(spec.timestep(args, kwargs))
+                token = session.derive_call(key)
+        try:
+            if not delimits:
+                return original_forward(*args, **kwargs)
+            with runner.scope():
+                return original_forward(*args, **kwargs)
+        finally:
+            if token is not None:
+                session.end_call(token)
+
+    _set_instance_attr(owner, "forward", forward, undo)
+
+
+def _attach(spec: StackSpec) -> BlockStackRunner:
     """The runner of `spec.owner`'s stack, put in place (seam or iteration) on first use."""
-    owner, blocks = spec.owner, spec.blocks
+    owner = spec.owner
     attachment = _ATTACHMENTS.get(owner)
     if attachment is not None:
         return attachment.runner
     undo: list[Callable[[], None]] = []
     if spec.seam is not None:
         runner = BlockStackRunner(spec, plain=getattr(owner, spec.seam))
-        _set_instance_attr(owner, spec.seam, runner, undo)
+        _set_instance_attr(owner, spec.seam, runner.run_seam, undo)
     else:
-
-        def plain(*args: Any, **kwargs: Any) -> Any:
-            streams, rest, kw = spec.form.split(args, kwargs)
-            for block in nn.ModuleList.__iter__(blocks):
-                streams = spec.form.call(block, streams, rest, kw)
-            return spec.form.join(streams)
-
-        runner = BlockStackRunner(spec, plain=plain)
-        base = type(blocks)
-        blocks.__class__ = _iteration_class(base)
-        blocks.__dict__["_dicache_runner"] = runner
-
-        def restore_iteration() -> None:
-            blocks.__class__ = base
-            blocks.__dict__.pop("_dicache_runner", None)
-
-        undo.append(restore_iteration)
+        runner = BlockStackRunner(spec)
+        _redirect_iteration(runner, undo)
+    _wrap_forward(spec, runner, undo)
     _ATTACHMENTS[owner] = _Attachment(runner, undo)
     return runner
 
@@ -132,14 +167,9 @@ def _detach_if_unused(owner: nn.Module) -> None:
         attachment.undo.pop()()
 
 
-def observe_blocks(spec: ModelSpec, observer: BlockObserver) -> Callable[[], None]:
-    """Tell `observer` about every call of `spec`'s stack, with or without caching; returns the function that stops
-    it (and takes the runner out when nothing else uses it). Needs a model with a block-stack seam (`run_blocks`)."""
-    if spec.seam is None:
-        raise UnsupportedModelError(
-            f"{type(spec.owner).__name__} runs its blocks without a block-stack seam (a `run_blocks` method); block "
-            "observers such as layerwise offload need one (dicache's native Krea-2 transformer has it)"
-        )
+def observe_blocks(spec: StackSpec, observer: BlockObserver) -> Callable[[], None]:
+    """Tell `observer` about every call of `spec`'s stack (block indices over all its lists), with or without
+    caching; returns the function that stops it (and takes the runner out when nothing else uses it)."""
     runner = _attach(spec)
     runner.observers.append(observer)
 
@@ -151,37 +181,16 @@ def observe_blocks(spec: ModelSpec, observer: BlockObserver) -> Callable[[], Non
     return stop
 
 
-def install(spec: ModelSpec, session: CacheSession) -> InstalledHooks:
-    """Attach a `BlockStackRunner` serving `session` and a call-deriving forward wrapper to `spec.owner`."""
+def install(spec: StackSpec, session: CacheSession) -> InstalledHooks:
+    """Attach a `BlockStackRunner` serving `session` to `spec.owner` (and the call-deriving forward wrapper)."""
     owner = spec.owner
     runner = _attach(spec)
     if runner.session is not None:
         raise RuntimeError(f"dicache: {type(owner).__name__} already has cache hooks; remove them first")
     runner.session = session
-    undo: list[Callable[[], None]] = []
 
     def release_runner() -> None:
         runner.session = None
         _detach_if_unused(owner)
 
-    undo.append(release_runner)
-    original_forward = owner.forward
-
-    @functools.wraps(original_forward)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        current = session.current_call()
-        if current is not None and current.explicit:
-            return original_forward(*args, **kwargs)
-        request = session.active_request()
-        if request is not None and request.key_source is not None:
-            key = request.key_source()
-        else:
-            key = _timestep_key(spec.timestep(args, kwargs))
-        token = session.derive_call(key)
-        try:
-            return original_forward(*args, **kwargs)
-        finally:
-            session.end_call(token)
-
-    _set_instance_attr(owner, "forward", forward, undo)
-    return InstalledHooks(undo)
+    return InstalledHooks([release_runner])

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .adapters.base import Streams
+from .adapters.forms import Streams
 
 PARALLEL_LAYOUT_ATTR = "parallel_layout"
 """A model split over processes carries a `ReductionLayout` under this attribute (set by `dicache.parallel`)."""

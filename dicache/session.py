@@ -37,13 +37,13 @@ class CacheSession:
 
     Args:
         config: the base settings: requests that bring no config of their own run with them.
-        num_blocks: blocks in the hooked stack.
-        num_streams: residual streams per block (1 for single-stream models).
+        num_blocks: blocks in the hooked stack (over all its block lists).
+        boundaries: stack indices where a block list other than the first begins.
     """
 
-    def __init__(self, config: CacheConfig, num_blocks: int, num_streams: int = 1) -> None:
+    def __init__(self, config: CacheConfig, num_blocks: int, boundaries: tuple[int, ...] = ()) -> None:
         self.num_blocks = num_blocks
-        self.num_streams = num_streams
+        self.boundaries = tuple(boundaries)
         self.configure(config)
         uid = next(_ids)
         self._request: contextvars.ContextVar[RequestState | None] = contextvars.ContextVar(
@@ -89,7 +89,7 @@ class CacheSession:
         return RequestState(
             config=config or self.config,
             num_blocks=self.num_blocks,
-            num_streams=self.num_streams,
+            boundaries=self.boundaries,
             num_steps=num_steps,
             sigmas=sigmas,
         )

@@ -29,26 +29,38 @@ def branch_name(index: int) -> str:
 class BranchState:
     """Everything one CFG branch keeps between its calls within one request.
 
-    `reference`: the Fn residual of the last computed step (one tensor per stream), what diffs are measured against.
-    `calibrators`: one per cached middle segment and stream (segment-major), holding the residual(s) of computed
-    steps; one per stream for the classic single middle.
+    `reference`: the Fn residual of the last computed step (one tensor per diff stream), what diffs are measured
+    against. `calibrators`: one per (cached middle segment, stream), made by `new_calibrator` when a computed step
+    first stores that residual. `none_outputs`: the (segment, stream) pairs whose blocks returned `None` for the
+    stream on the last computed step (a cached step returns `None` there too).
     """
 
     name: str
-    calibrators: list[Calibrator]
     stats: BranchStats
+    new_calibrator: Callable[[], Calibrator]
+    calibrators: dict[tuple[int, str], Calibrator] = field(default_factory=dict)
+    none_outputs: set[tuple[int, str]] = field(default_factory=set)
     reference: tuple[torch.Tensor, ...] | None = None
     cached_total: int = 0
     continuous_cached: int = 0
 
     @property
     def has_residual(self) -> bool:
-        return all(c.ready for c in self.calibrators)
+        """A computed step has stored the middle residuals (every calibrator can estimate)."""
+        return bool(self.calibrators) and all(c.ready for c in self.calibrators.values())
+
+    def calibrator(self, segment: int, stream: str) -> Calibrator:
+        """The calibrator of `stream` in middle segment `segment` (made on first use)."""
+        key = (segment, stream)
+        found = self.calibrators.get(key)
+        if found is None:
+            found = self.calibrators[key] = self.new_calibrator()
+        return found
 
     def stored_tensors(self) -> int:
         """Residual-sized tensors held: Fn residual(s) plus the calibrators' terms."""
         return (len(self.reference) if self.reference is not None else 0) + sum(
-            c.stored_tensors for c in self.calibrators
+            c.stored_tensors for c in self.calibrators.values()
         )
 
 
@@ -83,15 +95,15 @@ class RequestState:
     Args:
         config: the request's settings, already checked against the stack (`CacheSession.fit`); caching runs iff
             `config.enable_cache`.
-        num_blocks: blocks in the hooked stack.
-        num_streams: residual streams per block (1 for single-stream Krea-2).
+        num_blocks: blocks in the hooked stack (over all its block lists).
+        boundaries: stack indices where a block list other than the first begins (the middle is cut there).
         num_steps: denoising steps, when known (needed by step masks).
         sigmas: the scheduler's noise levels per step, when known.
     """
 
     config: CacheConfig
     num_blocks: int
-    num_streams: int = 1
+    boundaries: tuple[int, ...] = ()
     num_steps: int | None = None
     sigmas: list[float] | None = None
     explicit: bool = False
@@ -109,6 +121,7 @@ class RequestState:
             self.config.Fn_compute_blocks,
             self.config.Bn_compute_blocks,
             self.config.cached_step_blocks,
+            self.boundaries,
         )
         """The middle's runs of skipped (`cached`) and still-computed blocks on a cached step."""
         self.stats = self._new_stats()
@@ -154,15 +167,9 @@ class RequestState:
     def branch(self, name: str) -> BranchState:
         state = self.branches.get(name)
         if state is None:
+            config = self.config
             state = BranchState(
-                name=name,
-                calibrators=[
-                    make_calibrator(self.config)
-                    for segment in self.segments
-                    if segment.cached
-                    for _ in range(self.num_streams)
-                ],
-                stats=self.stats.branch(name),
+                name=name, stats=self.stats.branch(name), new_calibrator=lambda: make_calibrator(config)
             )
             self.branches[name] = state
         return state

@@ -1,31 +1,40 @@
-"""Any `nn.Module` whose blocks sit in an `nn.ModuleList` and are called `block(hidden_states, *args) -> hidden`."""
+"""Any `nn.Module` whose blocks sit in one `nn.ModuleList`: the fallback for models no family entry describes.
+
+The block list is a known attribute name, else the largest list of identical modules; its form is `h -> h` unless
+`form=` says otherwise. `apply_forms` is how a `form=` value overrides the forms of a stack's lists.
+"""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
 
-from ..errors import UnsupportedModelError
-from .base import BlockForm, ModelSpec, SingleStream
+from ..errors import BlockFormError, UnsupportedModelError
+from .forms import H_TO_H, BlockForm, form_named
+from .stack import BlockList, StackSpec
 
 BLOCK_LIST_NAMES = ("transformer_blocks", "blocks", "layers")
 
+FormArg = BlockForm | str | Sequence[BlockForm | str] | None
+"""What `dicache.enable(form=...)` takes: one form (or label) for every block list, or one per list."""
 
-def find_block_list(model: nn.Module) -> nn.ModuleList:
-    """The model's block stack: a known attribute name, else the largest ModuleList of identical modules."""
+
+def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's block list and its attribute path: a known attribute name, else the largest ModuleList of
+    identical modules."""
     for name in BLOCK_LIST_NAMES:
         candidate = getattr(model, name, None)
         if isinstance(candidate, nn.ModuleList) and len(candidate) > 0:
-            return candidate
-    best = None
-    for _, module in model.named_modules():
+            return name, candidate
+    best: tuple[str, nn.ModuleList] | None = None
+    for path, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 1:
             kinds = {type(m) for m in module}
-            if len(kinds) == 1 and (best is None or len(module) > len(best)):
-                best = module
+            if len(kinds) == 1 and (best is None or len(module) > len(best[1])):
+                best = (path, module)
     if best is None:
         raise UnsupportedModelError(
             f"dicache.enable: {type(model).__name__} has no nn.ModuleList of transformer blocks "
@@ -52,13 +61,38 @@ def timestep_getter(model: nn.Module, name: str = "timestep") -> Callable[[tuple
     return get
 
 
-def generic_spec(model: nn.Module, form: BlockForm | None = None) -> ModelSpec:
-    """A `ModelSpec` for a model we have no dedicated adapter for."""
+def apply_forms(lists: Sequence[tuple[str, nn.ModuleList, BlockForm]], form: FormArg) -> tuple[BlockList, ...]:
+    """The block lists with the forms `form` gives (None: each list's own): one form for all, or one per list."""
+    if form is None:
+        forms = [f for _, _, f in lists]
+    elif isinstance(form, BlockForm | str):
+        forms = [_named(form)] * len(lists)
+    else:
+        given = list(form)
+        if len(given) != len(lists):
+            paths = ", ".join(path for path, _, _ in lists)
+            raise BlockFormError(
+                f"form= lists {len(given)} forms, and the model has {len(lists)} block lists ({paths}); "
+                "give one form for all lists or one per list"
+            )
+        forms = [_named(f) for f in given]
+    return tuple(BlockList(path, blocks, f) for (path, blocks, _), f in zip(lists, forms))
+
+
+def _named(value: BlockForm | str) -> BlockForm:
+    try:
+        return form_named(value)
+    except ValueError as exc:
+        raise BlockFormError(str(exc)) from None
+
+
+def generic_spec(model: nn.Module, form: FormArg = None) -> StackSpec:
+    """A `StackSpec` for a model we have no family entry for: its one block list, `h -> h` unless `form` says."""
     seam = "run_blocks" if callable(getattr(model, "run_blocks", None)) else None
-    return ModelSpec(
+    path, blocks = find_block_list(model)
+    return StackSpec(
         owner=model,
-        blocks=find_block_list(model),
-        form=form or SingleStream(),
+        lists=apply_forms([(path, blocks, H_TO_H)], form),
         seam=seam,
         timestep=timestep_getter(model),
     )

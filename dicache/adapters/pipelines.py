@@ -1,22 +1,26 @@
-"""Pipeline adapters: connect a pipeline's calls to a `CacheSession` (request scope, step and branch of each call).
+"""Pipeline attachment: connect a pipeline's calls to the `CacheSession` of each of its transformers (request scope,
+step and branch of each call). This module patches pipelines and schedulers, never modules (docs/architecture.md §1).
 
 - Pipelines we control (the native Krea-2 pipeline) expose two neutral seams, `request_scope(num_steps, sigmas)`
   and `call_scope(step, branch, sigma)`, and declare every call's step and branch explicitly.
-- Pipelines we do not control (diffusers' `Krea2Pipeline`, and any diffusers pipeline with a flow-match style
-  scheduler) get a request scope around `__call__`, and each transformer call's step and branch is derived from its
-  timestep: the scheduler's sigma at its current step index (read on the host, no device sync), the k-th call at
-  one timestep being branch k (diffusers calls cond first, then uncond).
+- Pipelines we do not control (diffusers pipelines) get a request scope around `__call__` for every cached
+  transformer (Wan 2.2 has two, each with its own state, warm-up and stats), and each transformer call's step and
+  branch is derived from a key: the scheduler's sigma at its current step index, else its timestep there (schedulers
+  without sigmas, e.g. DDIM), both read on the host; a scheduler without a step index leaves the key to the
+  forward's timestep argument. The k-th call at one key is branch k (diffusers calls cond first, then uncond).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
 
 from ..session import CacheSession
+from .families import find_family
 
 
 class NativePipelineAdapter:
@@ -25,10 +29,11 @@ class NativePipelineAdapter:
     def matches(self, obj: Any) -> bool:
         return all(hasattr(obj, name) for name in ("request_scope", "call_scope", "transformer"))
 
-    def transformer(self, obj: Any) -> nn.Module:
-        return obj.transformer
+    def transformers(self, obj: Any) -> list[Any]:
+        return [obj.transformer]
 
-    def attach(self, obj: Any, session: CacheSession) -> Callable[[], None]:
+    def attach(self, obj: Any, sessions: Sequence[CacheSession]) -> Callable[[], None]:
+        (session,) = sessions
         saved = {name: obj.__dict__.get(name, _MISSING) for name in ("request_scope", "call_scope")}
 
         def request_scope(num_steps: int | None = None, sigmas: list[float] | None = None):
@@ -51,7 +56,7 @@ class NativePipelineAdapter:
 
 
 class DiffusersPipelineAdapter:
-    """diffusers pipelines (e.g. `Krea2Pipeline`): a request per `__call__`, steps derived from the scheduler."""
+    """diffusers pipelines: a request per `__call__` for each cached transformer, steps derived from the scheduler."""
 
     def matches(self, obj: Any) -> bool:
         return (
@@ -61,15 +66,21 @@ class DiffusersPipelineAdapter:
             and not isinstance(obj, nn.Module)
         )
 
-    def transformer(self, obj: Any) -> nn.Module:
-        return obj.transformer
+    def transformers(self, obj: Any) -> list[Any]:
+        """The pipeline's transformers to cache: those its family names (`transformer`, Wan 2.2's `transformer_2`)
+        that are set, in that order."""
+        family = find_family(obj.transformer)
+        names = family.transformers if family is not None else ("transformer",)
+        return [getattr(obj, n) for n in names if isinstance(getattr(obj, n, None), nn.Module)]
 
-    def attach(self, obj: Any, session: CacheSession) -> Callable[[], None]:
+    def attach(self, obj: Any, sessions: Sequence[CacheSession]) -> Callable[[], None]:
         base = type(obj)
 
         @functools.wraps(base.__call__)
         def __call__(pipe, *args: Any, **kwargs: Any) -> Any:
-            with session.request():
+            with contextlib.ExitStack() as scopes:
+                for session in sessions:
+                    scopes.enter_context(session.request())
                 return base.__call__(pipe, *args, **kwargs)
 
         obj.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
@@ -80,12 +91,12 @@ class DiffusersPipelineAdapter:
         @functools.wraps(original)
         def set_timesteps(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            request = session.active_request()
-            if request is not None:
-                count = len(scheduler.timesteps)
-                sigmas = [float(s) for s in scheduler.sigmas.detach().float().cpu()[:count]]  # once per request
-                request.set_schedule(num_steps=count, sigmas=sigmas)
-                request.key_source = _scheduler_key(scheduler, sigmas)
+            requests = [r for r in (s.active_request() for s in sessions) if r is not None]
+            if requests:
+                num_steps, sigmas, key_source = read_schedule(scheduler)  # once per request
+                for request in requests:
+                    request.set_schedule(num_steps=num_steps, sigmas=sigmas)
+                    request.key_source = key_source
             return result
 
         scheduler.set_timesteps = set_timesteps
@@ -100,14 +111,29 @@ class DiffusersPipelineAdapter:
         return detach
 
 
-def _scheduler_key(scheduler: Any, sigmas: list[float]) -> Callable[[], float]:
-    """The current step's sigma from the scheduler's host-side step index."""
+def read_schedule(scheduler: Any) -> tuple[int, list[float] | None, Callable[[], float] | None]:
+    """The step count, the sigmas (None when the scheduler has none) and the key source of a scheduler whose
+    `set_timesteps` just ran. Keys are its sigmas, else its timesteps; without a host-side step index there is no
+    key source (the forward's timestep argument is the key)."""
+    timesteps = [float(t) for t in scheduler.timesteps.detach().float().cpu()]
+    count = len(timesteps)
+    raw = getattr(scheduler, "sigmas", None)
+    sigmas = None
+    if raw is not None and hasattr(raw, "__len__") and len(raw) >= count:
+        sigmas = [float(s) for s in (raw.detach().float().cpu() if hasattr(raw, "detach") else raw)][:count]
+    if not hasattr(scheduler, "step_index"):
+        return count, sigmas, None
+    return count, sigmas, _scheduler_key(scheduler, sigmas if sigmas is not None else timesteps)
+
+
+def _scheduler_key(scheduler: Any, keys: list[float]) -> Callable[[], float]:
+    """The current step's key from the scheduler's host-side step index."""
 
     def key() -> float:
         index = getattr(scheduler, "step_index", None)
         if index is None:
             index = getattr(scheduler, "begin_index", None) or 0
-        return sigmas[min(index, len(sigmas) - 1)]
+        return keys[min(index, len(keys) - 1)]
 
     return key
 

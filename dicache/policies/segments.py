@@ -19,10 +19,17 @@ class Segment:
         return self.stop - self.start
 
 
-def middle_segments(num_blocks: int, fn: int, bn: int, computed: list[int] | tuple[int, ...] | None) -> list[Segment]:
+def middle_segments(
+    num_blocks: int,
+    fn: int,
+    bn: int,
+    computed: list[int] | tuple[int, ...] | None,
+    boundaries: tuple[int, ...] = (),
+) -> list[Segment]:
     """The middle `[fn, num_blocks - bn)` as maximal runs, in order, of blocks a cached step skips (`cached=True`) and
-    of blocks it still computes (`computed`, indices in the middle). With no `computed` blocks: one cached segment,
-    the classic DBCache middle. Raises `ValueError` for an index outside the middle."""
+    of blocks it still computes (`computed`, indices in the middle), also cut where a block list begins
+    (`boundaries`, stack indices). With no `computed` blocks and one list: one cached segment, the classic DBCache
+    middle. Raises `ValueError` for an index outside the middle."""
     stop = num_blocks - bn
     if not 0 <= fn < stop <= num_blocks:
         raise ValueError(f"no middle blocks: Fn={fn}, Bn={bn}, num_blocks={num_blocks}")
@@ -33,7 +40,7 @@ def middle_segments(num_blocks: int, fn: int, bn: int, computed: list[int] | tup
     segments: list[Segment] = []
     for b in range(fn, stop):
         cached = b not in keep
-        if segments and segments[-1].cached == cached:
+        if segments and segments[-1].cached == cached and b not in boundaries:
             segments[-1] = Segment(segments[-1].start, b + 1, cached)
         else:
             segments.append(Segment(b, b + 1, cached))

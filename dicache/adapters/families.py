@@ -1,0 +1,179 @@
+"""The family registry (pure data): for each diffusers DiT family, its block lists, their forms, the pipeline
+attributes holding its transformers and its CFG layout, so `dicache.enable(pipe)` needs no arguments.
+
+A transformer is matched by its class name or a base class's (`find_family`); an unknown one falls back to the
+generic single-list path (`generic_spec`). `stack_spec` builds the `StackSpec` either way, with `form=` overriding
+the registered forms. The step source is not per family: the pipeline adapter reads the scheduler's sigmas when it
+has them, else its timesteps, else each forward's timestep argument (`pipelines.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from .forms import H_TO_H, HE_TO_EH, HE_TO_H, HE_TO_HE, BlockForm
+from .generic import FormArg, apply_forms, generic_spec, timestep_getter
+from .stack import StackSpec
+
+SEPARATE, BATCHED = "separate", "batched"
+"""CFG layouts: one transformer call per branch at each step, or both branches in one batched call."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One registered family.
+
+    name: what README and messages call it. transformer_classes: diffusers class names it covers (subclasses too).
+    lists: `(attribute, form)` of each block list, in the order a forward runs them (an absent or empty list is
+    left out). pipelines: the diffusers pipeline classes it serves (documentation). cfg: `SEPARATE` or `BATCHED`.
+    transformers: the pipeline attributes that may hold one of its transformers, each cached on its own.
+    """
+
+    name: str
+    transformer_classes: tuple[str, ...]
+    lists: tuple[tuple[str, BlockForm], ...]
+    pipelines: tuple[str, ...]
+    cfg: str
+    transformers: tuple[str, ...] = ("transformer",)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "Flux.1",
+        ("FluxTransformer2DModel",),
+        (("transformer_blocks", HE_TO_EH), ("single_transformer_blocks", HE_TO_EH)),
+        ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline"),
+        SEPARATE,
+    ),
+    Family(
+        "Flux.2",
+        ("Flux2Transformer2DModel",),
+        (("transformer_blocks", HE_TO_EH), ("single_transformer_blocks", H_TO_H)),
+        ("Flux2Pipeline", "Flux2KleinPipeline"),
+        SEPARATE,
+    ),
+    Family(
+        "Qwen-Image",
+        ("QwenImageTransformer2DModel",),
+        (("transformer_blocks", HE_TO_EH),),
+        ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageImg2ImgPipeline"),
+        SEPARATE,
+    ),
+    Family(
+        "SD3 / SD3.5",
+        ("SD3Transformer2DModel",),
+        (("transformer_blocks", HE_TO_EH),),
+        ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
+        BATCHED,
+    ),
+    Family(
+        "Wan 2.1 / 2.2",
+        ("WanTransformer3DModel",),
+        (("blocks", HE_TO_H),),
+        ("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"),
+        SEPARATE,
+        transformers=("transformer", "transformer_2"),
+    ),
+    Family(
+        "HunyuanVideo",
+        ("HunyuanVideoTransformer3DModel",),
+        (("transformer_blocks", HE_TO_HE), ("single_transformer_blocks", HE_TO_HE)),
+        ("HunyuanVideoPipeline",),
+        SEPARATE,
+    ),
+    Family(
+        "CogVideoX",
+        ("CogVideoXTransformer3DModel",),
+        (("transformer_blocks", HE_TO_HE),),
+        ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline", "CogVideoXVideoToVideoPipeline"),
+        BATCHED,
+    ),
+    Family(
+        "CogView4",
+        ("CogView4Transformer2DModel",),
+        (("transformer_blocks", HE_TO_HE),),
+        ("CogView4Pipeline",),
+        SEPARATE,
+    ),
+    Family(
+        "Lumina 2",
+        ("Lumina2Transformer2DModel",),
+        (("layers", H_TO_H),),
+        ("Lumina2Pipeline",),
+        SEPARATE,
+    ),
+    Family(
+        "Chroma",
+        ("ChromaTransformer2DModel",),
+        (("transformer_blocks", HE_TO_EH), ("single_transformer_blocks", H_TO_H)),
+        ("ChromaPipeline", "ChromaImg2ImgPipeline"),
+        SEPARATE,
+    ),
+    Family(
+        "HiDream-I1",
+        ("HiDreamImageTransformer2DModel",),
+        (("double_stream_blocks", HE_TO_HE), ("single_stream_blocks", H_TO_H)),
+        ("HiDreamImagePipeline",),
+        BATCHED,
+    ),
+    Family(
+        "PixArt-α / Σ",
+        ("PixArtTransformer2DModel",),
+        (("transformer_blocks", H_TO_H),),
+        ("PixArtAlphaPipeline", "PixArtSigmaPipeline"),
+        BATCHED,
+    ),
+    Family(
+        "Sana",
+        ("SanaTransformer2DModel",),
+        (("transformer_blocks", H_TO_H),),
+        ("SanaPipeline", "SanaSprintPipeline"),
+        BATCHED,
+    ),
+    Family(
+        "Krea-2",
+        ("Krea2Transformer2DModel",),
+        (("transformer_blocks", H_TO_H),),
+        ("Krea2Pipeline",),
+        SEPARATE,
+    ),
+)
+
+
+def find_family(model: nn.Module) -> Family | None:
+    """The family whose transformer class (or a base class of `model`) it is; None for an unknown model."""
+    names = {cls.__name__ for cls in type(model).__mro__}
+    for family in FAMILIES:
+        if names.intersection(family.transformer_classes):
+            return family
+    return None
+
+
+def family_spec(model: nn.Module, family: Family, form: FormArg = None) -> StackSpec:
+    """The `StackSpec` of `model` as `family` describes it (forms overridden by `form`)."""
+    lists = []
+    for path, declared in family.lists:
+        blocks = getattr(model, path, None)
+        if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
+            lists.append((path, blocks, declared))
+    if not lists:
+        raise UnsupportedModelError(
+            f"dicache.enable: {type(model).__name__} ({family.name}) has none of its block lists "
+            f"({', '.join(path for path, _ in family.lists)}) or they are empty"
+        )
+    return StackSpec(
+        owner=model,
+        lists=apply_forms(lists, form),
+        seam=None,
+        timestep=timestep_getter(model),
+        family=family.name,
+    )
+
+
+def stack_spec(model: nn.Module, form: FormArg = None) -> StackSpec:
+    """`model`'s block stack: from its family entry when registered, else the generic single list."""
+    family = find_family(model)
+    return family_spec(model, family, form) if family is not None else generic_spec(model, form)
