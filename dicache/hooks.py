@@ -296,13 +296,13 @@ class StackWalk:
         result = block(*args, **kwargs)
         for observer in self.observers:
             observer.after_block(index)
-        before = dict(self.state)
         outputs = form.read_outputs(result)
-        if self.checking or outputs is None or not isinstance(outputs.get(H), torch.Tensor):
-            self._check(index, block, form, args, kwargs, result, before, following=None)
-            if self.checking:
-                self.previous = (index, block, form, args, kwargs, result, before)
-        self.state.update(outputs)
+        if self.checking:  # checked at the next block's call, which shows where the model puts what this returned
+            self.previous = (index, block, form, args, kwargs, result, dict(self.state))
+        elif outputs is None or not isinstance(outputs.get(H), torch.Tensor):
+            self._check(index, block, form, args, kwargs, result, dict(self.state), following=None)
+        if outputs is not None:
+            self.state.update(outputs)
         return result
 
     def _check(self, index, block, form, args, kwargs, result, before, following) -> None:
@@ -417,6 +417,8 @@ class StackWalk:
         try:
             if failed:
                 return
+            if self.previous is not None:
+                self._check(*self.previous, following=None)
             ctx = self.ctx
             if self.enabled and self.decision is not None:
                 self._close()

@@ -9,6 +9,7 @@ has them, else its timesteps, else each forward's timestep argument (`pipelines.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -174,6 +175,9 @@ def family_spec(model: nn.Module, family: Family, form: FormArg = None) -> Stack
 
 
 def stack_spec(model: nn.Module, form: FormArg = None) -> StackSpec:
-    """`model`'s block stack: from its family entry when registered, else the generic single list."""
+    """`model`'s block stack: the lists a `form=` mapping declares, else its family entry's, else the generic
+    single list."""
     family = find_family(model)
-    return family_spec(model, family, form) if family is not None else generic_spec(model, form)
+    if family is None or isinstance(form, Mapping):
+        return generic_spec(model, form)
+    return family_spec(model, family, form)

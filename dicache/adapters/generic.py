@@ -7,7 +7,7 @@ The block list is a known attribute name, else the largest list of identical mod
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -18,8 +18,9 @@ from .stack import BlockList, StackSpec
 
 BLOCK_LIST_NAMES = ("transformer_blocks", "blocks", "layers")
 
-FormArg = BlockForm | str | Sequence[BlockForm | str] | None
-"""What `dicache.enable(form=...)` takes: one form (or label) for every block list, or one per list."""
+FormArg = BlockForm | str | Sequence[BlockForm | str] | Mapping[str, BlockForm | str] | None
+"""What `dicache.enable(form=...)` takes: one form (or label) for every block list, one per list, or a mapping from
+block-list attribute to form, which declares the lists (in the order the forward runs them)."""
 
 
 def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -62,7 +63,8 @@ def timestep_getter(model: nn.Module, name: str = "timestep") -> Callable[[tuple
 
 
 def apply_forms(lists: Sequence[tuple[str, nn.ModuleList, BlockForm]], form: FormArg) -> tuple[BlockList, ...]:
-    """The block lists with the forms `form` gives (None: each list's own): one form for all, or one per list."""
+    """The block lists with the forms `form` gives (None: each list's own): one form for all, or one per list (a
+    mapping declares the lists itself: see `declared_lists`)."""
     if form is None:
         forms = [f for _, _, f in lists]
     elif isinstance(form, BlockForm | str):
@@ -79,6 +81,25 @@ def apply_forms(lists: Sequence[tuple[str, nn.ModuleList, BlockForm]], form: For
     return tuple(BlockList(path, blocks, f) for (path, blocks, _), f in zip(lists, forms))
 
 
+def declared_lists(model: nn.Module, form: Mapping[str, BlockForm | str]) -> tuple[BlockList, ...]:
+    """The block lists a `form=` mapping declares: each key an attribute (dotted path) of `model` holding a non-empty
+    `nn.ModuleList`, in the order the forward runs them."""
+    if not form:
+        raise BlockFormError("form= is an empty mapping; name at least one block list and its form")
+    lists = []
+    for path, value in form.items():
+        blocks: Any = model
+        for part in str(path).split("."):
+            blocks = getattr(blocks, part, None)
+        if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+            raise BlockFormError(
+                f"form= names {path!r}, which is not a non-empty nn.ModuleList of {type(model).__name__}; the keys "
+                "of a form= mapping are the attributes holding its block lists"
+            )
+        lists.append(BlockList(str(path), blocks, _named(value)))
+    return tuple(lists)
+
+
 def _named(value: BlockForm | str) -> BlockForm:
     try:
         return form_named(value)
@@ -87,12 +108,12 @@ def _named(value: BlockForm | str) -> BlockForm:
 
 
 def generic_spec(model: nn.Module, form: FormArg = None) -> StackSpec:
-    """A `StackSpec` for a model we have no family entry for: its one block list, `h -> h` unless `form` says."""
-    seam = "run_blocks" if callable(getattr(model, "run_blocks", None)) else None
-    path, blocks = find_block_list(model)
-    return StackSpec(
-        owner=model,
-        lists=apply_forms([(path, blocks, H_TO_H)], form),
-        seam=seam,
-        timestep=timestep_getter(model),
-    )
+    """A `StackSpec` for a model we have no family entry for: its one block list, `h -> h` unless `form` says (a
+    `form=` mapping declares the lists instead)."""
+    if isinstance(form, Mapping):
+        lists = declared_lists(model, form)
+    else:
+        path, blocks = find_block_list(model)
+        lists = apply_forms([(path, blocks, H_TO_H)], form)
+    seam = "run_blocks" if len(lists) == 1 and callable(getattr(model, "run_blocks", None)) else None
+    return StackSpec(owner=model, lists=lists, seam=seam, timestep=timestep_getter(model))
