@@ -11,7 +11,8 @@ from typing import Any
 
 from torch import nn
 
-from .adapters import find_pipeline_adapter, stack_spec
+from .adapters import find_pipeline_adapter
+from .adapters.families import stack_specs
 from .adapters.generic import FormArg
 from .config import CacheConfig
 from .errors import NotEnabledError, UnsupportedModelError
@@ -52,7 +53,13 @@ def _as_config(config: CacheConfig | Mapping[str, Any] | None, base: CacheConfig
     )
 
 
-def enable(obj: Any, config: CacheConfig | Mapping[str, Any] | None = None, *, form: FormArg = None) -> Any:
+def enable(
+    obj: Any,
+    config: CacheConfig | Mapping[str, Any] | None = None,
+    *,
+    form: FormArg = None,
+    lists: str = "joined",
+) -> Any:
     """Turn step caching on for a pipeline or a transformer, in place; returns `obj`.
 
     Args:
@@ -63,8 +70,12 @@ def enable(obj: Any, config: CacheConfig | Mapping[str, Any] | None = None, *, f
         config: a `CacheConfig`, a dict of override keys merged over the environment, or None for the
             environment (`SGLANG_CACHE_DIT_*`). Caching is on whatever `SGLANG_CACHE_DIT_ENABLED` says.
         form: how blocks are called, when the registered (or, for unknown models, `h -> h`) form is not right: a
-            `BlockForm` or a label such as `"(h, e) -> (e, h)"` for every block list, or one per list. The first
-            call checks the forms against what the blocks return and raises `BlockFormError` on a mismatch.
+            `BlockForm` or a label such as `"(h, e) -> (e, h)"` for every block list, one per list, or a mapping
+            from block-list attribute to form (which declares the lists of a model without a family entry). The
+            first call checks the forms against what the blocks return and raises `BlockFormError` on a mismatch.
+        lists: `"joined"` (default): a transformer's block lists are one stack, one decision per call, Fn / Bn
+            counted over the whole stack; `"separate"`: each list is its own cache (cache-dit's layout for
+            HunyuanVideo, Chroma, HiDream and Flux.2); `dicache.stats` then reports the first list's.
 
     Enabling an already enabled object replaces its settings.
     """
@@ -83,14 +94,15 @@ def enable(obj: Any, config: CacheConfig | Mapping[str, Any] | None = None, *, f
         for transformer in transformers:
             handle = _HANDLES.get(transformer)
             if handle is None:
-                spec = stack_spec(transformer, form)
-                session = CacheSession(resolved, num_blocks=spec.num_blocks, boundaries=spec.boundaries)
-                handle = _Handle([session], hooks=install(spec, session))
+                specs = stack_specs(transformer, form, lists)
+                own = [CacheSession(resolved, num_blocks=s.num_blocks, boundaries=s.boundaries) for s in specs]
+                handle = _Handle(own, hooks=install(specs, own))
                 _HANDLES[transformer] = handle
                 created.append(transformer)
             elif config is not None:
-                handle.session.configure(resolved)
-            sessions.append(handle.session)
+                for session in handle.sessions:
+                    session.configure(resolved)
+            sessions.extend(handle.sessions)
     except BaseException:
         for transformer in created:
             _HANDLES.pop(transformer).hooks.remove()

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .adapters.families import registered_forms
 from .adapters.forms import DIFF_STREAMS, BlockForm, H, describe, fitting_forms, misfit
 from .adapters.stack import StackSpec
 from .block_plan import BlockObserver, BlockPlan, CallInfo, publish
@@ -320,7 +321,13 @@ class StackWalk:
             f"dicache uses for this {owner}: {reason}. It was called with {describe_call(args, kwargs)} and "
             f"returned {describe(result)}. "
         )
-        if fits:
+        registered = registered_forms(spec.owner)
+        if registered is not None and registered.get(spec.lists[position].path, "") in fits:
+            message += (
+                f"The {spec.family} entry's form for {spec.lists[position].path} "
+                f"({registered[spec.lists[position].path]!r}) fits: call dicache.enable without form=."
+            )
+        elif fits:
             forms = [block_list.form.label for block_list in spec.lists]
             forms[position] = fits[0]
             value = repr(fits[0]) if len(forms) == 1 else "[" + ", ".join(repr(f) for f in forms) + "]"

@@ -7,14 +7,17 @@
   runner once per block, over every list of the stack.
 Blocks themselves are never modified, so their own hooks and `torch.compile` keep working. The owner's forward is
 wrapped to give each call its (step, branch), declared by the pipeline or derived from the timestep, and (iteration)
-to delimit the call. `observe_blocks` attaches a `BlockObserver` to the same runner, with or without caching.
+to delimit the call. A stack cached as several groups (`lists="separate"`: each block list its own cache, as
+cache-dit does for some families) gets one runner per group. `observe_blocks` attaches a `BlockObserver` to the
+runner of a one-group stack, with or without caching.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +26,7 @@ from torch import nn
 
 from .adapters.stack import StackSpec
 from .block_plan import BlockObserver
+from .errors import UnsupportedModelError
 from .hooks import BlockStackRunner
 from .session import CacheSession
 
@@ -83,10 +87,14 @@ def _set_instance_attr(obj: Any, name: str, value: Any, undo: list[Callable[[], 
 
 @dataclass
 class _Attachment:
-    """The one runner of a model's stack, shared by its cache session and its observers; `undo` takes it out."""
+    """The runners of a model's stack (one per cache group; one for a joined stack), shared by its cache sessions and
+    its observers; `undo` takes them out."""
 
-    runner: BlockStackRunner
+    runners: list[BlockStackRunner]
     undo: list[Callable[[], None]]
+
+    def unused(self) -> bool:
+        return all(runner.session is None and not runner.observers for runner in self.runners)
 
 
 _ATTACHMENTS: weakref.WeakKeyDictionary[nn.Module, _Attachment] = weakref.WeakKeyDictionary()
@@ -108,59 +116,79 @@ def _redirect_iteration(runner: BlockStackRunner, undo: list[Callable[[], None]]
         undo.append(restore)
 
 
-def _wrap_forward(spec: StackSpec, runner: BlockStackRunner, undo: list[Callable[[], None]]) -> None:
-    """The owner's forward: its call's (step, branch) when a cache session is attached, and (iteration) the scope in
-    which the model's loops reach the runner."""
-    owner = spec.owner
+def _wrap_forward(specs: Sequence[StackSpec], runners: list[BlockStackRunner], undo: list[Callable[[], None]]) -> None:
+    """The owner's forward: its call's (step, branch) in every attached cache session, and (iteration) the scope in
+    which the model's loops reach the runners."""
+    owner = specs[0].owner
     original_forward = owner.forward
-    delimits = spec.seam is None
+    timestep = specs[0].timestep
+    delimited = [runner for runner, spec in zip(runners, specs) if spec.seam is None]
 
     @functools.wraps(original_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        session = runner.session
-        token = None
-        if session is not None:
+        derived = []
+        key: float | None = None
+        for runner in runners:
+            session = runner.session
+            if session is None:
+                continue
             current = session.current_call()
-            if current is None or not current.explicit:
-                request = session.active_request()
-                if request is not None and request.key_source is not None:
-                    key = request.key_source()
-                else:
-                    key = _timestep_key(spec.timestep(args, kwargs))
-                token = session.derive_call(key)
+            if current is not None and current.explicit:
+                continue
+            request = session.active_request()
+            if request is not None and request.key_source is not None:
+                this_key = request.key_source()
+            else:
+                key = _timestep_key(timestep(args, kwargs)) if key is None else key
+                this_key = key
+            derived.append((session, session.derive_call(this_key)))
         try:
-            if not delimits:
-                return original_forward(*args, **kwargs)
-            with runner.scope():
+            with contextlib.ExitStack() as scopes:
+                for runner in delimited:
+                    scopes.enter_context(runner.scope())
                 return original_forward(*args, **kwargs)
         finally:
-            if token is not None:
+            for session, token in reversed(derived):
                 session.end_call(token)
 
     _set_instance_attr(owner, "forward", forward, undo)
 
 
-def _attach(spec: StackSpec) -> BlockStackRunner:
-    """The runner of `spec.owner`'s stack, put in place (seam or iteration) on first use."""
-    owner = spec.owner
+def _attach(specs: Sequence[StackSpec]) -> list[BlockStackRunner]:
+    """The runners of the owner's stack, one per spec (cache group), put in place (seam or iteration) on first use;
+    a model already attached with other groups is an error."""
+    owner = specs[0].owner
     attachment = _ATTACHMENTS.get(owner)
     if attachment is not None:
-        return attachment.runner
+        if [_paths(r.spec) for r in attachment.runners] != [_paths(s) for s in specs]:
+            attached = [_paths(r.spec) for r in attachment.runners]
+            raise UnsupportedModelError(
+                f"dicache: {type(owner).__name__} is already hooked with the block lists grouped as {attached}; "
+                f"it cannot also be hooked as {[_paths(s) for s in specs]} (disable it first)"
+            )
+        return attachment.runners
     undo: list[Callable[[], None]] = []
-    if spec.seam is not None:
-        runner = BlockStackRunner(spec, plain=getattr(owner, spec.seam))
-        _set_instance_attr(owner, spec.seam, runner.run_seam, undo)
-    else:
-        runner = BlockStackRunner(spec)
-        _redirect_iteration(runner, undo)
-    _wrap_forward(spec, runner, undo)
-    _ATTACHMENTS[owner] = _Attachment(runner, undo)
-    return runner
+    runners = []
+    for spec in specs:
+        if spec.seam is not None:
+            runner = BlockStackRunner(spec, plain=getattr(owner, spec.seam))
+            _set_instance_attr(owner, spec.seam, runner.run_seam, undo)
+        else:
+            runner = BlockStackRunner(spec)
+            _redirect_iteration(runner, undo)
+        runners.append(runner)
+    _wrap_forward(specs, runners, undo)
+    _ATTACHMENTS[owner] = _Attachment(runners, undo)
+    return runners
+
+
+def _paths(spec: StackSpec) -> tuple[str, ...]:
+    return tuple(block_list.path for block_list in spec.lists)
 
 
 def _detach_if_unused(owner: nn.Module) -> None:
     attachment = _ATTACHMENTS.get(owner)
-    if attachment is None or attachment.runner.session is not None or attachment.runner.observers:
+    if attachment is None or not attachment.unused():
         return
     del _ATTACHMENTS[owner]
     while attachment.undo:
@@ -169,8 +197,9 @@ def _detach_if_unused(owner: nn.Module) -> None:
 
 def observe_blocks(spec: StackSpec, observer: BlockObserver) -> Callable[[], None]:
     """Tell `observer` about every call of `spec`'s stack (block indices over all its lists), with or without
-    caching; returns the function that stops it (and takes the runner out when nothing else uses it)."""
-    runner = _attach(spec)
+    caching; returns the function that stops it (and takes the runner out when nothing else uses it). The stack must
+    be hooked as one cache group (not `lists="separate"`)."""
+    (runner,) = _attach([spec])
     runner.observers.append(observer)
 
     def stop() -> None:
@@ -181,16 +210,19 @@ def observe_blocks(spec: StackSpec, observer: BlockObserver) -> Callable[[], Non
     return stop
 
 
-def install(spec: StackSpec, session: CacheSession) -> InstalledHooks:
-    """Attach a `BlockStackRunner` serving `session` to `spec.owner` (and the call-deriving forward wrapper)."""
-    owner = spec.owner
-    runner = _attach(spec)
-    if runner.session is not None:
+def install(specs: Sequence[StackSpec], sessions: Sequence[CacheSession]) -> InstalledHooks:
+    """Attach one `BlockStackRunner` per spec (cache group), each serving its session, to the specs' owner (and the
+    call-deriving forward wrapper)."""
+    owner = specs[0].owner
+    runners = _attach(specs)
+    if any(runner.session is not None for runner in runners):
         raise RuntimeError(f"dicache: {type(owner).__name__} already has cache hooks; remove them first")
-    runner.session = session
+    for runner, session in zip(runners, sessions):
+        runner.session = session
 
-    def release_runner() -> None:
-        runner.session = None
+    def release_runners() -> None:
+        for runner in runners:
+            runner.session = None
         _detach_if_unused(owner)
 
-    return InstalledHooks([release_runner])
+    return InstalledHooks([release_runners])

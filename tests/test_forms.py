@@ -13,6 +13,8 @@ from dicache.adapters.forms import fitting_forms
 from dicache.install import observe_blocks
 from dicache.policies import middle_segments
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 CACHE_ALL = dict(max_warmup_steps=2, residual_diff_threshold=1e9, max_continuous_cached_steps=-1)
 
 

@@ -9,6 +9,7 @@ steps, a fixed generator and decoded output in `[0, 1]` (`output_type="pt"`, or 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +21,15 @@ STEPS = 8
 
 @dataclass(frozen=True)
 class Case:
-    """A family's tiny pipeline: `build()` gives `(pipe, kwargs)`; `separate_cfg`: the pipeline makes one transformer
-    call per CFG branch with these kwargs (cache-dit's `enable_separate_cfg`)."""
+    """A family's tiny pipeline: `build()` gives `(pipe, kwargs)`. `separate_cfg`: the pipeline makes one transformer
+    call per CFG branch with these kwargs (cache-dit's `enable_separate_cfg`). `cache_dit_lists`: how cache-dit's
+    registered adapter caches the block lists (`separate` for HunyuanVideo, Chroma, HiDream, Flux.2), i.e. the
+    `lists=` layout whose images equal cache-dit's."""
 
     family: str
     build: Callable[[], tuple[Any, dict]]
     separate_cfg: bool
+    cache_dit_lists: str = "joined"
 
 
 def _generator(seed: int = 0) -> torch.Generator:
@@ -723,3 +727,72 @@ def flux2():
     )
     kwargs = _common(prompt_embeds=_randn(1, 8, 16, seed=1), guidance_scale=4.0, height=16, width=16)
     return _finish(pipe), kwargs
+
+
+CASES: dict[str, Case] = {
+    case.family: case
+    for case in (
+        Case("Flux.1", flux, separate_cfg=True),
+        Case("Flux.2", flux2, separate_cfg=False, cache_dit_lists="separate"),
+        Case("Qwen-Image", qwen_image, separate_cfg=True),
+        Case("SD3 / SD3.5", sd3, separate_cfg=False),
+        Case("Wan 2.1 / 2.2", wan22, separate_cfg=True),
+        Case("HunyuanVideo", hunyuan_video, separate_cfg=True, cache_dit_lists="separate"),
+        Case("CogVideoX", cogvideox, separate_cfg=False),
+        Case("CogView4", cogview4, separate_cfg=True),
+        Case("Lumina 2", lumina2, separate_cfg=True),
+        Case("Chroma", chroma, separate_cfg=True, cache_dit_lists="separate"),
+        Case("HiDream-I1", hidream, separate_cfg=False, cache_dit_lists="separate"),
+        Case("PixArt-α / Σ", pixart, separate_cfg=False),
+        Case("Sana", sana, separate_cfg=False),
+        Case("Krea-2", krea2, separate_cfg=True),
+    )
+}
+"""One case per registered family (`dicache.adapters.FAMILIES`), keyed by family name."""
+
+
+def images(output: Any) -> torch.Tensor:
+    """The decoded images (or video frames) of a pipeline output, as a float tensor in [0, 1]."""
+    value = output.images if hasattr(output, "images") else output.frames
+    return torch.as_tensor(value).float()
+
+
+def generate(pipe: Any, kwargs: dict) -> torch.Tensor:
+    """One generation with `kwargs` and a fresh generator of the same seed."""
+    with torch.no_grad():
+        return images(pipe(**{**kwargs, "generator": _generator(0)}))
+
+
+def psnr(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """PSNR in dB of images in [0, 1] (inf when equal)."""
+    mse = torch.mean((reference.float() - other.float()) ** 2).item()
+    return float("inf") if mse == 0 else 10.0 * math.log10(1.0 / mse)
+
+
+SETTINGS = {"residual_diff_threshold": 0.5, "max_warmup_steps": 1}
+"""The issue-24 settings every family is checked with (defaults otherwise: Fn=1, Bn=0, MC=3)."""
+
+
+def cache_dit_psnr(case: Case, pipe: Any, kwargs: dict, plain: torch.Tensor) -> tuple[float, int]:
+    """PSNR against `plain` of `pipe` cached by cache-dit 1.5.3 with `SETTINGS` (its registered adapter), and the
+    calls it cached. Leaves the pipeline as it found it."""
+    import cache_dit
+
+    config = cache_dit.DBCacheConfig(
+        num_inference_steps=STEPS,
+        Fn_compute_blocks=1,
+        Bn_compute_blocks=0,
+        max_warmup_steps=SETTINGS["max_warmup_steps"],
+        residual_diff_threshold=SETTINGS["residual_diff_threshold"],
+        max_continuous_cached_steps=3,
+        enable_separate_cfg=case.separate_cfg,
+    )
+    cache_dit.enable_cache(pipe, cache_config=config)
+    try:
+        out = generate(pipe, kwargs)
+        summaries = [s for s in cache_dit.summary(pipe, logging=False) if s.cache_options]
+        first = summaries[0]
+        cached = len(first.cached_steps or []) + len(first.cfg_cached_steps or [])
+    finally:
+        cache_dit.disable_cache(pipe)
+    return psnr(plain, out), cached

@@ -5,7 +5,7 @@ transformer's block lists as one stack), `families` (the registry of diffusers D
 for unknown models). Attachment: `pipelines` (connects a pipeline's calls to the cache sessions of its transformers).
 """
 
-from .families import FAMILIES, Family, find_family, stack_spec
+from .families import FAMILIES, LIST_LAYOUTS, Family, find_family, stack_spec, stack_specs
 from .forms import (
     FORMS,
     H_TO_EH,
@@ -26,6 +26,7 @@ from .stack import BlockList, StackSpec
 __all__ = [
     "FAMILIES",
     "FORMS",
+    "LIST_LAYOUTS",
     "HE_TO_EH",
     "HE_TO_H",
     "HE_TO_HE",
@@ -46,4 +47,5 @@ __all__ = [
     "form_named",
     "generic_spec",
     "stack_spec",
+    "stack_specs",
 ]

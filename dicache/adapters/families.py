@@ -10,11 +10,11 @@ has them, else its timesteps, else each forward's timestep argument (`pipelines.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 from .forms import H_TO_H, HE_TO_EH, HE_TO_H, HE_TO_HE, BlockForm
 from .generic import FormArg, apply_forms, generic_spec, timestep_getter
 from .stack import StackSpec
@@ -153,6 +153,12 @@ def find_family(model: nn.Module) -> Family | None:
     return None
 
 
+def registered_forms(model: nn.Module) -> dict[str, str] | None:
+    """The form label of each block list `model`'s family entry declares, by attribute; None for an unknown model."""
+    family = find_family(model)
+    return None if family is None else {path: form.label for path, form in family.lists}
+
+
 def family_spec(model: nn.Module, family: Family, form: FormArg = None) -> StackSpec:
     """The `StackSpec` of `model` as `family` describes it (forms overridden by `form`)."""
     lists = []
@@ -172,6 +178,23 @@ def family_spec(model: nn.Module, family: Family, form: FormArg = None) -> Stack
         timestep=timestep_getter(model),
         family=family.name,
     )
+
+
+LIST_LAYOUTS = ("joined", "separate")
+"""How a transformer's block lists are cached: `joined`, one stack (one decision per call; Fn / Bn over the whole
+stack; a cached call skips the middle of every list), or `separate`, each list its own cache with its own Fn / Bn,
+decision, state and stats (cache-dit's layout for HunyuanVideo, Chroma, HiDream and Flux.2)."""
+
+
+def stack_specs(model: nn.Module, form: FormArg = None, lists: str = "joined") -> tuple[StackSpec, ...]:
+    """`model`'s stack as the cache groups of layout `lists`: one spec for `joined`, one per block list for
+    `separate`."""
+    if lists not in LIST_LAYOUTS:
+        raise ConfigError(f"lists={lists!r} is not a block-list layout; allowed: {', '.join(LIST_LAYOUTS)}")
+    joined = stack_spec(model, form)
+    if lists == "joined" or len(joined.lists) == 1:
+        return (joined,)
+    return tuple(replace(joined, lists=(block_list,)) for block_list in joined.lists)
 
 
 def stack_spec(model: nn.Module, form: FormArg = None) -> StackSpec:
