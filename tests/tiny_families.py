@@ -796,3 +796,40 @@ def cache_dit_psnr(case: Case, pipe: Any, kwargs: dict, plain: torch.Tensor) -> 
     finally:
         cache_dit.disable_cache(pipe)
     return psnr(plain, out), cached
+
+
+def flux_controlnet():
+    """FluxControlNetPipeline over the Flux.1 case (no CFG): a tiny ControlNet whose zero-initialised output
+    projections are drawn at random, so its per-block residuals change the image."""
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+
+    pipe, kwargs = flux()
+    torch.manual_seed(0)
+    controlnet = FluxControlNetModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    )
+    with torch.no_grad():
+        for projection in [*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks]:
+            projection.weight.normal_(0.0, 0.05)
+    control = FluxControlNetPipeline(
+        scheduler=pipe.scheduler,
+        vae=pipe.vae,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=pipe.transformer,
+        controlnet=controlnet.eval(),
+    )
+    for key in ("negative_prompt_embeds", "negative_pooled_prompt_embeds", "true_cfg_scale"):
+        kwargs.pop(key)
+    kwargs.update(control_image=torch.rand(1, 3, 16, 16, generator=_generator(5)), controlnet_conditioning_scale=1.0)
+    return _finish(control), kwargs

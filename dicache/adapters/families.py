@@ -31,6 +31,7 @@ class Family:
     lists: `(attribute, form)` of each block list, in the order a forward runs them (an absent or empty list is
     left out). pipelines: the diffusers pipeline classes it serves (documentation). cfg: `SEPARATE` or `BATCHED`.
     transformers: the pipeline attributes that may hold one of its transformers, each cached on its own.
+    cache_dit: how cache-dit 1.5.3 differs on this family, if it does (documentation).
     """
 
     name: str
@@ -39,7 +40,13 @@ class Family:
     pipelines: tuple[str, ...]
     cfg: str
     transformers: tuple[str, ...] = ("transformer",)
+    cache_dit: str = ""
 
+
+SEPARATE_LISTS = (
+    "cache-dit caches each block list on its own (its own Fn blocks and decision); "
+    'dicache joins them by default, `lists="separate"` gives cache-dit\'s layout'
+)
 
 FAMILIES: tuple[Family, ...] = (
     Family(
@@ -48,6 +55,7 @@ FAMILIES: tuple[Family, ...] = (
         (("transformer_blocks", HE_TO_EH), ("single_transformer_blocks", HE_TO_EH)),
         ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline"),
         SEPARATE,
+        cache_dit="same stack; cache-dit's patched forward adds only the first ControlNet residual",
     ),
     Family(
         "Flux.2",
@@ -55,6 +63,7 @@ FAMILIES: tuple[Family, ...] = (
         (("transformer_blocks", HE_TO_EH), ("single_transformer_blocks", H_TO_H)),
         ("Flux2Pipeline", "Flux2KleinPipeline"),
         SEPARATE,
+        cache_dit=SEPARATE_LISTS,
     ),
     Family(
         "Qwen-Image",
@@ -69,6 +78,7 @@ FAMILIES: tuple[Family, ...] = (
         (("transformer_blocks", HE_TO_EH),),
         ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
         BATCHED,
+        cache_dit="cache-dit runs the stack as one block, so skip-layer guidance skips no block",
     ),
     Family(
         "Wan 2.1 / 2.2",
@@ -84,6 +94,7 @@ FAMILIES: tuple[Family, ...] = (
         (("transformer_blocks", HE_TO_HE), ("single_transformer_blocks", HE_TO_HE)),
         ("HunyuanVideoPipeline",),
         SEPARATE,
+        cache_dit=SEPARATE_LISTS,
     ),
     Family(
         "CogVideoX",
@@ -112,6 +123,7 @@ FAMILIES: tuple[Family, ...] = (
         (("transformer_blocks", HE_TO_EH), ("single_transformer_blocks", H_TO_H)),
         ("ChromaPipeline", "ChromaImg2ImgPipeline"),
         SEPARATE,
+        cache_dit=SEPARATE_LISTS,
     ),
     Family(
         "HiDream-I1",
@@ -119,6 +131,7 @@ FAMILIES: tuple[Family, ...] = (
         (("double_stream_blocks", HE_TO_HE), ("single_stream_blocks", H_TO_H)),
         ("HiDreamImagePipeline",),
         BATCHED,
+        cache_dit=SEPARATE_LISTS + "; cache-dit also moves the per-block Llama text into the blocks",
     ),
     Family(
         "PixArt-α / Σ",
