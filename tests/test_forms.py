@@ -7,7 +7,7 @@ from torch import nn
 from toymodels import FormTransformer, TwoListTransformer, timesteps
 
 import dicache
-from dicache import BlockFormError, CacheConfig
+from dicache import BlockFormError, CacheConfig, ConfigError, UnsupportedModelError
 from dicache.adapters import FORMS, stack_spec
 from dicache.adapters.forms import fitting_forms
 from dicache.install import observe_blocks
@@ -250,3 +250,41 @@ def test_a_loop_the_cache_cannot_follow_is_refused_at_the_first_call(cls, match)
     dicache.enable(model)
     with pytest.raises(BlockFormError, match=match), torch.no_grad():
         model(torch.randn(1, 2, 8), torch.tensor([1.0]))
+
+
+def test_separate_lists_cache_each_list_on_its_own():
+    """`lists="separate"`: each list its own Fn block, decision and state (cache-dit's layout for some families)."""
+    model = two_list_model()
+    plain = sample(model)
+    dicache.enable(model, cfg(policy="never"), form=TWO_LISTS, lists="separate")
+    assert all(torch.equal(a, b) for a, b in zip(plain, sample(model)))
+    dual, single = count_block_calls(model.transformer_blocks), count_block_calls(model.single_transformer_blocks)
+    dicache.enable(model, cfg(**CACHE_ALL), form=TWO_LISTS, lists="separate")
+    separate = sample(model)
+    assert dicache.stats(model).num_blocks == 2  # the first list's cache
+    assert dual == [6, 2] and single == [6, 2, 2]  # each list runs its own first block on cached steps
+    dicache.enable(model, cfg(**CACHE_ALL), form=TWO_LISTS)
+    assert not torch.equal(sample(model)[3], separate[3])  # joined: one decision, the single list is skipped too
+    with pytest.raises(UnsupportedModelError, match="already hooked with the block lists grouped as"):
+        observe_blocks(stack_spec(model, {"transformer_blocks": "(h, e) -> (e, h)"}), object())
+    with pytest.raises(ConfigError, match="lists='split' is not a block-list layout; allowed: joined, separate"):
+        dicache.enable(model, form=TWO_LISTS, lists="split")
+    dicache.disable(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain, sample(model)))
+
+
+def test_layerwise_offload_streams_blocks_of_both_lists():
+    """The offloader indexes the stack over both lists: streamed blocks of either list load when their call runs
+    them, and the output stays bitwise the resident one (CPU copies)."""
+    from dicache.offload.layerwise import LayerwiseOffloader
+
+    model = two_list_model()
+    plain = sample(model)
+    spec = stack_spec(model, TWO_LISTS)
+    offloader = LayerwiseOffloader(model, resident=[0, 4], num_slots=1, device="cpu", spec=spec)
+    dicache.enable(model, cfg(policy="never"), form=TWO_LISTS)
+    assert all(torch.equal(a, b) for a, b in zip(plain, sample(model)))
+    assert [call.ran for call in list(offloader.calls)[:1]] == [[0, 1, 2, 3, 4]]
+    assert sorted(set(offloader.calls[0].copied)) == [1, 2, 3]  # the streamed blocks of both lists
+    dicache.disable(model)
+    offloader.close()
