@@ -251,7 +251,7 @@ def test_without_ray_the_single_process_server_works_and_serve_ray_says_what_to_
         "from fastapi.testclient import TestClient\n"
         "from dicache.server import create_app, ServerSettings\n"
         "from dicache.server.generation import Defaults\n"
-        "from dicache.config import CacheConfig\n"
+        "from dicache.settings.cache_config import CacheConfig\n"
         "class B:\n"
         "    cache_config = CacheConfig.defaults(); num_blocks = 4\n"
         "    defaults = Defaults('turbo', 8, 1.0, 64, 64)\n"
@@ -402,8 +402,8 @@ def test_serve_ray_rejects_bad_options_before_starting_a_cluster(capsys):
 def test_replicas_get_the_speed_options_and_refuse_offload():
     """`--compile`, `--quantization` and `--load-format` reach every replica (applied after any split, then a
     warm-up); the memory options, which plan one process's GPU, are refused before a cluster starts."""
-    from dicache.config import CacheConfig
     from dicache.quantization import QuantizationSpec
+    from dicache.settings.cache_config import CacheConfig
 
     args = parse_serve_argv(["--ray", "--compile", "--quantization", "fp8", "--load-format", "dummy"])
     spec = replica_spec_from_args(args, CacheConfig())

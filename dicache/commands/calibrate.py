@@ -1,7 +1,7 @@
 """`dicache calibrate`: measure cache-setting candidates on a model and write the cheapest one that meets a PSNR
 target (vs the uncached run) as a settings profile for `--profile` / `SGLANG_CACHE_DIT_PROFILE`.
 
-The procedure and the choice rule are in `dicache.calibration`. Exit status 0: the profile was written; 2: bad input,
+The procedure and the choice rule are in `dicache.tuning`. Exit status 0: the profile was written; 2: bad input,
 or no candidate met the target (the table is printed, nothing is written).
 """
 
@@ -96,8 +96,8 @@ def _heldout_file(model: str | None) -> Path:
 def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
     """(prompt, seed) pairs of `--prompts`: a count of the checkpoint's held-out prompts (built-in ones when it
     has none), or a prompt file."""
-    from ..calibration import CalibrationError
     from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
+    from ..tuning import CalibrationError
 
     text = prompts.strip()
     if text.isdigit():
@@ -113,14 +113,14 @@ def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
 
 
 def _env_knobs() -> list[str]:
-    from ..config import SETTINGS
+    from ..settings.cache_config import SETTINGS
 
     return [k.env_name for k in SETTINGS if k.env_name in os.environ and k.key != "enable_cache"]
 
 
 def run(args: argparse.Namespace) -> int:
     from .. import __version__
-    from ..calibration import CANDIDATES, CalibrationError, TargetNotMet, calibrate, load_candidates
+    from ..tuning import CANDIDATES, CalibrationError, TargetNotMet, calibrate, load_candidates
 
     if args.list_candidates:
         print(json.dumps(list(CANDIDATES), indent=2))
@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         torch.set_num_threads(previous_threads)
-    from ..calibration import calibration_record, format_table, profile_settings
-    from ..profiles import write_profile
+    from ..settings.profiles import write_profile
+    from ..tuning import calibration_record, format_table, profile_settings
 
     print(format_table(result))
     if result.chosen is None:
@@ -191,10 +191,10 @@ def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The pipeline runner at the resolved schedule and size, and what to record about them."""
     import torch
 
-    from ..calibration import CalibrationError, PipelineRunner
     from ..models.krea2 import Krea2Pipeline
     from ..models.krea2.checkpoints import resolve_model
     from ..models.krea2.presets import PRESETS, resolve_variant
+    from ..tuning import CalibrationError, PipelineRunner
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None

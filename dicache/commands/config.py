@@ -12,7 +12,7 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..profiles import add_profile_argument
+    from ..settings.profiles import add_profile_argument
 
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--env-example", action="store_true", help="print env.example (every variable and default)")
@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config_docs import env_example, markdown_table
-    from ..profiles import cache_config, describe_profile, profile_source
+    from ..settings.docs import env_example, markdown_table
+    from ..settings.profiles import cache_config, describe_profile, profile_source
 
     if args.env_example:
         print(env_example(), end="")

@@ -1,4 +1,4 @@
-"""Command-line options derived from declared option models (`dicache.options.option`): one argparse option per
+"""Command-line options derived from declared option models (`dicache.settings.options.option`): one argparse option per
 field with a flag, and the model's keyword arguments back from the parsed namespace."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from ..options import Options, bounds, value_type
+from ..settings.options import Options, bounds, value_type
 from . import argtypes
 
 

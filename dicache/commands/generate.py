@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="env",
         help="env: SGLANG_CACHE_DIT_ENABLED (or the profile's enable_cache) decides (default); on/off force it",
     )
-    from ..profiles import add_profile_argument
+    from ..settings.profiles import add_profile_argument
 
     add_profile_argument(parser)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     import dicache
     from dicache.models.krea2 import Krea2Pipeline
     from dicache.parallel import parallelize_pipeline, setup_from_args
-    from dicache.profiles import cache_config
+    from dicache.settings.profiles import cache_config
 
     from .speed import speed_spec
 
@@ -151,7 +151,7 @@ def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_
     if not use_cache:
         print("caching off (set SGLANG_CACHE_DIT_ENABLED=true or pass --cache on)")
         return 0
-    from dicache.profiles import describe_profile, profile_source
+    from dicache.settings.profiles import describe_profile, profile_source
 
     profile = describe_profile(config)
     if profile:

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="checkpoint folder or hub id (default: the embedded checkpoint; its Turbo student with --variant turbo)",
     )
-    from ..profiles import add_profile_argument
+    from ..settings.profiles import add_profile_argument
 
     add_profile_argument(parser)
     from ..parallel import add_parallel_arguments
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         from ..server.runner import ensure_descriptors, exposure_warnings, serve
     except ModuleNotFoundError as exc:
         raise DicacheError(f"dicache serve needs the serve extra: pip install 'dicache[serve]' ({exc})") from None
-    from ..profiles import cache_config as read_cache_config
+    from ..settings.profiles import cache_config as read_cache_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
 
     speed_spec(args)  # a bad --quantization-exclude stops here, before loading
     print(cache_config.describe(), flush=True)
-    from ..profiles import describe_profile
+    from ..settings.profiles import describe_profile
 
     profile = describe_profile(cache_config)
     if profile:

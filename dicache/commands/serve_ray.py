@@ -145,8 +145,8 @@ def run_ray(args: argparse.Namespace) -> int:
         from ..server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
     except ModuleNotFoundError as exc:
         raise DicacheError(f"dicache serve --ray needs the ray extra: pip install 'dicache[ray]' ({exc})") from None
-    from ..profiles import cache_config as read_cache_config
-    from ..profiles import describe_profile
+    from ..settings.profiles import cache_config as read_cache_config
+    from ..settings.profiles import describe_profile
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cache_config = read_cache_config(args.profile)

@@ -236,7 +236,7 @@ def _default_device() -> torch.device:
 def _cache_config(pipe: Any):
     """The cache settings the pipeline runs with: its enabled session's, else the environment's."""
     from .. import api
-    from ..config import CacheConfig
+    from ..settings.cache_config import CacheConfig
 
     if api.is_enabled(pipe):
         return api.session_of(pipe).config

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from .. import api as dicache_api
-from ..config import CacheConfig
-from ..stats import RequestStats
+from ..engine.stats import RequestStats
+from ..settings.cache_config import CacheConfig
 from ..sweep.flops import request_flops
 from .generation import Defaults, GenerationSpec
 from .stop_points import install_stop_points
@@ -277,7 +277,7 @@ def load_backend(
     if cache_config is not None and profile is not None:
         raise ValueError("load_backend: pass cache_config or profile, not both")
     if cache_config is None:
-        from ..profiles import cache_config as read_cache_config
+        from ..settings.profiles import cache_config as read_cache_config
 
         cache_config = read_cache_config(profile)
     config = cache_config

@@ -33,9 +33,9 @@ from typing import Any, ClassVar
 
 from pydantic import model_validator
 
-from ..config import CacheConfig
 from ..errors import ConfigError
-from ..options import Options, option
+from ..settings.cache_config import CacheConfig
+from ..settings.options import Options, option
 from .settings import ANSWER_TIMEOUT_S, ServerSettings
 
 log = logging.getLogger("dicache.server.ray")
@@ -359,7 +359,7 @@ def app_builder(args: dict[str, Any]) -> Any:
     import ray
 
     from ..commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
-    from ..profiles import cache_config as read_cache_config
+    from ..settings.profiles import cache_config as read_cache_config
     from .ray_proxy import CALLBACK_ENV, CALLBACK_PATH
 
     if not ray.is_initialized():  # `serve run <module>:app_builder` builds first, then starts a local cluster that

@@ -1,10 +1,10 @@
 """`ServerSettings`: the HTTP app's own limits and exposure (queue, workers, timeouts, input bounds, API key, drain).
 
 Cache settings are not here: they come from `SGLANG_CACHE_DIT_*` over an optional settings profile
-(`dicache.profiles.cache_config`: `--profile` or `SGLANG_CACHE_DIT_PROFILE`) at start-up and from each request's
-`cache_dit_params`. Everything here is enforced inside the ASGI app, so any ASGI host (uvicorn, Ray Serve) gets it;
-connection-level limits (`ConnectionLimits`: concurrent connections, keep-alive, request heads) belong to the host
-(`dicache.server.runner` applies them to uvicorn).
+(`dicache.settings.profiles.cache_config`: `--profile` or `SGLANG_CACHE_DIT_PROFILE`) at start-up and from each
+request's `cache_dit_params`. Everything here is enforced inside the ASGI app, so any ASGI host (uvicorn, Ray Serve)
+gets it; connection-level limits (`ConnectionLimits`: concurrent connections, keep-alive, request heads) belong to the
+host (`dicache.server.runner` applies them to uvicorn).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from pydantic import model_validator
 
-from ..options import Options, option
+from ..settings.options import Options, option
 
 ANSWER_TIMEOUT_S = 10.0
 """Seconds a drain waits for the answers of the generations it stopped (after `drain_grace_s`)."""

@@ -19,8 +19,8 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from .errors import ConfigError
-from .formatting import clip_repr
+from ..errors import ConfigError
+from ..formatting import clip_repr
 from .options import bounds as declared_bounds
 
 ENV_PREFIX = "SGLANG_CACHE_DIT_"
@@ -368,7 +368,7 @@ class CacheConfig(BaseSettings):
 
     def describe(self) -> str:
         """A readable table of the effective settings and their origins (used by `dicache config`)."""
-        from .config_docs import describe_config
+        from .docs import describe_config
 
         return describe_config(self)
 
@@ -384,7 +384,7 @@ class CacheConfig(BaseSettings):
 
     def check_block_split(self, num_blocks: int) -> None:
         """Raise `BlockSplitError` unless at least one middle block remains between Fn and Bn."""
-        from .errors import BlockSplitError
+        from ..errors import BlockSplitError
 
         fn, bn = self.Fn_compute_blocks, self.Bn_compute_blocks
         if fn + bn >= num_blocks:

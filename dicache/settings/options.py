@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
-from .formatting import clip_repr
+from ..formatting import clip_repr
 
 
 def option(

@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import PROFILE_ENV, CacheConfig, load_profile
-from .errors import ConfigError
-from .formatting import show_value
+from ..errors import ConfigError
+from ..formatting import show_value
+from .cache_config import PROFILE_ENV, CacheConfig, load_profile
 
 OPTION = "--profile"
 

@@ -8,7 +8,7 @@ the recommended family), `prompts` (prompt files and samples), `files` (reading 
 (resumable output folder), `keys` (record keys), `records` (measured records), `run` (the sweep loop), `launch`
 (load the models and run), `analysis` (Pareto front, recommendations, goal check), `compare` (dicache vs the four
 baselines per compute bin and measure, the issue's targets), `answer` (which setting to use per compute budget),
-`report` (Markdown), `plots` (matplotlib figures, image grids). `dicache.calibration` samples with `runners` and
+`report` (Markdown), `plots` (matplotlib figures, image grids). `dicache.tuning` samples with `runners` and
 names settings with `settings` too.
 """
 

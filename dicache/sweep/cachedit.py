@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ..config import CacheConfig
+from ..engine.policies import step_mask
 from ..errors import DicacheError
-from ..policies import step_mask
+from ..settings.cache_config import CacheConfig
 from .runners import CallRecorder, Sample, recorded_sample
 from .spec import Schedule
 

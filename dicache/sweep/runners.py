@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..config import CacheConfig
+from ..settings.cache_config import CacheConfig
 from .spec import Schedule
 
 

@@ -11,8 +11,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import SETTINGS, SETTINGS_BY_KEY, CacheConfig
 from ..formatting import show_value
+from ..settings.cache_config import SETTINGS, SETTINGS_BY_KEY, CacheConfig
 
 RECOMMENDED_FAMILY = {
     "Fn_compute_blocks": 0,

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import CacheConfig
+from ..settings.cache_config import CacheConfig
 
 
 @dataclass

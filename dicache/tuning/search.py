@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..config import CacheConfig
 from ..errors import ConfigError
+from ..settings.cache_config import CacheConfig
 from ..sweep.metrics import PSNR_CAP_DB, psnr
 from ..sweep.settings import label
 from .candidates import CANDIDATES, check_candidate
