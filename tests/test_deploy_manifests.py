@@ -23,8 +23,8 @@ import yaml
 
 kv = pytest.importorskip("kubernetes_validate")
 
-from dicache.commands.serve import settings_from_args  # noqa: E402
-from dicache.commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args  # noqa: E402
+from dicache.commands.serve import parse_serve_argv, settings_from_args  # noqa: E402
+from dicache.commands.serve_ray import replica_spec_from_args, serve_options_from_args  # noqa: E402
 from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH  # noqa: E402
 from dicache.server.ray_serve import args_to_argv, deployment_options  # noqa: E402
 

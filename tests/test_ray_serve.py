@@ -43,8 +43,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from dicache.commands.serve import settings_from_args  # noqa: E402
-from dicache.commands.serve_ray import parse_serve_argv  # noqa: E402
+from dicache.commands.serve import parse_serve_argv, settings_from_args  # noqa: E402
 from dicache.server import create_app, load_backend  # noqa: E402
 from dicache.server.background import BackgroundServer  # noqa: E402
 from dicache.server.ray_serve import (  # noqa: E402

@@ -15,7 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dicache.cli import main as cli_main
-from dicache.commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
+from dicache.commands.serve import parse_serve_argv
+from dicache.commands.serve_ray import replica_spec_from_args, serve_options_from_args
 from dicache.errors import ConfigError
 from dicache.server import ServerSettings
 from dicache.server.metrics import ServerMetrics

@@ -8,8 +8,8 @@ import pytest
 
 from dicache.cli import main as cli_main
 from dicache.commands.fields import flagged
-from dicache.commands.serve import limits_from_args, settings_from_args
-from dicache.commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
+from dicache.commands.serve import limits_from_args, parse_serve_argv, settings_from_args
+from dicache.commands.serve_ray import replica_spec_from_args, serve_options_from_args
 from dicache.errors import ConfigError
 from dicache.server.ray_serve import RayServeOptions
 from dicache.server.settings import ConnectionLimits, ServerSettings

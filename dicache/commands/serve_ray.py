@@ -43,24 +43,10 @@ class _StoppedStarting(BaseException):
     path mistakes it for a failure)."""
 
 
-class _RaisingParser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        raise ConfigError(f"dicache serve: {message}")
-
-
-def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
-    """`dicache serve` options (as for the command line) -> the parsed namespace; a bad one raises ConfigError."""
-    from .serve import add_arguments
-
-    parser = _RaisingParser(prog="dicache serve", add_help=False, allow_abbrev=False)
-    add_arguments(parser)
-    return parser.parse_args(argv)
-
-
 def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> Any:
     from ..offload.cli import settings_from_args as offload_settings
     from ..server.ray_serve import ReplicaSpec
-    from .serve import settings_from_args
+    from .serve_args import settings_from_args
     from .speed import speed_spec
 
     if offload_settings(args).any:
@@ -109,7 +95,7 @@ def ray_warnings(args: argparse.Namespace, settings: Any) -> list[str]:
     server does), and connection options that only the single-process server (uvicorn) applies."""
     from ..server.runner import exposure_warnings
     from ..server.settings import ConnectionLimits
-    from .serve import limits_from_args
+    from .serve_args import limits_from_args
 
     warnings = exposure_warnings(args.host, settings)
     given, default = limits_from_args(args), ConnectionLimits()

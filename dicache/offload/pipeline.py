@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 
+from .. import api
 from ..errors import ConfigError
+from ..quantization import QuantizationSpec, parse_quantization, quantize_transformer, selected_linears
+from ..settings.cache_config import CacheConfig
 from .components import ComponentOffloader
 from .estimate import (
     cache_bytes,
@@ -205,8 +208,6 @@ def quantize_through_device(pipe: Any, quantization: Any, device: torch.device |
     """Quantize a transformer held in host memory one block at a time on `device` (FP8 is made on the GPU, and the
     bf16 transformer need not fit there whole): the parts outside the blocks go to `device`, then each block goes
     there, is quantized, and returns to the host. Returns the quantized linears (as `Krea2Pipeline.quantize`)."""
-    from ..quantization import QuantizationSpec, parse_quantization, quantize_transformer, selected_linears
-
     spec = parse_quantization(quantization) if isinstance(quantization, str) else quantization
     if spec is None:
         return []
@@ -235,9 +236,6 @@ def _default_device() -> torch.device:
 
 def _cache_config(pipe: Any):
     """The cache settings the pipeline runs with: its enabled session's, else the environment's."""
-    from .. import api
-    from ..settings.cache_config import CacheConfig
-
     if api.is_enabled(pipe):
         return api.session_of(pipe).config
     return CacheConfig.from_env()
@@ -284,9 +282,7 @@ def memory_needs(
         shape=f"{width}x{height}, {rows_per_call} row(s) per transformer call{size_source}",
     )
     if text is not None:
-        from ..models.krea2.text import _text_config
-
-        tc = _text_config(text.text_encoder)
+        tc = text.text_config
         needs["text_encoder_bytes"] = module_bytes(text.text_encoder)
         needs["text_encoder_activation_bytes"] = text_encoder_activation_bytes(
             tc.num_hidden_layers,

@@ -358,7 +358,8 @@ def app_builder(args: dict[str, Any]) -> Any:
     """
     import ray
 
-    from ..commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
+    from ..commands.serve import parse_serve_argv
+    from ..commands.serve_ray import replica_spec_from_args, serve_options_from_args
     from ..settings.profiles import cache_config as read_cache_config
     from .ray_proxy import CALLBACK_ENV, CALLBACK_PATH
 

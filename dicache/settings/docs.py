@@ -1,5 +1,6 @@
-"""The cache settings as text for people: `dicache config`'s table, `env.example` and the README's settings table.
-All three are rendered from `config.SETTINGS`, so none of them can drift from the field declarations."""
+"""The cache settings as text for people: `env.example` and the README's settings table (`dicache config
+--env-example` / `--markdown`; the table of effective settings is `CacheConfig.describe`). Both are rendered from
+`SETTINGS`, so neither can drift from the field declarations."""
 
 from __future__ import annotations
 
@@ -16,18 +17,6 @@ def _default_text(value: Any) -> str:
     if value is None:
         return ""
     return str(value).lower() if isinstance(value, bool) else show_value(value)
-
-
-def describe_config(config: CacheConfig) -> str:
-    """Aligned columns: key, environment variable, effective value and where it came from."""
-    rows = [("key", "env variable", "value", "from")]
-    sources = config.sources()
-    for s in SETTINGS:
-        rows.append((s.key, s.env_name, show_value(getattr(config, s.key)), sources[s.key]))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def env_example() -> str:

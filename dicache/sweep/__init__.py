@@ -14,13 +14,7 @@ names settings with `settings` too.
 
 from __future__ import annotations
 
+from .launch import run_sweep
 from .spec import Cell, Schedule, SweepSpec, SweepSpecError, expand_grid, make_cell
 
 __all__ = ["Cell", "Schedule", "SweepSpec", "SweepSpecError", "expand_grid", "make_cell", "run_sweep"]
-
-
-def run_sweep(*args, **kwargs):
-    """See `dicache.sweep.launch.run_sweep` (imported lazily: it loads torch models)."""
-    from .launch import run_sweep as _run_sweep
-
-    return _run_sweep(*args, **kwargs)
