@@ -5,12 +5,10 @@ parsed options (`settings_from_args`, `limits_from_args`)."""
 from __future__ import annotations
 
 import argparse
-import os
 
-from ..errors import ConfigError
 from ..offload.cli import add_offload_arguments
 from ..parallel import add_parallel_arguments
-from ..server.settings import ConnectionLimits, ServerSettings
+from ..server.settings import ConnectionLimits, ServerSettings, parse_default_size, server_settings
 from ..settings.profiles import add_profile_argument
 from . import argtypes
 from .fields import add_options, values_from_args
@@ -19,12 +17,9 @@ from .speed import add_speed_arguments
 
 def _size(text: str) -> tuple[int, int]:
     try:
-        width, height = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, e.g. 1024x1024, got {text!r}") from None
-    if width < 16 or height < 16 or width % 16 or height % 16:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: each side must be a multiple of 16, at least 16")
-    return width, height
+        return parse_default_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,18 +74,6 @@ def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    """`ServerSettings` from the options; `max_pixels` is `--max-side` squared, the key `--api-key` else
-    DICACHE_API_KEY."""
-    from ..server.auth import API_KEY_ENV  # the serve extra: server.auth is ASGI middleware (starlette)
-
-    if args.api_key is not None and not args.api_key.strip():  # e.g. --api-key "$KEY" with KEY unset
-        raise ConfigError("serve: --api-key is empty: give a key, or leave the option out (no authentication)")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if args.metrics_auth and not api_key:
-        raise ConfigError(f"serve: --metrics-auth needs an API key (--api-key or {API_KEY_ENV})")
-    try:
-        return ServerSettings(
-            **values_from_args(args, ServerSettings), max_pixels=args.max_side * args.max_side, api_key=api_key
-        )
-    except ValueError as exc:
-        raise ConfigError(f"serve: {exc}") from None
+    """`ServerSettings` from the options (`server_settings`: `max_pixels` is `--max-side` squared, the key
+    `--api-key` else DICACHE_API_KEY)."""
+    return server_settings(values_from_args(args, ServerSettings), args.api_key)

@@ -76,17 +76,14 @@ def serve_options_from_args(args: argparse.Namespace, spec: Any, cluster_gpus: f
     """`RayServeOptions` from the options; `cluster_gpus` (the cluster's GPU count, when known) picks the default
     of --gpus-per-replica."""
     from ..parallel import check_degrees
-    from ..server.ray_serve import RayServeOptions
+    from ..server.ray_serve import RayServeOptions, default_gpus
     from .fields import values_from_args
 
     world = args.tp_size * args.ulysses_degree
     check_degrees(world, args.tp_size, args.ulysses_degree)  # each an integer >= 1
     gpus = args.gpus_per_replica
     if gpus is None:
-        if spec.device is not None:
-            gpus = float(world) if spec.device.startswith("cuda") else 0.0
-        else:
-            gpus = float(world) if cluster_gpus else 0.0
+        gpus = default_gpus(spec.device, world, cluster_gpus)
     return RayServeOptions(**{**values_from_args(args, RayServeOptions), "gpus_per_replica": gpus})
 
 

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from .. import api
+from .. import quantization as quant
 from ..errors import ConfigError
-from ..quantization import QuantizationSpec, parse_quantization, quantize_transformer, selected_linears
+from ..quantization import QuantizationSpec, parse_quantization, selected_linears
 from ..settings.cache_config import CacheConfig
 from .components import ComponentOffloader
 from .estimate import (
@@ -221,11 +222,15 @@ def quantize_through_device(pipe: Any, quantization: Any, device: torch.device |
     for block, group in zip(blocks, groups):
         if group:
             block.to(device)
-            done += quantize_transformer(transformer, QuantizationSpec(spec.method, include=tuple(group), exclude=()))
+            done += quant.quantize_transformer(
+                transformer, QuantizationSpec(spec.method, include=tuple(group), exclude=())
+            )
             block.to("cpu")
     outside = [n for n in names if not n.startswith("transformer_blocks.")]
     if outside:
-        done += quantize_transformer(transformer, QuantizationSpec(spec.method, include=tuple(outside), exclude=()))
+        done += quant.quantize_transformer(
+            transformer, QuantizationSpec(spec.method, include=tuple(outside), exclude=())
+        )
     transformer.quantization = spec
     return sorted(done)
 
