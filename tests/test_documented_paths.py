@@ -47,17 +47,15 @@ def documented_paths() -> list[str]:
 
 
 def resolve(path: str):
-    """The object `path` names: the longest importable module prefix, then attributes (`a.b:c` is `a.b.c`)."""
+    """The object `path` names (`a.b:c` is `a.b.c`): attributes from the top package down, importing a submodule only
+    where the parent does not have the name yet."""
     parts = path.replace(":", ".").split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            target = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError:
-            continue
-        for name in parts[cut:]:
-            target = getattr(target, name)
-        return target
-    raise ModuleNotFoundError(path)
+    target = importlib.import_module(parts[0])
+    for i, name in enumerate(parts[1:], start=1):
+        if not hasattr(target, name):
+            importlib.import_module(".".join(parts[: i + 1]))
+        target = getattr(target, name)
+    return target
 
 
 def test_the_documents_name_paths():

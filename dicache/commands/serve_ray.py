@@ -76,7 +76,8 @@ def serve_options_from_args(args: argparse.Namespace, spec: Any, cluster_gpus: f
     """`RayServeOptions` from the options; `cluster_gpus` (the cluster's GPU count, when known) picks the default
     of --gpus-per-replica."""
     from ..parallel import check_degrees
-    from ..server.ray_serve import RayServeOptions, default_gpus
+    from ..server.ray_options import default_gpus
+    from ..server.ray_serve import RayServeOptions
     from .fields import values_from_args
 
     world = args.tp_size * args.ulysses_degree

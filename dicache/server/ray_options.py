@@ -4,7 +4,8 @@ and speed options, settings profile, API key), declared with the `dicache serve`
 The Serve application builder (`dicache.server.ray_serve:app_builder`) takes its arguments by these names and by
 those of `ServerSettings`, `ConnectionLimits` and `RayServeOptions`; the command line parses the same options with
 argparse (`dicache.commands.serve`) and builds the same replica (`tests/test_ray_serve_units.py` checks that both
-paths agree). Bounds the command line checks while parsing are declared here for the builder.
+paths agree). Bounds the command line checks while parsing are declared here for the builder. `default_gpus`: the
+GPUs a replica reserves when `--gpus-per-replica` is not given, for both paths.
 """
 
 from __future__ import annotations
@@ -36,3 +37,11 @@ class ReplicaOptions(Options):
     quantization_exclude: list[str] | None = option(None, flag="--quantization-exclude")
     compile: bool = option(False, flag="--compile")
     api_key: str | None = option(None, flag="--api-key", repr=False)
+
+
+def default_gpus(device: str | None, world_size: int, cluster_gpus: float | None) -> float:
+    """`--gpus-per-replica` when not given: 1 per rank for a cuda device, 0 for another device; without a device, 1
+    per rank if the cluster has GPUs (`cluster_gpus`, None: unknown), else 0."""
+    if device is not None:
+        return float(world_size) if device.startswith("cuda") else 0.0
+    return float(world_size) if cluster_gpus else 0.0

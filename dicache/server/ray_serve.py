@@ -39,7 +39,7 @@ from ..errors import ConfigError
 from ..settings.cache_config import CacheConfig
 from ..settings.options import Options, option, option_values
 from ..settings.profiles import cache_config as read_cache_config
-from .ray_options import ReplicaOptions
+from .ray_options import ReplicaOptions, default_gpus
 from .settings import ANSWER_TIMEOUT_S, ConnectionLimits, ServerSettings, parse_default_size, server_settings
 
 log = logging.getLogger("dicache.server.ray")
@@ -352,14 +352,6 @@ def args_to_argv(args: dict[str, Any]) -> list[str]:
 
 BUILDER_OPTIONS = (ServerSettings, ConnectionLimits, RayServeOptions, ReplicaOptions)
 """The declared options a Serve builder's arguments are checked against, each by its `dicache serve` option name."""
-
-
-def default_gpus(device: str | None, world_size: int, cluster_gpus: float | None) -> float:
-    """`--gpus-per-replica` when not given: 1 per rank for a cuda device, 0 for another device; without a device, 1
-    per rank if the cluster has GPUs (`cluster_gpus`, None: unknown), else 0."""
-    if device is not None:
-        return float(world_size) if device.startswith("cuda") else 0.0
-    return float(world_size) if cluster_gpus else 0.0
 
 
 def replica_from_options(
