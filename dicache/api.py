@@ -10,13 +10,13 @@ from typing import Any
 
 from torch import nn
 
-from .adapters import BlockForm, find_pipeline_adapter, generic_spec
-from .config import CacheConfig
+from .engine.adapters import BlockForm, find_pipeline_adapter, generic_spec
+from .engine.install import InstalledHooks, install
+from .engine.session import CacheSession
+from .engine.state import RequestState
+from .engine.stats import RequestStats
 from .errors import NotEnabledError, UnsupportedModelError
-from .install import InstalledHooks, install
-from .session import CacheSession
-from .state import RequestState
-from .stats import RequestStats
+from .settings.cache_config import CacheConfig
 
 
 @dataclass

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..adapters import generic_spec
-from ..adapters.base import ModelSpec
-from ..block_plan import BlockPlan, CallInfo
-from ..install import observe_blocks
+from ..engine.adapters import generic_spec
+from ..engine.adapters.base import ModelSpec
+from ..engine.block_plan import BlockPlan, CallInfo
+from ..engine.install import observe_blocks
 from .packing import PackedWeights
 from .schedule import Copy, SlotSchedule
 from .timeline import TraceEvent

@@ -2,8 +2,8 @@
 
 It runs the first Fn blocks, asks the request's policy whether the middle can be skipped, and either runs the middle
 blocks (storing the residuals) or adds the calibrator's estimate of the middle residual, then runs the last Bn blocks.
-It keeps the stack's `BlockObserver`s informed (`dicache.block_plan`); a model with observers but no cache gets a
-runner too (every call runs all blocks). `dicache.install` puts the runner in place on a model.
+It keeps the stack's `BlockObserver`s informed (`dicache.engine.block_plan`); a model with observers but no cache gets a
+runner too (every call runs all blocks). `dicache.engine.install` puts the runner in place on a model.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from ...errors import UnsupportedModelError
 from .base import BlockForm, ModelSpec, SingleStream
 
 BLOCK_LIST_NAMES = ("transformer_blocks", "blocks", "layers")

@@ -1,6 +1,6 @@
 """Attaching the cache to a model: the only code that changes `nn.Module`s (docs/architecture.md §1).
 
-`install` puts a model's `BlockStackRunner` (`dicache.hooks`) in place, in one of two ways, both reversible:
+`install` puts a model's `BlockStackRunner` (`dicache.engine.hooks`) in place, in one of two ways, both reversible:
 - seam: the model runs its stack through a method (`run_blocks`); the runner replaces it on the instance;
 - iteration: the stack's `ModuleList` yields the runner in place of its blocks while a transformer call is active,
   so a model looping `for block in blocks: x = block(x, ...)` calls the runner once per forward.
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from .adapters.base import ModelSpec
 from .block_plan import BlockObserver
-from .errors import UnsupportedModelError
 from .hooks import BlockStackRunner
 from .session import CacheSession
 
