@@ -11,15 +11,15 @@ from typing import Any
 
 from torch import nn
 
-from .adapters import find_pipeline_adapter
-from .adapters.families import stack_specs
-from .adapters.generic import FormArg
-from .config import CacheConfig
+from .engine.adapters import find_pipeline_adapter
+from .engine.adapters.families import stack_specs
+from .engine.adapters.generic import FormArg
+from .engine.install import InstalledHooks, install
+from .engine.session import CacheSession
+from .engine.state import RequestState
+from .engine.stats import RequestStats
 from .errors import NotEnabledError, UnsupportedModelError
-from .install import InstalledHooks, install
-from .session import CacheSession
-from .state import RequestState
-from .stats import RequestStats
+from .settings.cache_config import CacheConfig
 
 
 @dataclass

@@ -28,10 +28,10 @@ at 1.15: base_shift = max_shift = 1.15), ``dicache.json``, ``training_log.json``
 and 6 training prompts; columns = teacher 50 steps CFG 4.5 | student 8 | student 4 | base 8 steps without CFG.
 ``--work`` (optional) keeps the teacher pairs and a training checkpoint; ``--resume`` continues from them.
 
-GPU command (H200, about 5 min in all)::
+GPU command (H200, about 10 min in all; the shipped student: scripts/README_training.md)::
 
     python scripts/train_turbo.py --data data/emoji64.npz --out "$OUT/krea2-tiny-turbo" \\
-        --grid "$OUT/krea2-tiny-turbo-grid.png" --work /tmp/turbo-work --teacher-seconds 70 --train-seconds 170
+        --grid "$OUT/krea2-tiny-turbo-grid.png" --work /tmp/turbo-work --teacher-seconds 80 --train-seconds 400
 
 CPU smoke run (about a minute; not a usable model)::
 
@@ -553,6 +553,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data", default="data/emoji64.npz", help="captions of the training images (npz)")
     ap.add_argument("--base", default=str(DEFAULT_BASE), help="teacher checkpoint folder (the embedded krea2-tiny)")
     ap.add_argument("--out", default=str(REPO / "dicache" / "assets" / "krea2-tiny-turbo"))
+    ap.add_argument(
+        "--init",
+        default="",
+        help="start the student from this checkpoint folder (a previous stage's --out) instead of the base",
+    )
     ap.add_argument("--base-pointer", default=BASE_POINTER, help="dicache.json base_checkpoint, relative to --out")
     ap.add_argument("--grid", default="docs/krea2-tiny-turbo-grid.png", help="sample grid path ('' to skip)")
     ap.add_argument("--work", default="", help="folder for teacher pairs and training checkpoints ('' = none)")
@@ -581,6 +586,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-teacher-steps", type=int, default=TEACHER_STEPS, help="the reference's steps (raw: 50)")
     ap.add_argument("--eval-max-prompts", type=int, default=0, help="0 = all of heldout_prompts.json")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: a few paths and steps, 2 prompts")
+    ap.add_argument(
+        "--teacher-only",
+        action="store_true",
+        help="stop after saving the teacher paths in --work (students trained in parallel share them via --resume)",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.device = "cpu"
@@ -594,6 +604,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--val-pairs={args.val_pairs} is invalid: must be in [1, --teacher-samples)")
     if not 0 <= args.onpolicy_fraction <= 1:
         ap.error(f"--onpolicy-fraction={args.onpolicy_fraction} is invalid: must be in [0, 1]")
+    if args.teacher_only and not args.work:
+        ap.error("--teacher-only needs --work (the folder the teacher paths are saved in)")
     if args.resume and not args.work:
         ap.error("--resume needs --work (the folder holding the teacher pairs and the training state)")
     return args
@@ -645,12 +657,15 @@ def main(argv: list[str] | None = None) -> dict:
         )
     timings["teacher"] = pairs["seconds"]
     log(f"teacher: {n_pairs} paths of {len(targets)} states ({pairs['seconds']}s)")
+    if args.teacher_only:
+        return {"teacher": {"paths": n_pairs, "seconds": pairs["seconds"], "file": str(pairs_file)}}
 
-    student_model = Krea2Transformer.from_pretrained(base, dtype=torch.float32, device=device)
+    init = Path(args.init) if args.init else base
+    student_model = Krea2Transformer.from_pretrained(init, dtype=torch.float32, device=device)
     student_model.requires_grad_(True)
     student = Student(student_model, base_pipe, torch.tensor(targets))
     val_before = validation_psnr(student, pairs, states, masks, args.val_pairs, device)
-    log(f"validation latent PSNR before training (base, 8 steps, no CFG): {val_before:.2f} dB")
+    log(f"validation latent PSNR before training ({init.name}, 8 steps, no CFG): {val_before:.2f} dB")
     resume_state = None
     state_file = work / "train_state.pt" if work else None
     if args.resume and state_file and state_file.is_file():
@@ -681,6 +696,8 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "student": {"steps": STUDENT_STEPS, "sigmas": [round(s, 6) for s in targets], "mu": TURBO_MU},
         "train": train_log,
+        "init": str(init),
+        "previous_stage": json.loads((init / "training_log.json").read_text()) if args.init else None,
         "timings_s": timings,
     }
     log_path = out / "training_log.json"

@@ -7,10 +7,10 @@ from toymodels import SeamTransformer, ToyTransformer, sample
 
 import dicache
 from dicache import CacheConfig
-from dicache.adapters import generic_spec
-from dicache.install import observe_blocks
-from dicache.policies import DBCachePolicy
-from dicache.policies.lookahead import BranchCounters, decide_without_diff, next_call, upcoming_decisions
+from dicache.engine.adapters import generic_spec
+from dicache.engine.install import observe_blocks
+from dicache.engine.policies import DBCachePolicy
+from dicache.engine.policies.lookahead import BranchCounters, decide_without_diff, next_call, upcoming_decisions
 
 
 class Recorder:

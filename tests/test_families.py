@@ -28,8 +28,8 @@ from tiny_families import (
 import dicache
 from dicache import BlockFormError
 from dicache.adapters import FAMILIES, find_family
-from dicache.adapters.family_docs import markdown_table
-from dicache.adapters.pipelines import read_schedule
+from dicache.engine.adapters.family_docs import markdown_table
+from dicache.engine.adapters.pipelines import read_schedule
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

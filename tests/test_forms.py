@@ -9,9 +9,9 @@ from toymodels import FormTransformer, TwoListTransformer, timesteps
 import dicache
 from dicache import BlockFormError, CacheConfig, ConfigError, UnsupportedModelError
 from dicache.adapters import FORMS, stack_spec
-from dicache.adapters.forms import fitting_forms
-from dicache.install import observe_blocks
-from dicache.policies import middle_segments
+from dicache.engine.adapters.forms import fitting_forms
+from dicache.engine.install import observe_blocks
+from dicache.engine.policies import middle_segments
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

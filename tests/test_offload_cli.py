@@ -9,7 +9,6 @@ from tiny_krea2 import build_tiny_pipeline
 
 import dicache
 from dicache.cli import build_parser, main
-from dicache.config import CacheConfig
 from dicache.errors import ConfigError
 from dicache.models.krea2.pipeline import Krea2Pipeline
 from dicache.offload.cli import cfg_of, offload_options
@@ -17,6 +16,7 @@ from dicache.offload.pipeline import memory_needs
 from dicache.offload.plan import GiB, OffloadSettings, plan_memory
 from dicache.server.backend import load_backend
 from dicache.server.generation import GenerationSpec
+from dicache.settings.cache_config import CacheConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 import dicache
-from dicache.calibration import RECOMMENDED_FAMILY
-from dicache.config import CacheConfig
 from dicache.errors import MemoryBudgetError
 from dicache.models.krea2.pipeline import Krea2Pipeline
 from dicache.models.krea2.tiny import random_tiny_transformer, tiny_transformer_config
 from dicache.offload.pipeline import memory_needs
 from dicache.offload.plan import GiB
+from dicache.settings.cache_config import CacheConfig
+from dicache.tuning import RECOMMENDED_FAMILY
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

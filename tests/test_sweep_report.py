@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from dicache.config import SETTINGS_BY_KEY
+from dicache.settings.cache_config import SETTINGS_BY_KEY
 from dicache.sweep import answer, settings
 from dicache.sweep.report import render_report
 from dicache.sweep.spec import DEFAULT_COMPUTE_TARGETS, QUICK_GRID, expand_grid, make_cell

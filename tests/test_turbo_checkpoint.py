@@ -237,3 +237,25 @@ def test_the_shipped_turbo_checkpoint_is_a_distilled_student_of_the_embedded_bas
         assert any(not torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in names)
     log = json.loads((turbo / "training_log.json").read_text())
     assert log["train"]["steps"] > 0 and "student 8 st" in log["eval_vs_teacher_psnr_db"]
+
+
+def test_teacher_only_needs_a_work_folder(tt, capsys):
+    """--teacher-only saves the teacher paths for --resume runs to share: without --work there is nowhere to save."""
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--teacher-only"])
+    assert "--teacher-only needs --work" in capsys.readouterr().err
+    assert tt.parse_args(["--teacher-only", "--work", "/tmp/w"]).teacher_only
+
+
+def test_the_shipped_turbo_log_records_every_training_stage():
+    """The GPU student was trained in stages (--init): each stage's log nests the one it started from, and the
+    shipped stage started from the previous stage's output."""
+    log = json.loads((krea2_checkpoints.EMBEDDED_TURBO_CHECKPOINT / "training_log.json").read_text())
+    stages = []
+    while log:
+        stages.append(log)
+        log = log.get("previous_stage")
+    assert len(stages) >= 2
+    for later, earlier in zip(stages, stages[1:]):
+        assert later["args"]["init"] and later["init"] == later["args"]["init"]
+        assert later["train"]["validation_before"] > earlier["train"]["validation_before"]

@@ -1,7 +1,7 @@
 """`dicache calibrate`: measure cache-setting candidates on a model and write the cheapest one that meets a PSNR
 target (vs the uncached run) as a settings profile for `--profile` / `SGLANG_CACHE_DIT_PROFILE`.
 
-The procedure and the choice rule are in `dicache.calibration`. Exit status 0: the profile was written; 2: bad input,
+The procedure and the choice rule are in `dicache.tuning`. Exit status 0: the profile was written; 2: bad input,
 or no candidate met the target (the table is printed, nothing is written).
 """
 
@@ -11,9 +11,30 @@ import argparse
 import json
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from .. import __version__
+from ..models.krea2 import Krea2Pipeline
+from ..models.krea2.checkpoints import heldout_prompts_file, resolve_model
+from ..models.krea2.presets import PRESETS, resolve_variant
+from ..settings.cache_config import SETTINGS
+from ..settings.profiles import write_profile
+from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
+from ..tuning import (
+    CANDIDATES,
+    CalibrationError,
+    PipelineRunner,
+    TargetNotMet,
+    calibrate,
+    calibration_record,
+    format_table,
+    load_candidates,
+    profile_settings,
+)
 from .generate import add_sampling_arguments
 
 HELP = (
@@ -88,17 +109,12 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def _heldout_file(model: str | None) -> Path:
-    from ..models.krea2.checkpoints import heldout_prompts_file
-
     return heldout_prompts_file(model)
 
 
 def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
     """(prompt, seed) pairs of `--prompts`: a count of the checkpoint's held-out prompts (built-in ones when it
     has none), or a prompt file."""
-    from ..calibration import CalibrationError
-    from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
-
     text = prompts.strip()
     if text.isdigit():
         count = int(text)
@@ -113,15 +129,10 @@ def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
 
 
 def _env_knobs() -> list[str]:
-    from ..config import SETTINGS
-
     return [k.env_name for k in SETTINGS if k.env_name in os.environ and k.key != "enable_cache"]
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import __version__
-    from ..calibration import CANDIDATES, CalibrationError, TargetNotMet, calibrate, load_candidates
-
     if args.list_candidates:
         print(json.dumps(list(CANDIDATES), indent=2))
         return 0
@@ -133,8 +144,6 @@ def run(args: argparse.Namespace) -> int:
         raise CalibrationError(f"--steps={args.steps} is invalid: must be an integer >= 1")
     if args.guidance is not None and not args.guidance >= 1.0:
         raise CalibrationError(f"--guidance={args.guidance} is invalid: must be >= 1 (1 = no CFG)")
-
-    import torch
 
     previous_threads = torch.get_num_threads()
     if args.threads:
@@ -159,13 +168,10 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         torch.set_num_threads(previous_threads)
-    from ..calibration import calibration_record, format_table, profile_settings
-    from ..profiles import write_profile
 
     print(format_table(result))
     if result.chosen is None:
         raise TargetNotMet(result.failure_message())
-    from datetime import datetime, timezone
 
     record = calibration_record(
         result,
@@ -189,13 +195,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The pipeline runner at the resolved schedule and size, and what to record about them."""
-    import torch
-
-    from ..calibration import CalibrationError, PipelineRunner
-    from ..models.krea2 import Krea2Pipeline
-    from ..models.krea2.checkpoints import resolve_model
-    from ..models.krea2.presets import PRESETS, resolve_variant
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
 

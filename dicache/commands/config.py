@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..settings.docs import env_example, markdown_table
+from ..settings.profiles import add_profile_argument, cache_config, describe_profile, profile_source
+
 HELP = (
     "print the effective cache settings (SGLANG_CACHE_DIT_* variables over an optional settings profile) and where "
     "each value came from"
@@ -12,8 +15,6 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..profiles import add_profile_argument
-
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--env-example", action="store_true", help="print env.example (every variable and default)")
     parser.add_argument("--markdown", action="store_true", help="print the README's settings table (Markdown)")
@@ -21,9 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config_docs import env_example, markdown_table
-    from ..profiles import cache_config, describe_profile, profile_source
-
     if args.env_example:
         print(env_example(), end="")
         return 0

@@ -1,4 +1,4 @@
-"""Command-line options derived from declared option models (`dicache.options.option`): one argparse option per
+"""Command-line options derived from declared option models (`dicache.settings.options.option`): one argparse option per
 field with a flag, and the model's keyword arguments back from the parsed namespace."""
 
 from __future__ import annotations
@@ -8,13 +8,8 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from ..options import Options, bounds, value_type
+from ..settings.options import Options, bounds, flag_name, value_type
 from . import argtypes
-
-
-def dest(flag: str) -> str:
-    """The namespace attribute argparse stores `flag` under."""
-    return flag.lstrip("-").replace("-", "_")
 
 
 def flagged(model: type[Options]) -> dict[str, FieldInfo]:
@@ -45,7 +40,7 @@ def add_options(parser: Any, model: type[Options], checked: bool = True) -> None
 
 def values_from_args(args: argparse.Namespace, model: type[Options]) -> dict[str, Any]:
     """The flagged fields' values in `args`, by field name."""
-    return {name: getattr(args, dest(field.json_schema_extra["flag"])) for name, field in flagged(model).items()}
+    return {name: getattr(args, flag_name(field.json_schema_extra["flag"])) for name, field in flagged(model).items()}
 
 
 def _shown(default: Any) -> str | None:

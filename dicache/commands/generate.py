@@ -8,6 +8,16 @@ import json
 import pathlib
 import time
 
+import torch
+
+from .. import api
+from ..models.krea2.checkpoints import resolve_model
+from ..models.krea2.pipeline import Krea2Pipeline
+from ..offload.cli import add_offload_arguments, cfg_of, describe, offload_options
+from ..parallel import add_parallel_arguments, parallelize_pipeline, setup_from_args
+from ..settings.profiles import add_profile_argument, cache_config, describe_profile, profile_source
+from .speed import add_speed_arguments, apply_speed_options, speed_spec
+
 HELP = "generate images with Krea-2 (default: the embedded checkpoint) and print the cache statistics"
 
 
@@ -51,8 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="env",
         help="env: SGLANG_CACHE_DIT_ENABLED (or the profile's enable_cache) decides (default); on/off force it",
     )
-    from ..profiles import add_profile_argument
-
     add_profile_argument(parser)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument(
@@ -60,14 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="also write the cache statistics as JSON here (with the settings used and where each came from)",
     )
-    from ..parallel import add_parallel_arguments
-
     add_parallel_arguments(parser)
-    from .speed import add_speed_arguments
-
     add_speed_arguments(parser)
-    from ..offload.cli import add_offload_arguments
-
     add_offload_arguments(parser)
 
 
@@ -79,15 +81,6 @@ def output_paths(out: str, count: int) -> list[pathlib.Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    import dicache
-    from dicache.models.krea2 import Krea2Pipeline
-    from dicache.parallel import parallelize_pipeline, setup_from_args
-    from dicache.profiles import cache_config
-
-    from .speed import speed_spec
-
     config = cache_config(args.profile)  # defaults < profile (--profile wins over the variable) < environment
     speed_spec(args)  # a bad --quantization-exclude stops here, before loading
     use_cache = config.enable_cache if args.cache == "env" else args.cache == "on"
@@ -95,17 +88,12 @@ def run(args: argparse.Namespace) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
     try:
-        return _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline)
+        return _generate(args, ctx, config, use_cache)
     finally:
         ctx.shutdown()
 
 
-def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline) -> int:
-    from dicache.models.krea2.checkpoints import resolve_model
-    from dicache.offload.cli import cfg_of, describe, offload_options
-
-    from .speed import apply_speed_options, speed_spec
-
+def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
     offload = offload_options(  # {} unless a memory option is given; the plan covers this command's request
         args,
         max_height=args.height,
@@ -126,7 +114,7 @@ def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_
     if not offload:
         apply_speed_options(pipe, args)
     if use_cache:
-        dicache.enable(pipe, config)
+        api.enable(pipe, config)
     start = time.perf_counter()
     out = pipe(
         args.prompt,
@@ -151,12 +139,11 @@ def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_
     if not use_cache:
         print("caching off (set SGLANG_CACHE_DIT_ENABLED=true or pass --cache on)")
         return 0
-    from dicache.profiles import describe_profile, profile_source
 
     profile = describe_profile(config)
     if profile:
         print(profile)
-    stats = dicache.stats(pipe)
+    stats = api.stats(pipe)
     print(stats.table())
     if args.stats_json:
         record = {

@@ -11,10 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..errors import DicacheError
+from ..models.krea2.checkpoints import default_checkpoint, heldout_prompts_file
+from ..sweep import spec as S
+from ..sweep.cachedit import INSTALL_HINT, cache_dit_available
+from ..sweep.launch import run_sweep
+from ..sweep.prompts import FALLBACK_PROMPTS, read_prompts
+from ..sweep.report import write_report
 from ..sweep.settings import grid_axes
+from ..sweep.spec import FILE_KEYS, SweepSpecError
+from ..sweep.store import RESULTS_JSON
 
 HELP = "sweep cache settings: compute fraction, time and fidelity (PSNR/SSIM/rel-L2) vs cache-dit and fewer steps"
 
@@ -133,21 +145,15 @@ def _int(text: str) -> int:
 
 
 def _file_keys() -> tuple[str, ...]:
-    from ..sweep.spec import FILE_KEYS
-
     return FILE_KEYS
 
 
 def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
     """The `SweepSpec` of the parsed arguments (CLI > grid file > `--quick`/default presets)."""
-    from ..sweep import spec as S
-
     file: dict[str, Any] = S.read_grid_file(args.grid) if args.grid else {}
     model = args.model or file.get("model")
     variant = getattr(args, "variant", None)
     if model is None and variant == "turbo":
-        from ..models.krea2.checkpoints import default_checkpoint
-
         model = str(default_checkpoint("turbo"))
 
     grid: Any = S.QUICK_GRID if args.quick else S.DEFAULT_GRID
@@ -187,14 +193,11 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
         methods = ["ours"] + (["cache-dit"] if want_cachedit else [])
     elif baselines_given is not None and want_cachedit and not asked:
         methods = [*methods, "cache-dit"]
-    if "cache-dit" in methods and not asked:
-        from ..sweep.cachedit import INSTALL_HINT, cache_dit_available
-
-        if not cache_dit_available():
-            methods = [m for m in methods if m != "cache-dit"]
-            note = f"{INSTALL_HINT}; the cache-dit baseline is skipped"
-            notes.append(note)
-            log(f"note: {note}")
+    if "cache-dit" in methods and not asked and not cache_dit_available():
+        methods = [m for m in methods if m != "cache-dit"]
+        note = f"{INSTALL_HINT}; the cache-dit baseline is skipped"
+        notes.append(note)
+        log(f"note: {note}")
     quantizations = args.quantization or file.get("quantization") or []
     for q in [quantizations] if isinstance(quantizations, str) else quantizations:
         if q != "none" and q not in S.QUANTIZED_METHODS:
@@ -224,8 +227,6 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
 
 
 def _fraction(value: Any) -> float:
-    from ..sweep.spec import SweepSpecError
-
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -234,15 +235,11 @@ def _fraction(value: Any) -> float:
 
 def _heldout_file(model: str | None) -> Path:
     """`heldout_prompts.json` beside the checkpoint, else beside its base checkpoint (it may not exist)."""
-    from ..models.krea2.checkpoints import heldout_prompts_file
-
     return heldout_prompts_file(model)
 
 
 def _default_prompts(model: str | None) -> list[tuple[str, int | None]]:
     """The checkpoint's held-out prompts (heldout_prompts.json) when it has them, else built-in ones."""
-    from ..sweep.prompts import FALLBACK_PROMPTS, read_prompts
-
     path = _heldout_file(model)
     if path.is_file():
         return read_prompts(path, split="heldout")
@@ -262,15 +259,10 @@ def _default_size(model: str | None) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..sweep.report import write_report
-    from ..sweep.store import RESULTS_JSON
-
     out = Path(args.out)
     if args.report_only:
         path = out / RESULTS_JSON
         if not path.is_file():
-            from ..sweep.spec import SweepSpecError
-
             raise SweepSpecError(f"--report-only: {path} does not exist (run the sweep first)")
         report = write_report(json.loads(path.read_text()), out)
         print(f"wrote {report}")
@@ -295,13 +287,8 @@ def run(args: argparse.Namespace) -> int:
             for cell in spec.cachedit_cells:
                 print(f"  {cell.label}")
         return 0
-    import torch
-
-    from ..sweep.launch import run_sweep
 
     if args.threads is not None and args.threads < 1:
-        from ..sweep.spec import SweepSpecError
-
         raise SweepSpecError(f"--threads={args.threads} is invalid: must be an integer >= 1")
     previous = torch.get_num_threads()
     try:
@@ -318,10 +305,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m dicache.commands.sweep ...`: the subcommand alone (no other subcommand's imports)."""
-    import sys
-
-    from ..errors import DicacheError
-
     parser = argparse.ArgumentParser(prog="dicache sweep", description=HELP)
     add_arguments(parser)
     args = parser.parse_args(argv)

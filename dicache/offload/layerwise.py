@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..adapters import StackSpec, stack_spec
-from ..block_plan import BlockPlan, CallInfo
-from ..install import observe_blocks
+from ..engine.adapters import StackSpec, stack_spec
+from ..engine.block_plan import BlockPlan, CallInfo
+from ..engine.install import observe_blocks
 from .packing import PackedWeights
 from .schedule import Copy, SlotSchedule
 from .timeline import TraceEvent

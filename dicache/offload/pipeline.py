@@ -20,7 +20,11 @@ from typing import Any
 
 import torch
 
+from .. import api
+from .. import quantization as quant
 from ..errors import ConfigError
+from ..quantization import QuantizationSpec, parse_quantization, selected_linears
+from ..settings.cache_config import CacheConfig
 from .components import ComponentOffloader
 from .estimate import (
     cache_bytes,
@@ -205,8 +209,6 @@ def quantize_through_device(pipe: Any, quantization: Any, device: torch.device |
     """Quantize a transformer held in host memory one block at a time on `device` (FP8 is made on the GPU, and the
     bf16 transformer need not fit there whole): the parts outside the blocks go to `device`, then each block goes
     there, is quantized, and returns to the host. Returns the quantized linears (as `Krea2Pipeline.quantize`)."""
-    from ..quantization import QuantizationSpec, parse_quantization, quantize_transformer, selected_linears
-
     spec = parse_quantization(quantization) if isinstance(quantization, str) else quantization
     if spec is None:
         return []
@@ -220,11 +222,15 @@ def quantize_through_device(pipe: Any, quantization: Any, device: torch.device |
     for block, group in zip(blocks, groups):
         if group:
             block.to(device)
-            done += quantize_transformer(transformer, QuantizationSpec(spec.method, include=tuple(group), exclude=()))
+            done += quant.quantize_transformer(
+                transformer, QuantizationSpec(spec.method, include=tuple(group), exclude=())
+            )
             block.to("cpu")
     outside = [n for n in names if not n.startswith("transformer_blocks.")]
     if outside:
-        done += quantize_transformer(transformer, QuantizationSpec(spec.method, include=tuple(outside), exclude=()))
+        done += quant.quantize_transformer(
+            transformer, QuantizationSpec(spec.method, include=tuple(outside), exclude=())
+        )
     transformer.quantization = spec
     return sorted(done)
 
@@ -235,9 +241,6 @@ def _default_device() -> torch.device:
 
 def _cache_config(pipe: Any):
     """The cache settings the pipeline runs with: its enabled session's, else the environment's."""
-    from .. import api
-    from ..config import CacheConfig
-
     if api.is_enabled(pipe):
         return api.session_of(pipe).config
     return CacheConfig.from_env()
@@ -284,9 +287,7 @@ def memory_needs(
         shape=f"{width}x{height}, {rows_per_call} row(s) per transformer call{size_source}",
     )
     if text is not None:
-        from ..models.krea2.text import _text_config
-
-        tc = _text_config(text.text_encoder)
+        tc = text.text_config
         needs["text_encoder_bytes"] = module_bytes(text.text_encoder)
         needs["text_encoder_activation_bytes"] = text_encoder_activation_bytes(
             tc.num_hidden_layers,

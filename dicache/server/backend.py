@@ -27,10 +27,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from .. import api as dicache_api
-from ..config import CacheConfig
-from ..stats import RequestStats
+from ..engine.stats import RequestStats
+from ..models.krea2 import Krea2Pipeline
+from ..models.krea2.checkpoints import resolve_model
+from ..models.krea2.presets import PRESETS, resolve_variant
+from ..settings.cache_config import CacheConfig
+from ..settings.profiles import cache_config as read_cache_config
 from ..sweep.flops import request_flops
 from .generation import Defaults, GenerationSpec
 from .stop_points import install_stop_points
@@ -68,8 +73,6 @@ def encode_image(image: np.ndarray, output_format: str = "png", quality: int = 1
     """float (H, W, C) in [0, 1] -> image bytes, rounded to 8 bits as the pipeline's PIL output is.
 
     `output_format`: png (lossless; `quality` unused), jpeg or webp (`quality` in percent, 0..100)."""
-    from PIL import Image
-
     if output_format not in _PIL_FORMATS:
         raise ValueError(f"output_format={output_format!r} is invalid: must be one of {', '.join(_PIL_FORMATS)}")
     pixels = (np.clip(image, 0.0, 1.0) * 255).round().astype(np.uint8)
@@ -175,8 +178,6 @@ class PipelineBackend:
         each variant, with prompts of two lengths, so that every graph a request can need (computed and cached
         steps, cond and uncond, a symbolic text length) is built before the first request. Returns what ran:
         generations, seconds and graphs compiled."""
-        from ..models.krea2.presets import PRESETS
-
         start = time.perf_counter()
         graphs = _compiled_graphs()
         runs = 0
@@ -212,7 +213,7 @@ class PipelineBackend:
 
 def _compiled_graphs() -> int:
     """Graphs torch.compile has built in this process so far (dynamo's counter)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # seconds to import: only a compiled warm-up counts graphs
 
     return int(counters["stats"]["unique_graphs"])
 
@@ -232,8 +233,6 @@ def _stop_after_step(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict
 
 def variant_defaults(pipe: Any, variant: str | None = None, default_size: tuple[int, int] | None = None) -> Defaults:
     """The preset of `variant` (None: the checkpoint's own, turbo if distilled) and the default (width, height)."""
-    from ..models.krea2.presets import PRESETS, resolve_variant
-
     variant = resolve_variant(pipe, variant)
     preset = PRESETS[variant]
     if default_size is None:
@@ -267,8 +266,6 @@ def load_backend(
     `profile`, default `SGLANG_CACHE_DIT_PROFILE`'s). Every request starts from these settings; its
     `cache_dit_params` merge over them. `offload`: `Krea2Pipeline.from_pretrained`'s memory options
     (`dicache.offload.cli.offload_options`)."""
-    from ..models.krea2 import Krea2Pipeline
-
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
@@ -277,12 +274,9 @@ def load_backend(
     if cache_config is not None and profile is not None:
         raise ValueError("load_backend: pass cache_config or profile, not both")
     if cache_config is None:
-        from ..profiles import cache_config as read_cache_config
-
         cache_config = read_cache_config(profile)
     config = cache_config
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from ..models.krea2.checkpoints import resolve_model
 
     pipe = Krea2Pipeline.from_pretrained(
         resolve_model(model, variant), dtype=dtype, device=device, load_format=load_format, **(offload or {})

@@ -1,7 +1,7 @@
 """Speed and memory set-up of a loaded Krea-2 pipeline: FP8 quantisation, `torch.compile`, offloading.
 
 `PipelineOptimizations` is mixed into `Krea2Pipeline`; it needs the pipeline's `transformer` and `offload` attributes
-and delegates to `dicache.quantization` and (imported lazily, a higher layer) `dicache.offload`.
+and delegates to `dicache.quantization` and `dicache.offload`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from dicache.offload.pipeline import enable_pipeline_offload
+from dicache.offload.plan import OffloadSettings
 from dicache.quantization import QuantizationSpec, parse_quantization, quantize_transformer
 
 
@@ -17,8 +19,6 @@ def offload_settings(*options: Any) -> Any:
     """`dicache.offload.plan.OffloadSettings` from the offload options in their declared order (dit_layerwise_offload,
     dit_offload_prefetch_size, dit_cpu_offload, text_encoder_cpu_offload, vae_cpu_offload, pin_cpu_memory,
     gpu_memory_budget), validated; what `from_pretrained` and `enable_offload` both take."""
-    from dicache.offload.plan import OffloadSettings
-
     return OffloadSettings(*options)
 
 
@@ -86,8 +86,6 @@ class PipelineOptimizations:
         needed and what was available) when nothing fits. Output images stay bitwise equal to the resident run
         with the same CFG batching.
         """
-        from dicache.offload.pipeline import enable_pipeline_offload
-
         settings = offload_settings(
             dit_layerwise_offload, dit_offload_prefetch_size, dit_cpu_offload, text_encoder_cpu_offload,
             vae_cpu_offload, pin_cpu_memory, gpu_memory_budget,

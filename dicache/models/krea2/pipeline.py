@@ -47,6 +47,7 @@ from dicache.models.krea2.text import Krea2TextEncoder
 from dicache.models.krea2.transformer import Krea2Transformer, TextConditioning
 from dicache.models.krea2.vae import QwenImageVAEDecoder
 from dicache.models.loading import CheckpointError, default_dtype
+from dicache.offload.pipeline import enable_pipeline_offload, quantize_through_device
 from dicache.quantization import QuantizationSpec
 
 __all__ = [
@@ -177,8 +178,6 @@ class Krea2Pipeline(PipelineOptimizations):
         pipe.source = str(path_or_repo_id)
         # order: quantize (the memory plan reads the weights' actual bytes), plan and place, compile
         if offload.any:
-            from dicache.offload.pipeline import enable_pipeline_offload, quantize_through_device
-
             if quantization is not None:
                 quantize_through_device(pipe, quantization, target)
             enable_pipeline_offload(pipe, offload, target, **(offload_limits or {}))

@@ -452,7 +452,7 @@ class Krea2Transformer(nn.Module):
         embeddings stay eager). All blocks share one compiled graph per input shape; `dynamic=None` lets dynamo
         make the sequence length symbolic at the second distinct shape, so a new resolution or prompt length costs
         at most one recompilation. Raises the dynamo recompile limit to cover one entry per block."""
-        import torch._dynamo
+        import torch._dynamo  # seconds to import: only compiling needs it
 
         config = torch._dynamo.config
         limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"

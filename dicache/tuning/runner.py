@@ -8,7 +8,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import CacheConfig
+from ..settings.cache_config import CacheConfig
+from ..sweep.runners import NativeRunner
+from ..sweep.spec import Schedule
 
 
 @dataclass
@@ -43,9 +45,6 @@ class PipelineRunner:
     def __init__(
         self, pipe: Any, steps: int, guidance_scale: float, variant: str | None, height: int, width: int
     ) -> None:
-        from ..sweep.runners import NativeRunner
-        from ..sweep.spec import Schedule
-
         self.native = NativeRunner(pipe)
         self.schedule = Schedule(steps, guidance_scale, variant)
         self.steps, self.height, self.width = steps, height, width

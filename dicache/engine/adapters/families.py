@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from ..errors import ConfigError, UnsupportedModelError
+from ...errors import ConfigError, UnsupportedModelError
 from .forms import H_TO_H, HE_TO_EH, HE_TO_H, HE_TO_HE, BlockForm
 from .generic import FormArg, apply_forms, generic_spec, timestep_getter
 from .stack import StackSpec

@@ -1,18 +1,21 @@
 """Declared options: frozen pydantic models whose fields carry their command-line flag and help (`option`).
 
 The command line derives its options from the declarations (`dicache.commands.fields`); the model validates once,
-and a bad value raises one line naming the field (or its flag), the value and what is allowed (`Options`).
+and a bad value raises one line naming the field (or its flag), the value and what is allowed (`Options`). Where
+options arrive as a mapping instead (a Ray Serve builder's arguments), `option_values` hands each to the model that
+declares it, by the option's name.
 """
 
 from __future__ import annotations
 
 import types
-from typing import Any, ClassVar, Union, get_args, get_origin
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
-from .formatting import clip_repr
+from ..formatting import clip_repr
 
 
 def option(
@@ -49,6 +52,8 @@ def bounds(field: FieldInfo) -> dict[str, float]:
 def allowed(field: FieldInfo) -> str:
     """What the field accepts, in words, from its type and bounds: 'an integer >= 1', 'a finite number > 0'."""
     kind = value_type(field)
+    if get_origin(kind) is Literal:
+        return "one of " + ", ".join(repr(v) for v in get_args(kind))
     noun = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(kind, str(kind))
     found = bounds(field)
     if kind is int and "ge" in found and "le" in found:  # the command line's wording (commands.argtypes)
@@ -106,3 +111,52 @@ def _one_line(cls: type[Options], exc: ValidationError) -> str:
         shown = "=" + clip_repr(error["input"]) if field.repr else ""
         problems.append(f"{cls.name_of(name)}{shown} is invalid: must be {allowed(field)}")
     return "; ".join(dict.fromkeys(problems))
+
+
+def flag_name(flag: str) -> str:
+    """An option's name without its dashes, as argparse stores it and a Serve builder takes it (`--max-queue` ->
+    `max_queue`)."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def option_names(model: type[Options]) -> dict[str, str]:
+    """The model's fields that are options, by option name (`flag_name` of the flag): {option name: field name}."""
+    flags = {name: (f.json_schema_extra or {}).get("flag") for name, f in model.model_fields.items()}
+    return {flag_name(flag): name for name, flag in flags.items() if flag}
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def typed(field: FieldInfo, value: Any) -> Any:
+    """`value` as the field's type when it is text for an integer, a number or a boolean (a `key=value` command line
+    passes text); anything else unchanged, for the model to check and name."""
+    if not isinstance(value, str):
+        return value
+    kind, text = value_type(field), value.strip().lower()
+    try:
+        if kind is bool and text in _TRUE + _FALSE:
+            return text in _TRUE
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+    except ValueError:
+        pass
+    return value
+
+
+def option_values(
+    values: Mapping[str, Any], models: Sequence[type[Options]], error: type[Exception] = ValueError
+) -> dict[type[Options], dict[str, Any]]:
+    """`values` (by option name) split among the `models` that declare them: {model: {field name: value}}, text
+    converted by the field's type (`typed`). A name no model declares raises `error` listing the names they do."""
+    owners = {name: (model, field) for model in models for name, field in option_names(model).items()}
+    unknown = [name for name in values if name not in owners]
+    if unknown:
+        raise error(f"unknown option(s) {', '.join(map(clip_repr, unknown))}; allowed: {', '.join(owners)}")
+    split: dict[type[Options], dict[str, Any]] = {model: {} for model in models}
+    for name, value in values.items():
+        model, field = owners[name]
+        split[model][field] = typed(model.model_fields[field], value)
+    return split

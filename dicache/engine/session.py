@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .config import CacheConfig
+from ..settings.cache_config import CacheConfig
 from .state import BranchState, RequestState, branch_name
 from .stats import RequestStats
 

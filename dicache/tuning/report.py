@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..config import SETTINGS
+from ..settings.cache_config import SETTINGS
 from .search import Calibration, CandidateResult
 
 

@@ -8,8 +8,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..config import CacheConfig
+from tqdm.auto import tqdm
+
 from ..errors import ConfigError
+from ..settings.cache_config import CacheConfig
 from ..sweep.metrics import PSNR_CAP_DB, psnr
 from ..sweep.settings import label
 from .candidates import CANDIDATES, check_candidate
@@ -140,8 +142,6 @@ def calibrate(
     """Run the references and the candidates on `samples` and choose (see the module docstring).
 
     `on_reject` is called for each invalid candidate (the command prints them as they are found)."""
-    from tqdm.auto import tqdm
-
     if criterion not in CRITERIA:
         raise CalibrationError(f"criterion={criterion!r} is invalid: must be one of {', '.join(CRITERIA)}")
     if not math.isfinite(target_psnr) or target_psnr <= 0:

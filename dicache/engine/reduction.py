@@ -4,11 +4,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-
-from .adapters.forms import Streams
+import torch.distributed as dist
 
 PARALLEL_LAYOUT_ATTR = "parallel_layout"
 """A model split over processes carries a `ReductionLayout` under this attribute (set by `dicache.parallel`)."""
@@ -27,8 +27,11 @@ class ReductionLayout(Protocol):
     def counted(self, stream: torch.Tensor) -> torch.Tensor: ...
 
 
-def relative_change(current: Streams, reference: Streams, layout: ReductionLayout | None = None) -> float:
-    """`mean|current − reference| / mean|reference|` over every element of every stream (one host sync).
+def relative_change(
+    current: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], layout: ReductionLayout | None = None
+) -> float:
+    """`mean|current − reference| / mean|reference|` over every element of every stream (one tensor per stream, the
+    same shapes in both; one host sync).
 
     With a layout, each process sums only what it counts and the numerator and denominator sums are all-reduced over
     its group before dividing, so every process of a model-parallel group gets the same value, equal to the
@@ -41,8 +44,6 @@ def relative_change(current: Streams, reference: Streams, layout: ReductionLayou
     den = sum(b.abs().sum(dtype=torch.float32) for b in reference)
     both = torch.stack([num, den]).detach()
     if layout is not None and layout.group is not None:
-        import torch.distributed as dist
-
         both = both.double()
         dist.all_reduce(both, group=layout.group)
     num, den = both.tolist()  # the one host synchronisation of a decision

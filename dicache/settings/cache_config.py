@@ -1,9 +1,12 @@
-"""`CacheConfig`: the cache settings, read from `SGLANG_CACHE_DIT_*` environment variables and validated.
+"""`CacheConfig`: the cache settings, each field declared once with its rules (`setting(...)`), validated.
 
 Three layers, later ones win: built-in defaults (SGLang's), an optional settings profile
 (`SGLANG_CACHE_DIT_PROFILE=path`, written by `dicache calibrate`), the environment variables, and per-request
 overrides (a dict keyed by the cache-dit/SGLang request keys, e.g. ``{"residual_diff_threshold": 0.12}``).
 Every invalid value raises `ConfigError` naming the variable or key, the value and what is allowed.
+
+The sources are read by `dicache.settings.sources`, the words come from `dicache.settings.catalogue`; `SETTINGS`, the
+table every other view of the settings is derived from, is `catalogue(CacheConfig)`.
 """
 
 from __future__ import annotations
@@ -11,22 +14,31 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .errors import ConfigError
-from .formatting import clip_repr
-from .options import bounds as declared_bounds
+from ..errors import BlockSplitError
+from ..formatting import clip_repr
+from .catalogue import ENV_PREFIX, PROFILE_ENV, Setting, catalogue, check_keys, config_error, describe_config
+from .sources import EnvironmentSource, ProfileSource, read_environment
+from .sources import load_profile as read_profile
 
-ENV_PREFIX = "SGLANG_CACHE_DIT_"
-PROFILE_ENV = ENV_PREFIX + "PROFILE"
-# SGLang defines these for a second transformer (Wan2.2's low-noise expert); Krea-2 has one transformer.
-_IGNORED_ENV_PREFIXES = (ENV_PREFIX + "SECONDARY_",)
+__all__ = [
+    "ENV_PREFIX",
+    "MAX_SCM_BIN",
+    "MAX_SCM_BINS",
+    "PROFILE_ENV",
+    "SETTINGS",
+    "SETTINGS_BY_ENV",
+    "SETTINGS_BY_KEY",
+    "SETTINGS_BY_SHORT",
+    "CacheConfig",
+    "Setting",
+    "load_profile",
+    "setting",
+]
 
 MAX_SCM_BIN = 10_000
 """Longest run in `scm_compute_bins` / `scm_cache_bins`, in steps (no schedule is that long)."""
@@ -46,22 +58,6 @@ def setting(default: Any, *, env: str, meaning: str, allowed: str | None = None,
     field's type and bounds do not say it well, the `allowed` values in words. `rules` are pydantic's (ge, le...)."""
     extra = {"env": env, "short": short or env, "allowed": allowed}
     return Field(default, description=meaning, json_schema_extra=extra, **rules)
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One cache setting as users meet it: request key (= field name), environment variable, sweep short name,
-    allowed values and meaning. Derived from `CacheConfig`'s field declarations (`SETTINGS`)."""
-
-    key: str
-    env: str
-    short: str
-    allowed: str
-    meaning: str
-
-    @property
-    def env_name(self) -> str:
-        return ENV_PREFIX + self.env
 
 
 def _parse_bins(value: Any) -> Any:
@@ -86,70 +82,6 @@ def _parse_bins(value: Any) -> Any:
 
 def _lower(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
-
-
-def read_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """The raw values of the `SGLANG_CACHE_DIT_*` variables in `env`, keyed by request key; any other name under
-    the prefix (except the profile and SGLang's `SECONDARY_*`) is a `ConfigError` listing the valid names."""
-    values: dict[str, str] = {}
-    unknown = []
-    for name, raw in env.items():
-        upper = name.upper()
-        if not upper.startswith(ENV_PREFIX) or upper == PROFILE_ENV or upper.startswith(_IGNORED_ENV_PREFIXES):
-            continue
-        known = SETTINGS_BY_ENV.get(upper)
-        if known is None:
-            unknown.append(name)
-        else:
-            values[known.key] = raw
-    if unknown:
-        valid = ", ".join(s.env_name for s in SETTINGS)
-        raise ConfigError(
-            f"unknown environment variable(s) {', '.join(sorted(unknown))}; the {ENV_PREFIX}* variables are: "
-            f"{valid}, {PROFILE_ENV}"
-        )
-    return values
-
-
-class _EnvironmentSource(PydanticBaseSettingsSource):
-    """pydantic-settings source for a bare `CacheConfig()`: the process environment, as `read_environment` says."""
-
-    def get_field_value(self, field, field_name):  # pragma: no cover - __call__ does the work
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return read_environment(os.environ)
-
-
-class _ProfileSource(PydanticBaseSettingsSource):
-    """pydantic-settings source for a bare `CacheConfig()`: the profile named by `SGLANG_CACHE_DIT_PROFILE`."""
-
-    def get_field_value(self, field, field_name):  # pragma: no cover
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        path = os.environ.get(PROFILE_ENV)
-        return load_profile(path) if path else {}
-
-
-def load_profile(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a settings profile: a JSON object whose `settings` (or top level) maps request keys to values."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{PROFILE_ENV}={str(path)!r}: no such file (expected a JSON profile from dicache calibrate)")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{PROFILE_ENV}={str(path)!r}: not valid JSON ({exc})") from None
-    settings = data.get("settings", data) if isinstance(data, dict) else None
-    if not isinstance(settings, dict):
-        raise ConfigError(f"{PROFILE_ENV}={str(path)!r}: expected a JSON object with a 'settings' object")
-    unknown = sorted(set(settings) - set(SETTINGS_BY_KEY))
-    if unknown:
-        raise ConfigError(
-            f"{PROFILE_ENV}={str(path)!r}: unknown key(s) {unknown}; allowed keys: {', '.join(SETTINGS_BY_KEY)}"
-        )
-    return settings
 
 
 class CacheConfig(BaseSettings):
@@ -266,7 +198,11 @@ class CacheConfig(BaseSettings):
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
     ):
-        return init_settings, _EnvironmentSource(settings_cls), _ProfileSource(settings_cls)
+        return (
+            init_settings,
+            EnvironmentSource(settings_cls, SETTINGS_BY_ENV),
+            ProfileSource(settings_cls, SETTINGS_BY_KEY),
+        )
 
     @field_validator("scm_compute_bins", "scm_cache_bins", "cached_step_blocks", mode="before")
     @classmethod
@@ -322,15 +258,15 @@ class CacheConfig(BaseSettings):
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CacheConfig:
         """Read the environment (or `environ`), then apply `overrides`; raise `ConfigError` on any bad value."""
-        _check_keys(overrides, "override")
+        check_keys(overrides, SETTINGS_BY_KEY, "override")
         env = os.environ if environ is None else environ
-        env_values = read_environment(env)
+        env_values = read_environment(env, SETTINGS_BY_ENV)
         profile_path = env.get(PROFILE_ENV)
         profile = load_profile(profile_path) if profile_path else {}
         try:  # model_validate skips the settings sources: the environment and profile were read once, above
             config = cls.model_validate({**profile, **env_values, **overrides})
         except ValidationError as exc:
-            raise _config_error(exc, overrides, env_values, profile, profile_path) from None
+            raise config_error(exc, SETTINGS_BY_KEY, overrides, env_values, profile, profile_path) from None
         sources = {}
         for knob in SETTINGS:
             if knob.key in overrides:
@@ -353,12 +289,12 @@ class CacheConfig(BaseSettings):
         """A new config with per-request `overrides` (request keys) applied on top of this one."""
         if not overrides:
             return self
-        _check_keys(overrides, "override")
+        check_keys(overrides, SETTINGS_BY_KEY, "override")
         data = {**self.model_dump(), **dict(overrides)}
         try:
             config = type(self).model_validate(data)
         except ValidationError as exc:
-            raise _config_error(exc, overrides, {}, {}, None) from None
+            raise config_error(exc, SETTINGS_BY_KEY, overrides, {}, {}, None) from None
         config._sources = {**self._sources, **{k: "override" for k in overrides}}
         return config
 
@@ -368,9 +304,7 @@ class CacheConfig(BaseSettings):
 
     def describe(self) -> str:
         """A readable table of the effective settings and their origins (used by `dicache config`)."""
-        from .config_docs import describe_config
-
-        return describe_config(self)
+        return describe_config(self, SETTINGS)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -384,8 +318,6 @@ class CacheConfig(BaseSettings):
 
     def check_block_split(self, num_blocks: int) -> None:
         """Raise `BlockSplitError` unless at least one middle block remains between Fn and Bn."""
-        from .errors import BlockSplitError
-
         fn, bn = self.Fn_compute_blocks, self.Bn_compute_blocks
         if fn + bn >= num_blocks:
             raise BlockSplitError(
@@ -408,37 +340,7 @@ class CacheConfig(BaseSettings):
             )
 
 
-def _allowed_in_words(field: FieldInfo) -> str:
-    """What a field accepts, in words, from its declaration: the explicit `allowed` text, else its type and bounds."""
-    if field.json_schema_extra["allowed"]:
-        return field.json_schema_extra["allowed"]
-    if get_origin(field.annotation) is Literal:
-        choices = get_args(field.annotation)
-        if len(choices) > 3:
-            return "one of " + ", ".join(str(v) for v in choices)
-        return ", ".join(repr(v) for v in choices[:-1]) + f" or {choices[-1]!r}"
-    if field.annotation is bool:
-        return "a boolean (true/false, 1/0, yes/no, on/off)"
-    bounds = {b: f"{value:g}" for b, value in declared_bounds(field).items()}
-    noun = "an integer" if field.annotation is int else "a number"
-    low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}" if "gt" in bounds else None
-    if low is not None and "le" in bounds:
-        return f"{noun} in {low}, {bounds['le']}]"
-    if low is not None:
-        return f"{noun} {'>=' if low[0] == '[' else '>'} {low[1:]}"
-    return noun
-
-
-SETTINGS: tuple[Setting, ...] = tuple(
-    Setting(
-        key=key,
-        env=field.json_schema_extra["env"],
-        short=field.json_schema_extra["short"],
-        allowed=_allowed_in_words(field),
-        meaning=field.description,
-    )
-    for key, field in CacheConfig.model_fields.items()
-)
+SETTINGS: tuple[Setting, ...] = catalogue(CacheConfig)
 """Every cache setting, in declaration order; the README table, env.example, `dicache config`, error messages and
 the sweep's short names are all derived from it."""
 SETTINGS_BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
@@ -446,40 +348,7 @@ SETTINGS_BY_ENV: dict[str, Setting] = {s.env_name: s for s in SETTINGS}
 SETTINGS_BY_SHORT: dict[str, Setting] = {s.short: s for s in SETTINGS}
 
 
-def _check_keys(overrides: Mapping[str, Any], what: str) -> None:
-    unknown = [k for k in overrides if k not in SETTINGS_BY_KEY]
-    if unknown:
-        shown = [clip_repr(k) for k in unknown[:5]] + ([f"and {len(unknown) - 5} more"] if len(unknown) > 5 else [])
-        raise ConfigError(f"unknown cache {what} key(s) {', '.join(shown)}; allowed keys: {', '.join(SETTINGS_BY_KEY)}")
-
-
-def _config_error(
-    exc: ValidationError,
-    overrides: Mapping[str, Any],
-    env_values: Mapping[str, Any],
-    profile: Mapping[str, Any],
-    profile_path: str | None,
-) -> ConfigError:
-    messages = []
-    for err in exc.errors():
-        key = str(err["loc"][0]) if err["loc"] else None
-        knob = SETTINGS_BY_KEY.get(key) if key else None
-        if knob is None:  # a cross-field rule
-            related = ("scm_", "Fn_compute_blocks", "policy", "forecaster", "enable_taylorseer")
-            origins = [f"{k}={clip_repr(v)}" for k, v in overrides.items() if k.startswith(related)]
-            origins += [
-                f"{SETTINGS_BY_KEY[k].env_name}={clip_repr(v)}" for k, v in env_values.items() if k.startswith(related)
-            ]
-            detail = str(err["msg"]).removeprefix("Value error, ")
-            messages.append(detail + (f" (from {', '.join(origins)})" if origins else ""))
-            continue
-        if key in overrides:
-            origin, value = f"cache override key {key!r}", overrides[key]
-        elif key in env_values:
-            origin, value = knob.env_name, env_values[key]
-        elif key in profile:
-            origin, value = f"{key!r} in profile {profile_path}", profile[key]
-        else:
-            origin, value = key, err.get("input")
-        messages.append(f"{origin}={clip_repr(value)} is invalid: must be {knob.allowed}")
-    return ConfigError("; ".join(messages))
+def load_profile(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a settings profile: a JSON object whose `settings` (or top level) maps request keys to values; an unknown
+    key, a missing file or bad JSON is a `ConfigError` naming `SGLANG_CACHE_DIT_PROFILE` and the path."""
+    return read_profile(path, SETTINGS_BY_KEY)

@@ -1,8 +1,8 @@
 """Settings profiles on the command line: the `--profile PATH` option and writing a profile file.
 
 A profile is the JSON that `dicache calibrate` writes: ``{"settings": {request key: value, ...}, "calibration":
-{...how it was chosen...}}``. `dicache.config` reads it (`load_profile`) as the layer between the built-in defaults
-and the `SGLANG_CACHE_DIT_*` variables. This module adds what the commands need on top:
+{...how it was chosen...}}``. `dicache.settings.sources` reads it (`load_profile`) as the layer between the built-in
+defaults and the `SGLANG_CACHE_DIT_*` variables. This module adds what the commands need on top:
 
 - `add_profile_argument(parser)`: the `--profile PATH` option of `generate`, `serve` and `config`.
 - `cache_config(profile)`: `CacheConfig.from_env()` with `profile` in place of `SGLANG_CACHE_DIT_PROFILE` (the
@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import PROFILE_ENV, CacheConfig, load_profile
-from .errors import ConfigError
-from .formatting import show_value
+from ..errors import ConfigError
+from ..formatting import show_value
+from .cache_config import PROFILE_ENV, CacheConfig, load_profile
 
 OPTION = "--profile"
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ConfigError
+from ..settings.cache_config import CacheConfig
 from .calibrators import Calibrator, make_calibrator
-from .config import CacheConfig
-from .errors import ConfigError
 from .policies import CachePolicy, Segment, make_policy, middle_segments
 from .stats import BranchStats, RequestStats
 

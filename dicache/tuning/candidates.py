@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..config import CacheConfig
+from ..engine.policies import make_policy
 from ..errors import ConfigError
+from ..settings.cache_config import CacheConfig
 from ..sweep.files import read_data_file
 from ..sweep.settings import RECOMMENDED_BUDGETS, recommended
 from .errors import CalibrationError
@@ -81,8 +82,6 @@ def load_candidates(path: str | Path) -> list[Any]:
 def check_candidate(overrides: Any, num_blocks: int, steps: int, base: CacheConfig | None = None) -> CacheConfig:
     """The candidate's effective config (caching on, `overrides` over `base`, default the built-in defaults), after
     checking it against a model of `num_blocks` blocks at `steps` steps; `ConfigError` names what is wrong."""
-    from ..policies import make_policy
-
     if not isinstance(overrides, Mapping):
         raise ConfigError(f"a candidate must be a dict of override keys, got {overrides!r}")
     config = (base or CacheConfig.defaults()).merged({**dict(overrides), "enable_cache": True})

@@ -9,8 +9,8 @@ sits at `round((j/(k−1))^γ·(n−1))` (γ = `scm_curve`; docs/architecture.md
 
 from __future__ import annotations
 
-from ..errors import ConfigError
-from ..formatting import clip_repr
+from ...errors import ConfigError
+from ...formatting import clip_repr
 
 PRESET_STEPS = 28
 MIN_PRESET_STEPS = 4

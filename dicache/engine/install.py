@@ -1,6 +1,6 @@
 """Attaching the cache to a model: the only code that changes `nn.Module`s (docs/architecture.md §1).
 
-`install` puts a model's `BlockStackRunner` (`dicache.hooks`) in place, in one of two ways, both reversible:
+`install` puts a model's `BlockStackRunner` (`dicache.engine.hooks`) in place, in one of two ways, both reversible:
 - seam: the model runs its stack through a method (`run_blocks`); the runner replaces it on the instance;
 - iteration: each block list's `ModuleList` yields the runner's block proxies in place of its blocks while a
   transformer call is active, so the model's own loops (`for i, block in enumerate(self.blocks): ...`) call the
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from .adapters.stack import StackSpec
 from .block_plan import BlockObserver
-from .errors import UnsupportedModelError
 from .hooks import BlockStackRunner
 from .session import CacheSession
 

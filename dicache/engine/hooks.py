@@ -1,7 +1,7 @@
 """`BlockStackRunner`: runs a transformer's block stack as Fn / middle / Bn, one block at a time (docs/architecture.md
 §2).
 
-During a transformer call the model's own loops call a `BlockProxy` in place of each block (`dicache.install`
+During a transformer call the model's own loops call a `BlockProxy` in place of each block (`dicache.engine.install`
 redirects the lists' iteration; a `run_blocks` seam loops over the proxies itself). The proxies hand every call to
 the call's `StackWalk`, which runs the first Fn blocks, asks the request's policy whether the middle can be skipped,
 and then either runs the middle blocks (storing each middle segment's residual) or answers each skipped block's call
@@ -12,8 +12,8 @@ called with exactly the arguments the model gave it, so a call that caches nothi
 
 The first complete call checks every block's call against its list's form (`adapters.forms.misfit`) and raises a
 `BlockFormError` naming the block, the form, what it returned and the `form=` that fits. Observers of the stack
-(`dicache.block_plan`) are told the plan and each block's start and end; a model with observers but no cache gets a
-runner too (every call runs all blocks).
+(`dicache.engine.block_plan`) are told the plan and each block's start and end; a model with observers but no cache
+gets a runner too (every call runs all blocks).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
+from ..errors import BlockFormError
 from .adapters.families import registered_forms
 from .adapters.forms import DIFF_STREAMS, BlockForm, H, describe, fitting_forms, misfit
 from .adapters.stack import StackSpec
 from .block_plan import BlockObserver, BlockPlan, CallInfo, publish
-from .errors import BlockFormError
 from .policies import StepContext
 from .policies.lookahead import BranchCounters, decide_without_diff, upcoming_decisions
 from .reduction import PARALLEL_LAYOUT_ATTR, relative_change
@@ -147,7 +147,7 @@ class BlockStackRunner:
         return (
             f"dicache: {owner}.forward ran none of its blocks through {paths} (it does not loop over that list in "
             f"the usual `for block in self.<list>` way), so caching would do nothing; this model needs a family "
-            "entry naming the lists its forward loops over (dicache.adapters.families)"
+            "entry naming the lists its forward loops over (dicache.engine.adapters.families)"
         )
 
     # ------------------------------------------------------------------ plans
