@@ -229,6 +229,7 @@ class StackWalk:
         config = request.config
         self.fn, self.bn = config.Fn_compute_blocks, config.Bn_compute_blocks
         self.segments = request.segments
+        self.segment_of = request.segment_of
         self.step_ctx = StepContext(
             step=ctx.step,
             num_steps=request.num_steps,
@@ -271,14 +272,14 @@ class StackWalk:
                 self.state[stream] = inputs[stream]
         self.last = index
         if not self.enabled:
-            return self._run(index, block, form, args, kwargs)
+            return self._run(index, block, form, args, kwargs)[0]
         if self.decision is None:
             if index < self.fn:
                 if position != self.h0_list:  # the Fn residual is measured within one list's streams
                     self.h0, self.h0_list = self._diff_streams(), position
-                return self._run(index, block, form, args, kwargs)
+                return self._run(index, block, form, args, kwargs)[0]
             self._decide()
-        segment = self._segment_of(index)
+        segment = self.segment_of[index]
         if segment != self.open:
             self._close()
             if segment is not None:
@@ -286,12 +287,13 @@ class StackWalk:
         if segment is not None and self.decision.cache and self.segments[segment].cached:
             self.previous = None
             return self.cached_out
-        result = self._run(index, block, form, args, kwargs)
+        result, outputs = self._run(index, block, form, args, kwargs)
         if segment is not None:
-            self.seg_out = form.read_outputs(result)
+            self.seg_out = outputs
         return result
 
-    def _run(self, index: int, block: torch.nn.Module, form: BlockForm, args: tuple, kwargs: dict) -> Any:
+    def _run(self, index: int, block: torch.nn.Module, form: BlockForm, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """Run the block as the model called it; its result and that result read with `form` (None: unreadable)."""
         for observer in self.observers:
             observer.before_block(index)
         result = block(*args, **kwargs)
@@ -304,7 +306,7 @@ class StackWalk:
             self._check(index, block, form, args, kwargs, result, dict(self.state), following=None)
         if outputs is not None:
             self.state.update(outputs)
-        return result
+        return result, outputs
 
     def _check(self, index, block, form, args, kwargs, result, before, following) -> None:
         """Raise a `BlockFormError` when the call does not fit `form` (`following`: the next block's call)."""
@@ -340,12 +342,6 @@ class StackWalk:
     # ------------------------------------------------------------------ the cache
     def _diff_streams(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.state[s] for s in DIFF_STREAMS if isinstance(self.state.get(s), torch.Tensor))
-
-    def _segment_of(self, index: int) -> int | None:
-        for position, segment in enumerate(self.segments):
-            if segment.start <= index < segment.stop:
-                return position
-        return None
 
     def _decide(self) -> None:
         ctx, runner = self.ctx, self.runner

@@ -124,6 +124,11 @@ class RequestState:
             self.boundaries,
         )
         """The middle's runs of skipped (`cached`) and still-computed blocks on a cached step."""
+        self.segment_of: tuple[int | None, ...] = tuple(
+            next((i for i, seg in enumerate(self.segments) if seg.start <= b < seg.stop), None)
+            for b in range(self.num_blocks)
+        )
+        """For each stack block, the index of its middle segment (None for the Fn and Bn blocks)."""
         self.stats = self._new_stats()
 
     @property

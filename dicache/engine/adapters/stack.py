@@ -9,7 +9,6 @@ list boundary and each list's part keeps its own residuals (`boundaries`).
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +48,8 @@ class StackSpec:
     family: str = "generic"
     starts: tuple[int, ...] = field(init=False)
     blocks: tuple[nn.Module, ...] = field(init=False)
+    list_index: tuple[int, ...] = field(init=False)
+    """For each stack block, the position in `lists` of its list."""
 
     def __post_init__(self) -> None:
         if not self.lists:
@@ -61,6 +62,7 @@ class StackSpec:
             total += len(block_list.blocks)
         self.starts = tuple(starts)
         self.blocks = tuple(block for block_list in self.lists for block in block_list.blocks)
+        self.list_index = tuple(i for i, block_list in enumerate(self.lists) for _ in block_list.blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -73,7 +75,7 @@ class StackSpec:
 
     def list_of(self, index: int) -> int:
         """Which list (position in `lists`) holds stack block `index`."""
-        return bisect.bisect_right(self.starts, index) - 1
+        return self.list_index[index]
 
     def where(self, index: int) -> str:
         """`FluxTransformer2DModel.single_transformer_blocks[3]`: stack block `index` as the model names it."""
