@@ -54,6 +54,9 @@ CACHE_DIT_PSNR = {
     "HiDream-I1": 45.288,
     "PixArt-α / Σ": 20.900,
     "Sana": 36.075,
+    "Mochi 1": 32.817,
+    "LTX-Video": 50.500,
+    "CogView3-Plus": 52.319,
     "Krea-2": 61.173,
 }
 """cache-dit 1.5.3's PSNR (dB) on each case with SETTINGS, recorded by `benchmarks/bench_families.py` for runs

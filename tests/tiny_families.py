@@ -729,6 +729,148 @@ def flux2():
     return _finish(pipe), kwargs
 
 
+def mochi():
+    """Mochi 1: batched CFG, 7 frames of 16 px."""
+    from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline, MochiTransformer3DModel
+
+    torch.manual_seed(0)
+    transformer = MochiTransformer3DModel(
+        patch_size=2,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=4,
+        pooled_projection_dim=16,
+        in_channels=12,
+        out_channels=None,
+        qk_norm="rms_norm",
+        text_embed_dim=32,
+        time_embed_dim=4,
+        activation_fn="swiglu",
+        max_sequence_length=16,
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKLMochi(
+        latent_channels=12,
+        out_channels=3,
+        encoder_block_out_channels=(32, 32, 32, 32),
+        decoder_block_out_channels=(32, 32, 32, 32),
+        layers_per_block=(1, 1, 1, 1, 1),
+    ).eval()
+    pipe = MochiPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None, transformer=transformer
+    )
+    mask = torch.ones(1, 16, dtype=torch.long)
+    kwargs = _common(
+        prompt_embeds=_randn(1, 16, 32, seed=1),
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=_randn(1, 16, 32, seed=2),
+        negative_prompt_attention_mask=mask,
+        guidance_scale=4.5,
+        height=16,
+        width=16,
+        num_frames=7,
+    )
+    return _finish(pipe), kwargs
+
+
+def ltx():
+    """LTX-Video: cross-attention blocks, batched CFG, 9 frames of 32 px."""
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
+
+    torch.manual_seed(0)
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=4,
+        attention_head_dim=8,
+        cross_attention_dim=32,
+        num_layers=4,
+        caption_channels=32,
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKLLTXVideo(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=8,
+        block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, False, False),
+        decoder_spatio_temporal_scaling=(True, True, False, False),
+        decoder_inject_noise=(False, False, False, False, False),
+        upsample_residual=(False, False, False, False),
+        upsample_factor=(1, 1, 1, 1),
+        timestep_conditioning=False,
+        patch_size=1,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    ).eval()
+    vae.use_framewise_encoding = False
+    vae.use_framewise_decoding = False
+    pipe = LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None, transformer=transformer
+    )
+    mask = torch.ones(1, 16, dtype=torch.long)
+    kwargs = _common(
+        prompt_embeds=_randn(1, 16, 32, seed=1),
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=_randn(1, 16, 32, seed=2),
+        negative_prompt_attention_mask=mask,
+        guidance_scale=3.0,
+        height=32,
+        width=32,
+        num_frames=9,
+    )
+    return _finish(pipe), kwargs
+
+
+def cogview3plus():
+    """CogView3-Plus with CogVideoX's DDIM scheduler, batched CFG, 16 px (a ×2 VAE)."""
+    from diffusers import CogVideoXDDIMScheduler, CogView3PlusPipeline, CogView3PlusTransformer2DModel
+
+    torch.manual_seed(0)
+    transformer = CogView3PlusTransformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        num_layers=4,
+        attention_head_dim=4,
+        num_attention_heads=2,
+        out_channels=4,
+        text_embed_dim=32,
+        time_embed_dim=8,
+        condition_dim=2,
+        pos_embed_max_size=8,
+        sample_size=8,
+    )
+    vae = _kl_vae(
+        4,
+        block_out_channels=(4, 4),
+        norm_num_groups=2,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+    )
+    pipe = CogView3PlusPipeline(
+        tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, scheduler=CogVideoXDDIMScheduler()
+    )
+    kwargs = _common(
+        prompt_embeds=_randn(1, 16, 32, seed=1),
+        negative_prompt_embeds=_randn(1, 16, 32, seed=2),
+        guidance_scale=6.0,
+        height=16,
+        width=16,
+    )
+    return _finish(pipe), kwargs
+
+
 CASES: dict[str, Case] = {
     case.family: case
     for case in (
@@ -745,6 +887,9 @@ CASES: dict[str, Case] = {
         Case("HiDream-I1", hidream, separate_cfg=False, cache_dit_lists="separate"),
         Case("PixArt-α / Σ", pixart, separate_cfg=False),
         Case("Sana", sana, separate_cfg=False),
+        Case("Mochi 1", mochi, separate_cfg=False),
+        Case("LTX-Video", ltx, separate_cfg=False),
+        Case("CogView3-Plus", cogview3plus, separate_cfg=False),
         Case("Krea-2", krea2, separate_cfg=True),
     )
 }

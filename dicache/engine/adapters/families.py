@@ -148,6 +148,27 @@ FAMILIES: tuple[Family, ...] = (
         BATCHED,
     ),
     Family(
+        "Mochi 1",
+        ("MochiTransformer3DModel",),
+        (("transformer_blocks", HE_TO_HE),),
+        ("MochiPipeline",),
+        BATCHED,
+    ),
+    Family(
+        "LTX-Video",
+        ("LTXVideoTransformer3DModel",),
+        (("transformer_blocks", HE_TO_H),),
+        ("LTXPipeline", "LTXImageToVideoPipeline"),
+        BATCHED,
+    ),
+    Family(
+        "CogView3-Plus",
+        ("CogView3PlusTransformer2DModel",),
+        (("transformer_blocks", HE_TO_HE),),
+        ("CogView3PlusPipeline",),
+        BATCHED,
+    ),
+    Family(
         "Krea-2",
         ("Krea2Transformer2DModel",),
         (("transformer_blocks", H_TO_H),),
