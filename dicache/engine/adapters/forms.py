@@ -35,7 +35,7 @@ class BlockForm:
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    names: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_NAMES))
+    names: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_NAMES), hash=False)
 
     def __post_init__(self) -> None:
         if H not in self.inputs or H not in self.outputs:
