@@ -13,9 +13,10 @@ import torch
 from .. import api
 from ..models.krea2.checkpoints import resolve_model
 from ..models.krea2.pipeline import Krea2Pipeline
-from ..offload.cli import add_offload_arguments, cfg_of, describe, offload_options
+from ..offload.settings import OffloadLimits
 from ..parallel import add_parallel_arguments, parallelize_pipeline, setup_from_args
 from ..settings.profiles import add_profile_argument, cache_config, describe_profile, profile_source
+from .memory import add_offload_arguments, cfg_of, describe, offload_settings
 from .speed import add_speed_arguments, apply_speed_options, speed_spec
 
 HELP = "generate images with Krea-2 (default: the embedded checkpoint) and print the cache statistics"
@@ -94,24 +95,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
-    offload = offload_options(  # {} unless a memory option is given; the plan covers this command's request
-        args,
+    offload = offload_settings(args, parallel=ctx.enabled)
+    limits = OffloadLimits(  # the plan covers this command's request
         max_height=args.height,
         max_width=args.width,
         max_images=len(args.prompt) * args.num_images,
         cfg=cfg_of(args.guidance, args.variant),
-        parallel=ctx.enabled,
-        cache_config=config,
     )
     # with offload, loading quantizes, plans and places, then compiles, in that order
-    speed = dict(quantization=speed_spec(args), compile=args.compile) if offload else {}
+    speed = dict(quantization=speed_spec(args), compile=args.compile) if offload.any else {}
     pipe = Krea2Pipeline.from_pretrained(
-        resolve_model(args.model, args.variant), device=ctx.device, load_format=args.load_format, **offload, **speed
+        resolve_model(args.model, args.variant),
+        device=ctx.device,
+        load_format=args.load_format,
+        offload_settings=offload,
+        offload_limits=limits,
+        cache_config=config,
+        **speed,
     )
     if describe(pipe):
         print(describe(pipe))
     parallelize_pipeline(pipe, ctx)
-    if not offload:
+    if not offload.any:
         apply_speed_options(pipe, args)
     if use_cache:
         api.enable(pipe, config)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 
-from ..offload.cli import add_offload_arguments
 from ..parallel import add_parallel_arguments
 from ..server.settings import ConnectionLimits, ServerSettings, parse_default_size, server_settings
 from ..settings.profiles import add_profile_argument
 from . import argtypes
 from .fields import add_options, values_from_args
+from .memory import add_offload_arguments
 from .speed import add_speed_arguments
 
 

@@ -44,8 +44,8 @@ class _StoppedStarting(BaseException):
 
 
 def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> Any:
-    from ..offload.cli import settings_from_args as offload_settings
     from ..server.ray_serve import ReplicaSpec
+    from .memory import offload_settings
     from .serve_args import settings_from_args
     from .speed import speed_spec
 
