@@ -58,7 +58,8 @@ def argument(field: FieldInfo, checked: bool = True) -> dict[str, Any]:
     """`add_argument`'s keyword arguments for a declared field (see `add_options`)."""
     extra = field.json_schema_extra
     kind = value_type(field)
-    shown = extra["default_text"] or _shown(field.default)
+    plain_flag = kind is bool and not extra["switch"]  # a flag is off unless given: no default to show
+    shown = None if plain_flag or field.is_required() else extra["default_text"] or _shown(field.default)
     help_text = f"{field.description} (default: {shown})" if shown is not None else field.description
     spec: dict[str, Any] = {"help": help_text}
     if extra["metavar"]:

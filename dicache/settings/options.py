@@ -103,7 +103,7 @@ class Options(BaseModel):
 
     label: ClassVar[str] = "{model}.{name}"
     error: ClassVar[type[Exception]] = ValueError
-    group: ClassVar[tuple[str, str] | None] = None  # (title, description) of the options' heading in --help
+    group: ClassVar[tuple[str, str | None] | None] = None  # (title, description) of the options' heading in --help
 
     def __init__(self, **values: Any) -> None:
         try:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from dicache.engine.adapters import generic_spec
+from dicache.errors import ConfigError
 from dicache.offload.estimate import (
     cache_bytes,
     dit_activation_bytes,
@@ -93,7 +94,10 @@ def enable_offload(
     device = compute_device(device)
     height = limits.max_height or pipe.default_size[0]
     width = limits.max_width or pipe.default_size[1]
-    pipe.latent_grid(height, width)  # a clear error for sizes off the multiple
+    try:
+        pipe.latent_grid(height, width)  # a clear error for sizes off the multiple
+    except ValueError as exc:
+        raise ConfigError(f"the largest request to plan for{limits.size_source}: {exc}") from None
     cfg = (not pipe.is_distilled) if limits.cfg is None else bool(limits.cfg)
     batched = cfg_batched_under(settings)
     config = cache_config if cache_config is not None else active_cache_config(pipe)
