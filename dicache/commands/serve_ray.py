@@ -22,15 +22,11 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         "serve N replicas of this server behind one endpoint on a Ray cluster (needs `pip install 'dicache[ray]'`); "
         "--tp-size / --ulysses-degree then split each replica's model over that many GPUs (no torchrun)",
     )
-    group.add_argument("--ray", action="store_true", help="serve with Ray Serve instead of one process")
-    group.add_argument(
-        "--ray-address",
-        default=None,
-        help="Ray cluster to deploy onto, e.g. ray://head:10001 or auto (default: RAY_ADDRESS, else start a local one)",
-    )
+    from ..server.ray_options import RayDriverOptions
     from ..server.ray_serve import RayServeOptions
     from .fields import add_options
 
+    add_options(group, RayDriverOptions)
     add_options(group, RayServeOptions, checked=False)  # the options' own messages name the flag and the bound
 
 

@@ -8,6 +8,7 @@ The Serve application builder (`dicache.server.ray_serve:app_builder`) takes its
 those of `ServerSettings`, `ConnectionLimits` and `RayServeOptions`; the command line parses the same options with
 argparse (`dicache.commands.serve`) and builds the same replica (`tests/test_ray_serve_units.py` checks that both
 paths agree). `default_gpus`: the GPUs a replica reserves when `--gpus-per-replica` is not given, for both paths.
+`RayDriverOptions`: `--ray` and `--ray-address`, the command line's own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import ClassVar
 from ..errors import ConfigError
 from ..models.options import DeviceOptions, ModelChoice, SpeedOptions
 from ..parallel.options import ParallelOptions
+from ..settings.options import Options, option
 from ..settings.profiles import ProfileOption
 from .settings import ServerProcessOptions
 
@@ -27,6 +29,22 @@ class ReplicaOptions(ModelChoice, DeviceOptions, SpeedOptions, ParallelOptions, 
 
     label: ClassVar[str] = "{flag}"
     error: ClassVar[type[Exception]] = ConfigError
+
+
+class RayDriverOptions(Options):
+    """`dicache serve --ray` itself: whether to serve on Ray, and which cluster (command line only: the builder runs
+    inside a Serve deployment already)."""
+
+    label: ClassVar[str] = "{flag}"
+    error: ClassVar[type[Exception]] = ConfigError
+
+    ray: bool = option(False, flag="--ray", help="serve with Ray Serve instead of one process")
+    ray_address: str | None = option(
+        None,
+        flag="--ray-address",
+        default_text="RAY_ADDRESS, else start a local one",
+        help="Ray cluster to deploy onto, e.g. ray://head:10001 or auto",
+    )
 
 
 def default_gpus(device: str | None, world_size: int, cluster_gpus: float | None) -> float:
