@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         print(profile, flush=True)
     ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
     offload = offload_settings(args, parallel=ctx.enabled, workers=args.workers)
-    limits = OffloadLimits(  # the plan covers the largest request the server accepts
+    offload_limits = OffloadLimits(  # the plan covers the largest request the server accepts
         max_height=args.max_side,
         max_width=args.max_side,
         max_images=args.max_n,
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         default_size=args.default_size,
         load_format=args.load_format,
         offload=offload,
-        offload_limits=limits,
+        offload_limits=offload_limits,
         quantization=speed_spec(args) if offload.any else None,
         compile=args.compile and offload.any,
     )
