@@ -39,7 +39,7 @@ def offload_settings(args: argparse.Namespace, *, parallel: bool = False, worker
 def memory_flags() -> list[str]:
     """The options that ask for offload (all but the prefetch size and pinning, which only shape it)."""
     shaping = ("dit_offload_prefetch_size", "pin_cpu_memory")
-    return [f.json_schema_extra["flag"] for name, f in flagged(OffloadSettings).items() if name not in shaping]
+    return [OffloadSettings.flag(name) for name in flagged(OffloadSettings) if name not in shaping]
 
 
 def cfg_of(guidance: float | None, variant: str | None) -> bool | None:

@@ -41,15 +41,14 @@ class _StoppedStarting(BaseException):
 
 def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> Any:
     from ..server.ray_serve import ReplicaSpec
-    from .memory import offload_settings
+    from .memory import memory_flags, offload_settings
     from .serve_args import settings_from_args
     from .speed import speed_spec
 
     if offload_settings(args).any:
         raise ConfigError(
-            "dicache serve --ray: the memory options (--dit-layerwise-offload, --dit-cpu-offload, "
-            "--text-encoder-cpu-offload, --vae-cpu-offload, --gpu-memory-budget) are not supported on Ray replicas; "
-            "run the single-process server for them"
+            f"dicache serve --ray: the memory options ({', '.join(memory_flags())}) are not supported on Ray "
+            "replicas; run the single-process server for them"
         )
     return ReplicaSpec(
         load_format=args.load_format,

@@ -11,6 +11,7 @@ offloaded component is on the device only for its phase.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -172,10 +173,19 @@ def install_offload(
     budget, source = _budget(settings, device)
     if reserve_bytes is None:
         reserve_bytes = default_reserve_bytes(device, budget)
-    needs = MemoryNeeds(**{**needs.__dict__, "reserve_bytes": int(reserve_bytes)})
-    plan = plan_memory(needs, settings, budget, always_run, source)
+    plan = plan_memory(
+        dataclasses.replace(needs, reserve_bytes=int(reserve_bytes)), settings, budget, always_run, source
+    )
 
-    handle = PipelineOffload(plan=plan, settings=settings, device=device, **request.__dict__)
+    handle = PipelineOffload(
+        plan=plan,
+        settings=settings,
+        device=device,
+        max_pixels=request.max_pixels,
+        max_images=request.max_images,
+        cfg=request.cfg,
+        cfg_batched=request.cfg_batched,
+    )
     components = ComponentOffloader(device, settings.pin_cpu_memory)
     for role, module in memory.components.items():
         if module is None:

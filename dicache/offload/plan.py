@@ -161,7 +161,8 @@ def plan_memory(
     if mode != "layerwise":
         plan = _evaluate(needs, settings, budget_bytes, budget_source, mode, tuple(range(num_blocks)), 0)
         if budget_bytes is not None and plan.peak_bytes > budget_bytes:
-            hint = "" if mode == "cpu" else "; --dit-layerwise-offload streams the blocks that do not fit"
+            layerwise = OffloadSettings.flag("dit_layerwise_offload")
+            hint = "" if mode == "cpu" else f"; {layerwise} streams the blocks that do not fit"
             raise MemoryBudgetError(_too_small(plan, budget_bytes, budget_source, hint, needs.shape))
         return plan
     prefetch = prefetch_blocks(settings.dit_offload_prefetch_size, num_blocks)
@@ -175,7 +176,8 @@ def plan_memory(
     hint = (
         f" with every block streamed through {last.num_slots} slot(s) ({PREFETCH_FLAG} "
         f"{settings.dit_offload_prefetch_size:g}); lower the image size or batch, lower {PREFETCH_FLAG}, offload the "
-        "text encoder / VAE (--text-encoder-cpu-offload, --vae-cpu-offload) or quantize the transformer"
+        f"text encoder / VAE ({OffloadSettings.flag('text_encoder_cpu_offload')}, "
+        f"{OffloadSettings.flag('vae_cpu_offload')}) or quantize the transformer"
     )
     raise MemoryBudgetError(_too_small(last, budget_bytes, budget_source, hint, needs.shape))
 

@@ -112,6 +112,11 @@ class Options(BaseModel):
             raise self.error(_one_line(type(self), exc)) from None
 
     @classmethod
+    def flag(cls, name: str) -> str:
+        """The command-line flag declared for field `name` (`--dit-layerwise-offload`)."""
+        return cls.model_fields[name].json_schema_extra["flag"]
+
+    @classmethod
     def name_of(cls, name: str) -> str:
         """How field `name` is called in messages."""
         field = cls.model_fields.get(name)
