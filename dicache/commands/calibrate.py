@@ -21,9 +21,9 @@ from .. import __version__
 from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import heldout_prompts_file, resolve_model
 from ..models.krea2.presets import PRESETS, resolve_variant
-from ..models.options import DeviceOptions, FlagOptions
+from ..models.options import DeviceOptions
 from ..settings.cache_config import SETTINGS
-from ..settings.options import option
+from ..settings.options import FlagOptions, option
 from ..settings.profiles import write_profile
 from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
 from ..tuning import (

@@ -71,8 +71,11 @@ def argument(field: FieldInfo, checked: bool = True) -> dict[str, Any]:
     if not extra["flag"].startswith("-"):  # a positional argument: always given
         return {**spec, "nargs": "+" if get_origin(kind) is list else None, "type": _parse(field, _item(kind), checked)}
     spec["default"] = None if extra["default_text"] else field.default
-    if get_origin(kind) is list:
-        spec["action" if extra["repeat"] else "nargs"] = "append" if extra["repeat"] else "+"
+    if get_origin(kind) is list:  # one value per occurrence of the flag, or one or more values after it
+        if extra["repeat"]:
+            spec["action"] = "append"
+        else:
+            spec["nargs"] = "+"
         kind = _item(kind)
     if get_origin(kind) is Literal:
         spec["choices"] = get_args(kind)

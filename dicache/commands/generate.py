@@ -15,10 +15,10 @@ from .. import api
 from ..errors import ConfigError
 from ..models.krea2.checkpoints import resolve_model
 from ..models.krea2.pipeline import Krea2Pipeline
-from ..models.options import DeviceOptions, FlagOptions, ModelChoice, SamplingOptions
+from ..models.options import DeviceOptions, ModelChoice, SamplingOptions
 from ..offload.settings import OffloadLimits
 from ..parallel import parallelize_pipeline, setup_from_args
-from ..settings.options import option
+from ..settings.options import FlagOptions, option
 from ..settings.profiles import cache_config, describe_profile, profile_source
 from .fields import add_options
 from .memory import add_offload_arguments, cfg_of, describe, offload_settings
@@ -107,15 +107,15 @@ def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
         size_source=" (--height, --width, --num-images)",
     )
     # with offload, loading quantizes, plans and places, then compiles, in that order
-    speed = dict(quantization=speed_spec(args), compile=args.compile) if offload.any else {}
     pipe = Krea2Pipeline.from_pretrained(
         resolve_model(args.model, args.variant),
         device=ctx.device,
         load_format=args.load_format,
+        quantization=speed_spec(args) if offload.any else None,
+        compile=args.compile and offload.any,
         offload_settings=offload,
         offload_limits=limits,
         cache_config=config,
-        **speed,
     )
     check_size(pipe, args)
     if describe(pipe):

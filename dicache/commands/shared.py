@@ -4,20 +4,15 @@ declaration of the run options that only commands read (`RunOptions`: `dicache s
 from __future__ import annotations
 
 import argparse
-from typing import ClassVar
 
-from ..errors import ConfigError
 from ..parallel.options import ParallelOptions
-from ..settings.options import Options, option
+from ..settings.options import FlagOptions, option
 from ..settings.profiles import ProfileOption
 from .fields import add_options
 
 
-class RunOptions(Options):
+class RunOptions(FlagOptions):
     """How an evaluation command runs on this machine."""
-
-    label: ClassVar[str] = "{flag}"
-    error: ClassVar[type[Exception]] = ConfigError
 
     threads: int | None = option(
         None,

@@ -19,8 +19,8 @@ import torch
 
 from ..errors import DicacheError
 from ..models.krea2.checkpoints import default_checkpoint, heldout_prompts_file
-from ..models.options import FlagOptions, ModelChoice
-from ..settings.options import option
+from ..models.options import ModelChoice
+from ..settings.options import FlagOptions, option
 from ..sweep import spec as S
 from ..sweep.cachedit import INSTALL_HINT, cache_dit_available
 from ..sweep.launch import run_sweep

@@ -8,17 +8,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from ..errors import ConfigError
 from ..quantization import LAYER_GROUPS, QUANTIZATION_METHODS
-from ..settings.options import Options, option
+from ..settings.options import FlagOptions, option
 from .loading import LOAD_FORMATS
-
-
-class FlagOptions(Options):
-    """Options named by their flag in messages (`--steps=-3 is invalid: ...`), errors `ConfigError`."""
-
-    label: ClassVar[str] = "{flag}"
-    error: ClassVar[type[Exception]] = ConfigError
 
 
 class ModelChoice(FlagOptions):

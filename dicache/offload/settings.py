@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from pydantic import field_validator
 
 from ..errors import ConfigError
-from ..settings.options import Options, option
+from ..settings.options import FlagOptions, option
 
 PREFETCH_FLAG = "--dit-offload-prefetch-size"
 BUDGET_FLAG = "--gpu-memory-budget"
@@ -42,15 +42,13 @@ def prefetch_blocks(value: float, num_blocks: int) -> int:
     return max(1, min(count, num_blocks))
 
 
-class OffloadSettings(Options):
+class OffloadSettings(FlagOptions):
     """The memory options; all off by default (the pipeline loads resident on the device).
 
     Each field is declared with its command-line option (`dicache generate` / `dicache serve`); a bad value is a
     `ConfigError` naming the option. `dit_mode` and `offloads(role)` say what the settings ask of each component.
     """
 
-    label: ClassVar[str] = "{flag}"
-    error: ClassVar[type[Exception]] = ConfigError
     group: ClassVar[tuple[str, str]] = (
         "memory (small GPUs)",
         "fit Krea-2 in a 24 or 32 GB card; the plan (what stays, what streams) is printed at start-up and a budget "

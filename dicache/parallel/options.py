@@ -5,15 +5,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..errors import ConfigError
-from ..settings.options import Options, option
+from ..settings.options import FlagOptions, option
 
 
-class ParallelOptions(Options):
+class ParallelOptions(FlagOptions):
     """tp × ulysses GPUs per model; both 1: one process."""
 
-    label: ClassVar[str] = "{flag}"
-    error: ClassVar[type[Exception]] = ConfigError
     group: ClassVar[tuple[str, str]] = (
         "model parallelism",
         "run one model on N = tp × ulysses GPUs: launch with `torchrun --nproc_per_node N …`",

@@ -13,12 +13,9 @@ paths agree). `default_gpus`: the GPUs a replica reserves when `--gpus-per-repli
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-from ..errors import ConfigError
 from ..models.options import DeviceOptions, ModelChoice, SpeedOptions
 from ..parallel.options import ParallelOptions
-from ..settings.options import Options, option
+from ..settings.options import FlagOptions, option
 from ..settings.profiles import ProfileOption
 from .settings import ServerProcessOptions
 
@@ -27,16 +24,10 @@ class ReplicaOptions(ModelChoice, DeviceOptions, SpeedOptions, ParallelOptions, 
     """The replica's model and how it is loaded. `default_size` is "WxH" text (`parse_default_size`); `quantization`
     and `quantization_exclude` are `dicache.quantization.parse_quantization`'s; `api_key` None: DICACHE_API_KEY."""
 
-    label: ClassVar[str] = "{flag}"
-    error: ClassVar[type[Exception]] = ConfigError
 
-
-class RayDriverOptions(Options):
+class RayDriverOptions(FlagOptions):
     """`dicache serve --ray` itself: whether to serve on Ray, and which cluster (command line only: the builder runs
     inside a Serve deployment already)."""
-
-    label: ClassVar[str] = "{flag}"
-    error: ClassVar[type[Exception]] = ConfigError
 
     ray: bool = option(False, flag="--ray", help="serve with Ray Serve instead of one process")
     ray_address: str | None = option(

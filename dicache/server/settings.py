@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import model_validator
 
 from ..errors import ConfigError
-from ..settings.options import Options, option
+from ..settings.options import FlagOptions, Options, option
 
 API_KEY_ENV = "DICACHE_API_KEY"
 """The API key's environment variable (`--api-key` wins over it)."""
@@ -180,13 +180,10 @@ def server_settings(values: Mapping[str, Any], api_key: str | None, environ: Map
         raise ConfigError(f"serve: {exc}") from None
 
 
-class ServerProcessOptions(Options):
+class ServerProcessOptions(FlagOptions):
     """What a server process sets up beside its model and its limits: `dicache serve`, and each Ray Serve replica
     (`dicache.server.ray_options.ReplicaOptions`). `default_size` is "WxH" text (`parse_default_size`, which the
     command line applies while parsing)."""
-
-    label: ClassVar[str] = "{flag}"
-    error: ClassVar[type[Exception]] = ConfigError
 
     default_size: str | None = option(
         None,
@@ -209,11 +206,8 @@ class ServerProcessOptions(Options):
     )
 
 
-class ListenOptions(Options):
+class ListenOptions(FlagOptions):
     """Where the single-process server (or the Ray Serve proxy of `dicache serve --ray`) listens, and its log level."""
-
-    label: ClassVar[str] = "{flag}"
-    error: ClassVar[type[Exception]] = ConfigError
 
     host: str = option(
         "127.0.0.1",

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
+from ..errors import ConfigError
 from ..formatting import clip_repr
 
 
@@ -122,6 +123,13 @@ class Options(BaseModel):
         field = cls.model_fields.get(name)
         flag = (field.json_schema_extra or {}).get("flag") if field is not None else None
         return cls.label.format(model=cls.__name__, name=name, flag=flag or name)
+
+
+class FlagOptions(Options):
+    """Command-line options: a bad value is a `ConfigError` naming the flag (`--steps=-3 is invalid: ...`)."""
+
+    label: ClassVar[str] = "{flag}"
+    error: ClassVar[type[Exception]] = ConfigError
 
 
 def _one_line(cls: type[Options], exc: ValidationError) -> str:

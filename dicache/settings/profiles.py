@@ -20,21 +20,18 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from ..errors import ConfigError
 from ..formatting import show_value
 from .cache_config import PROFILE_ENV, CacheConfig, load_profile
-from .options import Options, option
+from .options import FlagOptions, option
 
 OPTION = "--profile"
 
 
-class ProfileOption(Options):
+class ProfileOption(FlagOptions):
     """``--profile PATH`` (None: `SGLANG_CACHE_DIT_PROFILE` decides)."""
-
-    label: ClassVar[str] = "{flag}"
-    error: ClassVar[type[Exception]] = ConfigError
 
     profile: str | None = option(
         None,
