@@ -269,8 +269,8 @@ def load_backend(
     enable caching with `cache_config` (None: the environment's, `SGLANG_CACHE_DIT_*` over the settings profile
     `profile`, default `SGLANG_CACHE_DIT_PROFILE`'s). Every request starts from these settings; its
     `cache_dit_params` merge over them. `offload` / `offload_limits`: the memory options and the largest request
-    their plan holds; with them, loading quantizes (`quantization`), plans and places, then compiles (`compile`), in
-    that order (`Krea2Pipeline.from_pretrained`)."""
+    their plan holds. `quantization` / `compile` are applied while loading, in `Krea2Pipeline.from_pretrained`'s order:
+    quantize, plan and place (with offload), compile."""
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
