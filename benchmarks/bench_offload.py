@@ -321,7 +321,8 @@ class OffloadBench:
     def cap_budget(self, cap: float) -> tuple[float, str]:
         """GiB the allocator may use for card size `cap` (tiny: the budget that keeps `cap` blocks resident)."""
         if self.args.tiny:
-            from dicache.offload.pipeline import default_reserve_bytes, memory_needs
+            from dicache.models.krea2.memory import memory_needs
+            from dicache.offload.pipeline import default_reserve_bytes
 
             needs = memory_needs(self.pipe, self.size, self.size, 1, True, True, dicache.CacheConfig.from_env({}))
             resident, block = int(cap), max(needs.block_bytes)

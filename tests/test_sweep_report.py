@@ -115,7 +115,7 @@ def test_the_quick_grid_runs_the_recommended_family_at_every_compute_budget():
 
 
 def test_grid_axes_and_labels_derive_from_the_settings_declarations():
-    from dicache import calibration
+    from dicache import tuning as calibration
     from dicache.commands.sweep import GRID_AXES, add_arguments
     from dicache.sweep import spec
 

@@ -6,7 +6,10 @@ import argparse
 import json
 
 from ..settings.docs import env_example, markdown_table
-from ..settings.profiles import add_profile_argument, cache_config, describe_profile, profile_source
+from ..settings.options import Options, option
+from ..settings.profiles import cache_config, describe_profile, profile_source
+from .fields import add_options
+from .shared import add_profile_argument
 
 HELP = (
     "print the effective cache settings (SGLANG_CACHE_DIT_* variables over an optional settings profile) and where "
@@ -14,10 +17,16 @@ HELP = (
 )
 
 
+class ConfigOptions(Options):
+    """What `dicache config` prints."""
+
+    as_json: bool = option(False, flag="--json", help="print JSON instead of a table")
+    env_example: bool = option(False, flag="--env-example", help="print env.example (every variable and default)")
+    markdown: bool = option(False, flag="--markdown", help="print the README's settings table (Markdown)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--env-example", action="store_true", help="print env.example (every variable and default)")
-    parser.add_argument("--markdown", action="store_true", help="print the README's settings table (Markdown)")
+    add_options(parser, ConfigOptions)
     add_profile_argument(parser)
 
 

@@ -9,10 +9,11 @@ import logging
 import torch
 
 from ..errors import ConfigError, DicacheError
-from ..offload.cli import describe, offload_options
+from ..offload.settings import OffloadLimits
 from ..parallel import lockstep, parallelize_pipeline, setup_from_args
 from ..settings.profiles import cache_config as read_cache_config
 from ..settings.profiles import describe_profile
+from .memory import describe, offload_settings
 from .serve_args import add_server_arguments, limits_from_args, settings_from_args
 from .serve_ray import add_ray_arguments, run_ray
 from .speed import apply_speed_options, speed_spec
@@ -70,19 +71,15 @@ def run(args: argparse.Namespace) -> int:
     if profile:
         print(profile, flush=True)
     ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
-    offload = offload_options(  # the plan covers the largest request the server accepts
-        args,
+    offload = offload_settings(args, parallel=ctx.enabled, workers=args.workers)
+    offload_limits = OffloadLimits(  # the plan covers the largest request the server accepts
         max_height=args.max_side,
         max_width=args.max_side,
         max_images=args.max_n,
         cfg=True,
         size_source=" (--max-side, --max-n)",
-        parallel=ctx.enabled,
-        cache_config=cache_config,
-        workers=args.workers,
     )
     # with offload, loading quantizes, plans and places, then compiles, in that order
-    speed = dict(quantization=speed_spec(args), compile=args.compile) if offload else {}
     backend = load_backend(
         args.model,
         args.variant,
@@ -91,12 +88,15 @@ def run(args: argparse.Namespace) -> int:
         cache_config=cache_config,
         default_size=args.default_size,
         load_format=args.load_format,
-        offload={**offload, **speed},
+        offload=offload,
+        offload_limits=offload_limits,
+        quantization=speed_spec(args) if offload.any else None,
+        compile=args.compile and offload.any,
     )
     if describe(backend.pipe):
         print(describe(backend.pipe), flush=True)
     parallelize_pipeline(backend.pipe, ctx)
-    if not offload:
+    if not offload.any:
         apply_speed_options(backend.pipe, args)
     if args.compile:  # every rank warms up the same way, before serving, so the first request is not the slow one
         print(f"warm-up (compile): {backend.warm_up()}", flush=True)

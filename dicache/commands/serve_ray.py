@@ -22,15 +22,11 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         "serve N replicas of this server behind one endpoint on a Ray cluster (needs `pip install 'dicache[ray]'`); "
         "--tp-size / --ulysses-degree then split each replica's model over that many GPUs (no torchrun)",
     )
-    group.add_argument("--ray", action="store_true", help="serve with Ray Serve instead of one process")
-    group.add_argument(
-        "--ray-address",
-        default=None,
-        help="Ray cluster to deploy onto, e.g. ray://head:10001 or auto (default: RAY_ADDRESS, else start a local one)",
-    )
+    from ..server.ray_options import RayDriverOptions
     from ..server.ray_serve import RayServeOptions
     from .fields import add_options
 
+    add_options(group, RayDriverOptions)
     add_options(group, RayServeOptions, checked=False)  # the options' own messages name the flag and the bound
 
 
@@ -44,16 +40,15 @@ class _StoppedStarting(BaseException):
 
 
 def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> Any:
-    from ..offload.cli import settings_from_args as offload_settings
     from ..server.ray_serve import ReplicaSpec
+    from .memory import memory_flags, offload_settings
     from .serve_args import settings_from_args
     from .speed import speed_spec
 
     if offload_settings(args).any:
         raise ConfigError(
-            "dicache serve --ray: the memory options (--dit-layerwise-offload, --dit-cpu-offload, "
-            "--text-encoder-cpu-offload, --vae-cpu-offload, --gpu-memory-budget) are not supported on Ray replicas; "
-            "run the single-process server for them"
+            f"dicache serve --ray: the memory options ({', '.join(memory_flags())}) are not supported on Ray "
+            "replicas; run the single-process server for them"
         )
     return ReplicaSpec(
         load_format=args.load_format,

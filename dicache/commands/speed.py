@@ -10,41 +10,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..models.loading import LOAD_FORMATS
-from ..quantization import LAYER_GROUPS, QUANTIZATION_METHODS, parse_quantization
+from ..models.options import SpeedOptions
+from ..quantization import parse_quantization
+from .fields import add_options
 
 
 def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add `--load-format`, `--quantization`, `--quantization-exclude` and `--compile` to `parser`."""
-    group = parser.add_argument_group("loading and speed")
-    group.add_argument(
-        "--load-format",
-        choices=LOAD_FORMATS,
-        default="auto",
-        help="auto: read the checkpoint's weights; dummy: random weights from its config files alone, for speed and "
-        "memory measurements (SGLang's flag) (default: auto)",
-    )
-    group.add_argument(
-        "--quantization",
-        choices=("none", *QUANTIZATION_METHODS),
-        default="none",
-        help="fp8: the transformer blocks' linears run FP8 e4m3 (per-row activation, per-channel weight scales; "
-        "torchao; needs an Ada/Hopper GPU and `pip install 'dicache[fp8]'`); weights stored in FP8 (default: none)",
-    )
-    group.add_argument(
-        "--quantization-exclude",
-        nargs="+",
-        metavar="GROUP_OR_GLOB",
-        default=None,
-        help="block linears kept in bf16 under --quantization fp8, replacing the defaults: group names "
-        f"({', '.join(LAYER_GROUPS)}) or glob patterns over module names, e.g. 'transformer_blocks.*.attn.to_gate'",
-    )
-    group.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the transformer blocks (the first generation at a new shape compiles; `dicache serve` "
-        "does that at start-up for its default size)",
-    )
+    """Add `--load-format`, `--quantization`, `--quantization-exclude` and `--compile` (`SpeedOptions`) to `parser`."""
+    add_options(parser, SpeedOptions)
 
 
 def speed_spec(args: argparse.Namespace) -> Any:

@@ -34,6 +34,7 @@ from ..engine.stats import RequestStats
 from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import resolve_model
 from ..models.krea2.presets import PRESETS, resolve_variant
+from ..offload.settings import OffloadLimits, OffloadSettings
 from ..settings.cache_config import CacheConfig
 from ..settings.profiles import cache_config as read_cache_config
 from ..sweep.flops import request_flops
@@ -258,14 +259,18 @@ def load_backend(
     default_size: tuple[int, int] | None = None,
     profile: str | None = None,
     load_format: str = "auto",
-    offload: dict | None = None,
+    offload: OffloadSettings | None = None,
+    offload_limits: OffloadLimits | None = None,
+    quantization: Any = None,
+    compile: bool = False,
 ) -> PipelineBackend:
     """Load the native Krea-2 pipeline (`model` None: the embedded checkpoint, its Turbo student for `variant`
     "turbo"; device None: cuda if available) and
     enable caching with `cache_config` (None: the environment's, `SGLANG_CACHE_DIT_*` over the settings profile
     `profile`, default `SGLANG_CACHE_DIT_PROFILE`'s). Every request starts from these settings; its
-    `cache_dit_params` merge over them. `offload`: `Krea2Pipeline.from_pretrained`'s memory options
-    (`dicache.offload.cli.offload_options`)."""
+    `cache_dit_params` merge over them. `offload` / `offload_limits`: the memory options and the largest request
+    their plan holds. `quantization` / `compile` are applied while loading, in `Krea2Pipeline.from_pretrained`'s order:
+    quantize, plan and place (with offload), compile."""
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
@@ -279,6 +284,14 @@ def load_backend(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     pipe = Krea2Pipeline.from_pretrained(
-        resolve_model(model, variant), dtype=dtype, device=device, load_format=load_format, **(offload or {})
+        resolve_model(model, variant),
+        dtype=dtype,
+        device=device,
+        load_format=load_format,
+        quantization=quantization,
+        compile=compile,
+        offload_settings=offload,
+        offload_limits=offload_limits,
+        cache_config=config,
     )
     return PipelineBackend(pipe, config, variant_defaults(pipe, variant, default_size))

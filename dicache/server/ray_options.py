@@ -1,42 +1,41 @@
 """`ReplicaOptions`: what each Ray Serve replica loads (model, variant, precision, device, parallel degrees, loading
-and speed options, settings profile, API key), declared with the `dicache serve` option of the same name.
+and speed options, settings profile, default size, threads, API key): the `dicache serve` options of the same
+names, made of their declarations (`ModelChoice`, `DeviceOptions`, `SpeedOptions`, `ParallelOptions`,
+`ProfileOption`, `ServerProcessOptions`), so that the command line and the builder take the same names, bounds and
+help from one place.
 
 The Serve application builder (`dicache.server.ray_serve:app_builder`) takes its arguments by these names and by
 those of `ServerSettings`, `ConnectionLimits` and `RayServeOptions`; the command line parses the same options with
 argparse (`dicache.commands.serve`) and builds the same replica (`tests/test_ray_serve_units.py` checks that both
-paths agree). Bounds the command line checks while parsing are declared here for the builder. `default_gpus`: the
-GPUs a replica reserves when `--gpus-per-replica` is not given, for both paths.
+paths agree). `default_gpus`: the GPUs a replica reserves when `--gpus-per-replica` is not given, for both paths.
+`RayDriverOptions`: `--ray` and `--ray-address`, the command line's own.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from ..models.options import DeviceOptions, ModelChoice, SpeedOptions
+from ..parallel.options import ParallelOptions
+from ..settings.options import FlagOptions, option
+from ..settings.profiles import ProfileOption
+from .settings import ServerProcessOptions
 
-from ..errors import ConfigError
-from ..settings.options import Options, option
 
-
-class ReplicaOptions(Options):
+class ReplicaOptions(ModelChoice, DeviceOptions, SpeedOptions, ParallelOptions, ProfileOption, ServerProcessOptions):
     """The replica's model and how it is loaded. `default_size` is "WxH" text (`parse_default_size`); `quantization`
     and `quantization_exclude` are `dicache.quantization.parse_quantization`'s; `api_key` None: DICACHE_API_KEY."""
 
-    label: ClassVar[str] = "{flag}"
-    error: ClassVar[type[Exception]] = ConfigError
 
-    model: str | None = option(None, flag="--model")
-    variant: Literal["turbo", "raw"] | None = option(None, flag="--variant")
-    dtype: str | None = option(None, flag="--dtype")
-    device: str | None = option(None, flag="--device")
-    default_size: str | None = option(None, flag="--default-size")
-    profile: str | None = option(None, flag="--profile")
-    torch_threads: int | None = option(None, flag="--torch-threads", ge=1)
-    tp_size: int = option(1, flag="--tp-size", ge=1)
-    ulysses_degree: int = option(1, flag="--ulysses-degree", ge=1)
-    load_format: str = option("auto", flag="--load-format")
-    quantization: str = option("none", flag="--quantization")
-    quantization_exclude: list[str] | None = option(None, flag="--quantization-exclude")
-    compile: bool = option(False, flag="--compile")
-    api_key: str | None = option(None, flag="--api-key", repr=False)
+class RayDriverOptions(FlagOptions):
+    """`dicache serve --ray` itself: whether to serve on Ray, and which cluster (command line only: the builder runs
+    inside a Serve deployment already)."""
+
+    ray: bool = option(False, flag="--ray", help="serve with Ray Serve instead of one process")
+    ray_address: str | None = option(
+        None,
+        flag="--ray-address",
+        default_text="RAY_ADDRESS, else start a local one",
+        help="Ray cluster to deploy onto, e.g. ray://head:10001 or auto",
+    )
 
 
 def default_gpus(device: str | None, world_size: int, cluster_gpus: float | None) -> float:

@@ -9,12 +9,13 @@ declares it, by the option's name.
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
+from ..errors import ConfigError
 from ..formatting import clip_repr
 
 
@@ -26,13 +27,33 @@ def option(
     unit: str = "",
     default_text: str | None = None,
     repr: bool = True,
+    metavar: str | None = None,
+    switch: bool = False,
+    choices: Sequence[str] | None = None,
+    read: Callable[[str], Any] | None = None,
+    repeat: bool = False,
     **rules: Any,
 ) -> Any:
-    """A field declared with its command-line `flag` (None: not an option) and `help` (the CLI appends
-    "(default: X)"). `unit`: what a number counts, in words ("seconds"). `default_text`: the default in words when
-    it is decided elsewhere (the option's own default is then None). `rules` are pydantic's (ge, gt, le...);
-    integers and numbers are strict (no bools, no strings) and numbers are finite."""
-    extra = {"flag": flag, "unit": unit, "default_text": default_text}
+    """A field declared with its command-line `flag` (None: not an option; no leading dash: a positional argument)
+    and `help` (the CLI appends "(default: X)"). `unit`: what a number counts, in words ("seconds"). `default_text`:
+    the default in words when it is decided elsewhere (the option's own default is then None). `rules` are
+    pydantic's (ge, gt, le...); integers and numbers are strict (no bools, no strings) and numbers are finite.
+
+    How the command line reads it (`dicache.commands.fields`), beyond what the type says (a `Literal` lists its
+    choices, a `list[...]` takes one or more values): `metavar` (the value's name in the help), `switch` (a boolean
+    that also takes true / false: `--flag`, `--flag false`, SGLang's form), `choices` (the accepted words of a text
+    field that a check elsewhere enforces), `read` (text -> value for a form of its own, e.g. "WxH"; a ValueError is
+    a usage error), `repeat` (a list given one value per occurrence: `--prompt a --prompt b`)."""
+    extra = {
+        "flag": flag,
+        "unit": unit,
+        "default_text": default_text,
+        "metavar": metavar,
+        "switch": switch,
+        "choices": tuple(choices) if choices is not None else None,
+        "read": read,
+        "repeat": repeat,
+    }
     return Field(default, description=help, json_schema_extra=extra, repr=repr, **rules)
 
 
@@ -75,13 +96,15 @@ class Options(BaseModel):
 
     A bad value raises `error` (ValueError by default) with one line per problem, naming the field as `label`
     says ('{model}.{name}', '{name}' or '{flag}'), the value (never a field declared with repr=False) and what is
-    allowed; a cross-field rule's own message (a ValueError raised by a model validator) is kept as it is.
+    allowed; a rule's own message (a ValueError raised by a field or model validator) is kept as it is. Models
+    compose by inheritance: a model whose bases are option models declares their fields, each declared once.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
     label: ClassVar[str] = "{model}.{name}"
     error: ClassVar[type[Exception]] = ValueError
+    group: ClassVar[tuple[str, str | None] | None] = None  # (title, description) of the options' heading in --help
 
     def __init__(self, **values: Any) -> None:
         try:
@@ -90,11 +113,23 @@ class Options(BaseModel):
             raise self.error(_one_line(type(self), exc)) from None
 
     @classmethod
+    def flag(cls, name: str) -> str:
+        """The command-line flag declared for field `name` (`--dit-layerwise-offload`)."""
+        return cls.model_fields[name].json_schema_extra["flag"]
+
+    @classmethod
     def name_of(cls, name: str) -> str:
         """How field `name` is called in messages."""
         field = cls.model_fields.get(name)
         flag = (field.json_schema_extra or {}).get("flag") if field is not None else None
         return cls.label.format(model=cls.__name__, name=name, flag=flag or name)
+
+
+class FlagOptions(Options):
+    """Command-line options: a bad value is a `ConfigError` naming the flag (`--steps=-3 is invalid: ...`)."""
+
+    label: ClassVar[str] = "{flag}"
+    error: ClassVar[type[Exception]] = ConfigError
 
 
 def _one_line(cls: type[Options], exc: ValidationError) -> str:

@@ -4,7 +4,7 @@ A profile is the JSON that `dicache calibrate` writes: ``{"settings": {request k
 {...how it was chosen...}}``. `dicache.settings.sources` reads it (`load_profile`) as the layer between the built-in
 defaults and the `SGLANG_CACHE_DIT_*` variables. This module adds what the commands need on top:
 
-- `add_profile_argument(parser)`: the `--profile PATH` option of `generate`, `serve` and `config`.
+- `ProfileOption`: the `--profile PATH` option of `generate`, `serve` and `config`, declared once.
 - `cache_config(profile)`: `CacheConfig.from_env()` with `profile` in place of `SGLANG_CACHE_DIT_PROFILE` (the
   option wins over the variable); a missing or invalid file is a `ConfigError` naming ``--profile`` and the path.
 - `write_profile(path, settings, calibration)`: write a profile atomically, after checking that `load_profile` and
@@ -15,7 +15,6 @@ defaults and the `SGLANG_CACHE_DIT_*` variables. This module adds what the comma
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -26,18 +25,20 @@ from typing import Any
 from ..errors import ConfigError
 from ..formatting import show_value
 from .cache_config import PROFILE_ENV, CacheConfig, load_profile
+from .options import FlagOptions, option
 
 OPTION = "--profile"
 
 
-def add_profile_argument(parser: argparse.ArgumentParser) -> None:
-    """Add ``--profile PATH`` (default None: `SGLANG_CACHE_DIT_PROFILE` decides) to a subcommand's parser."""
-    parser.add_argument(
-        OPTION,
+class ProfileOption(FlagOptions):
+    """``--profile PATH`` (None: `SGLANG_CACHE_DIT_PROFILE` decides)."""
+
+    profile: str | None = option(
+        None,
+        flag=OPTION,
         metavar="PATH",
-        default=None,
-        help=f"settings profile (JSON from `dicache calibrate`) under the SGLANG_CACHE_DIT_* variables; "
-        f"same as {PROFILE_ENV}=PATH, and wins over it",
+        help=f"settings profile (JSON from `dicache calibrate`) under the SGLANG_CACHE_DIT_* variables; same as "
+        f"{PROFILE_ENV}=PATH, and wins over it",
     )
 
 
