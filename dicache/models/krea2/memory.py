@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dicache.engine.adapters import generic_spec
+from dicache.engine.adapters import stack_spec
 from dicache.errors import ConfigError
 from dicache.offload.estimate import (
     cache_bytes,
@@ -63,7 +63,7 @@ def pipeline_memory(pipe: Any) -> PipelineMemory:
     return PipelineMemory(
         pipeline=pipe,
         transformer=pipe.transformer,
-        stack=generic_spec(pipe.transformer),
+        stack=stack_spec(pipe.transformer),
         components={"text_encoder": text, "vae": pipe.vae},
         phases=PHASES,
         counted="denoise",
@@ -115,7 +115,7 @@ def memory_needs(
     """What `pipe` needs on the device (reserve not included) for requests up to `height` x `width`, `images` per
     call, with or without CFG (batched into one call or not), under the cache settings `config`."""
     transformer = pipe.transformer
-    blocks = generic_spec(transformer).blocks
+    blocks = stack_spec(transformer).blocks
     block_bytes = tuple(packed_bytes(block) for block in blocks)
     other = module_bytes(transformer) - sum(module_bytes(block) for block in blocks)
     element = torch.empty((), dtype=transformer.dtype).element_size()
@@ -167,6 +167,6 @@ def quantize_through_device(pipe: Any, quantization: Any, device: torch.device |
     if spec is None:
         return []
     transformer = pipe.transformer
-    done = quantize_block_by_block(transformer, generic_spec(transformer).blocks, spec, compute_device(device))
+    done = quantize_block_by_block(transformer, stack_spec(transformer).blocks, spec, compute_device(device))
     transformer.quantization = spec
     return done
