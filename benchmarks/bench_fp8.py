@@ -39,7 +39,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from publish import command_line, publish  # noqa: E402
 
-from dicache.calibration import RECOMMENDED_FAMILY  # noqa: E402
 from dicache.fp8_emulation import ACTIVATION_BLOCK, WEIGHT_BLOCK, EmulatedScheme  # noqa: E402
 from dicache.hadamard import DEFAULT_MAX_BLOCK  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
@@ -52,6 +51,7 @@ from dicache.quantization import (  # noqa: E402
     parse_quantization,
 )
 from dicache.sweep.metrics import psnr  # noqa: E402
+from dicache.tuning import RECOMMENDED_FAMILY  # noqa: E402
 
 LINEAR_GROUPS = ("attn_qkv", "attn_gate", "attn_out", "ff_in", "ff_out")
 RECOMMENDED = {**RECOMMENDED_FAMILY, "scm_compute_fraction": 0.4}  # README "Recommended settings"

@@ -46,9 +46,9 @@ from bench_krea2_forward import (  # noqa: E402
 from probe_forward_time import gpu_clock  # noqa: E402
 
 import dicache  # noqa: E402
+from dicache.engine.policies.step_mask import preset_mask  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler  # noqa: E402
-from dicache.policies.step_mask import preset_mask  # noqa: E402
 from dicache.quantization import parse_quantization  # noqa: E402
 
 SECTIONS = ("forward", "masks", "sglang", "overhead", "profile")

@@ -54,11 +54,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench_krea2_forward import TINY_CONFIG, build_models  # noqa: E402
 
 import dicache  # noqa: E402
-from dicache.calibration import RECOMMENDED_FAMILY  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler  # noqa: E402
 from dicache.offload.plan import GiB  # noqa: E402
 from dicache.offload.timeline import model_time  # noqa: E402
+from dicache.tuning import RECOMMENDED_FAMILY  # noqa: E402
 
 RUNS = ("resident", "ours", "group", "fp8")
 WORKLOADS = ("turbo", "raw")
@@ -321,7 +321,8 @@ class OffloadBench:
     def cap_budget(self, cap: float) -> tuple[float, str]:
         """GiB the allocator may use for card size `cap` (tiny: the budget that keeps `cap` blocks resident)."""
         if self.args.tiny:
-            from dicache.offload.pipeline import default_reserve_bytes, memory_needs
+            from dicache.models.krea2.memory import memory_needs
+            from dicache.offload.pipeline import default_reserve_bytes
 
             needs = memory_needs(self.pipe, self.size, self.size, 1, True, True, dicache.CacheConfig.from_env({}))
             resident, block = int(cap), max(needs.block_bytes)

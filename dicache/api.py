@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -10,21 +11,29 @@ from typing import Any
 
 from torch import nn
 
-from .adapters import BlockForm, find_pipeline_adapter, generic_spec
-from .config import CacheConfig
+from .engine.adapters import find_pipeline_adapter
+from .engine.adapters.families import stack_specs
+from .engine.adapters.generic import FormArg
+from .engine.install import InstalledHooks, install
+from .engine.session import CacheSession
+from .engine.state import RequestState
+from .engine.stats import RequestStats
 from .errors import NotEnabledError, UnsupportedModelError
-from .install import InstalledHooks, install
-from .session import CacheSession
-from .state import RequestState
-from .stats import RequestStats
+from .settings.cache_config import CacheConfig
 
 
 @dataclass
 class _Handle:
-    session: CacheSession
-    hooks: InstalledHooks | None = None  # set on the transformer's handle
+    sessions: list[CacheSession]  # a transformer's own session, or a pipeline's transformers' sessions in order
+    hooks: InstalledHooks | None = None  # set on a transformer's handle
     detach: list = field(default_factory=list)  # pipeline detach functions
     pipelines: int = 0  # pipelines sharing this transformer's hooks
+    transformers: list = field(default_factory=list)  # a pipeline's cached transformers
+
+    @property
+    def session(self) -> CacheSession:
+        """The primary session: the transformer's, or the pipeline's first transformer's."""
+        return self.sessions[0]
 
 
 _HANDLES: weakref.WeakKeyDictionary[Any, _Handle] = weakref.WeakKeyDictionary()
@@ -44,15 +53,29 @@ def _as_config(config: CacheConfig | Mapping[str, Any] | None, base: CacheConfig
     )
 
 
-def enable(obj: Any, config: CacheConfig | Mapping[str, Any] | None = None, *, form: BlockForm | None = None) -> Any:
+def enable(
+    obj: Any,
+    config: CacheConfig | Mapping[str, Any] | None = None,
+    *,
+    form: FormArg = None,
+    lists: str = "joined",
+) -> Any:
     """Turn step caching on for a pipeline or a transformer, in place; returns `obj`.
 
     Args:
-        obj: our `Krea2Pipeline`, a diffusers pipeline with a `transformer` (e.g. `Krea2Pipeline`), or a bare
-            transformer module whose blocks sit in an `nn.ModuleList`.
+        obj: our `Krea2Pipeline`, a diffusers pipeline of a registered family (`dicache.adapters.FAMILIES`) or any
+            diffusers pipeline with a `transformer`, or a bare transformer module whose blocks sit in
+            `nn.ModuleList`s. Every transformer of a pipeline (Wan 2.2: `transformer` and `transformer_2`) gets its
+            own cache state, warm-up and stats (`dicache.stats(pipe.transformer_2)`).
         config: a `CacheConfig`, a dict of override keys merged over the environment, or None for the
             environment (`SGLANG_CACHE_DIT_*`). Caching is on whatever `SGLANG_CACHE_DIT_ENABLED` says.
-        form: how blocks are called, for models other than single-stream `block(hidden, *args) -> hidden`.
+        form: how blocks are called, when the registered (or, for unknown models, `h -> h`) form is not right: a
+            `BlockForm` or a label such as `"(h, e) -> (e, h)"` for every block list, one per list, or a mapping
+            from block-list attribute to form (which declares the lists of a model without a family entry). The
+            first call checks the forms against what the blocks return and raises `BlockFormError` on a mismatch.
+        lists: `"joined"` (default): a transformer's block lists are one stack, one decision per call, Fn / Bn
+            counted over the whole stack; `"separate"`: each list is its own cache (cache-dit's layout for
+            HunyuanVideo, Chroma, HiDream and Flux.2); `dicache.stats` then reports the first list's.
 
     Enabling an already enabled object replaces its settings.
     """
@@ -60,43 +83,52 @@ def enable(obj: Any, config: CacheConfig | Mapping[str, Any] | None = None, *, f
     if obj in _HANDLES:
         disable(obj)
     adapter = find_pipeline_adapter(obj)
-    transformer = adapter.transformer(obj) if adapter is not None else obj
-    if not isinstance(transformer, nn.Module):
-        raise UnsupportedModelError(
-            f"dicache.enable expects a pipeline with a `transformer` or an nn.Module, got {type(obj).__name__}"
-        )
-    handle = _HANDLES.get(transformer)
-    if handle is None:
-        spec = generic_spec(transformer, form)
-        session = CacheSession(resolved, num_blocks=len(spec.blocks), num_streams=spec.form.num_streams)
-        handle = _Handle(session=session, hooks=install(spec, session))
-        _HANDLES[transformer] = handle
-    elif config is not None:
-        handle.session.configure(resolved)
+    transformers = adapter.transformers(obj) if adapter is not None else [obj]
+    for transformer in transformers:
+        if not isinstance(transformer, nn.Module):
+            raise UnsupportedModelError(
+                f"dicache.enable expects a pipeline with a `transformer` or an nn.Module, got {type(obj).__name__}"
+            )
+    sessions, created = [], []
+    try:
+        for transformer in transformers:
+            handle = _HANDLES.get(transformer)
+            if handle is None:
+                specs = stack_specs(transformer, form, lists)
+                own = [CacheSession(resolved, num_blocks=s.num_blocks, boundaries=s.boundaries) for s in specs]
+                handle = _Handle(own, hooks=install(specs, own))
+                _HANDLES[transformer] = handle
+                created.append(transformer)
+            elif config is not None:
+                for session in handle.sessions:
+                    session.configure(resolved)
+            sessions.extend(handle.sessions)
+    except BaseException:
+        for transformer in created:
+            _HANDLES.pop(transformer).hooks.remove()
+        raise
     if adapter is not None:
-        pipe_handle = _Handle(session=handle.session, detach=[adapter.attach(obj, handle.session)])
-        handle.pipelines += 1
-        _HANDLES[obj] = pipe_handle
+        for transformer in transformers:
+            _HANDLES[transformer].pipelines += 1
+        _HANDLES[obj] = _Handle(sessions, detach=[adapter.attach(obj, sessions)], transformers=list(transformers))
     return obj
 
 
 def disable(obj: Any) -> Any:
-    """Remove everything `enable` installed on `obj` (and on its transformer); forwards are restored exactly."""
+    """Remove everything `enable` installed on `obj` (and on its transformers); forwards are restored exactly."""
     handle = _HANDLES.pop(obj, None)
     if handle is None:
         return obj
     for detach in handle.detach:
         detach()
-    adapter = find_pipeline_adapter(obj)
-    if adapter is not None:
-        transformer = adapter.transformer(obj)
+    for transformer in handle.transformers:
         inner = _HANDLES.get(transformer)
         if inner is not None:
             inner.pipelines -= 1
             if inner.pipelines <= 0:
                 _HANDLES.pop(transformer, None)
                 inner.hooks.remove()
-    elif handle.hooks is not None:
+    if handle.hooks is not None:
         handle.hooks.remove()
     return obj
 
@@ -117,7 +149,8 @@ def session_of(obj: Any) -> CacheSession:
 
 
 def stats(obj: Any) -> RequestStats | None:
-    """Cache statistics of the last request run through `obj` in this context (else in any context)."""
+    """Cache statistics of the last request run through `obj` in this context (else in any context). For a pipeline
+    with several transformers, its first transformer's (`dicache.stats(pipe.transformer_2)` for the second)."""
     return session_of(obj).stats()
 
 
@@ -131,16 +164,28 @@ def request(
     """Delimit one request explicitly, optionally with its own settings: a dict of override keys (merged over the
     model's settings) or a whole `CacheConfig` (whose `enable_cache` says whether this request caches).
 
-    Calls inside share one request state; pipeline calls inside refine it rather than open a new one.
+    Calls inside share one request state; pipeline calls inside refine it rather than open a new one. On a pipeline
+    with several transformers, each opens its request (the first one's state is yielded).
     """
-    session = session_of(obj)
-    own = None if config is None else session.fit(_as_config(config, session.config, "request"))
-    with session.request(num_steps=num_inference_steps, sigmas=sigmas, config=own) as state:
-        yield state
+    sessions = _sessions_of(obj)
+    owns = [None if config is None else s.fit(_as_config(config, s.config, "request")) for s in sessions]
+    with contextlib.ExitStack() as scopes:
+        states = [
+            scopes.enter_context(s.request(num_steps=num_inference_steps, sigmas=sigmas, config=own))
+            for s, own in zip(sessions, owns)
+        ]
+        yield states[0]
 
 
 @contextmanager
 def step(obj: Any, index: int, branch: str = "cond", sigma: float | None = None) -> Iterator[None]:
     """Declare the step and branch (cond / uncond / batched) of the transformer calls inside (explicit API)."""
-    with session_of(obj).call(index, branch, sigma):
+    with contextlib.ExitStack() as scopes:
+        for session in _sessions_of(obj):
+            scopes.enter_context(session.call(index, branch, sigma))
         yield
+
+
+def _sessions_of(obj: Any) -> list[CacheSession]:
+    session_of(obj)  # NotEnabledError when not enabled
+    return _HANDLES[obj].sessions

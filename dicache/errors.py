@@ -26,3 +26,8 @@ class UnsupportedModelError(DicacheError, TypeError):
 
 class MemoryBudgetError(ConfigError):
     """A memory plan that cannot fit the device budget: says what was needed and what was available."""
+
+
+class BlockFormError(DicacheError, ValueError):
+    """A block form that does not fit the model: a bad `form=` value, or a form the first transformer call shows to
+    be wrong (names the block, the form expected, what the block returned and the `form=` to pass)."""

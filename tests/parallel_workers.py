@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 import dicache
+from dicache.engine.reduction import PARALLEL_LAYOUT_ATTR, relative_change
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT, Krea2Pipeline
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler
 from dicache.models.krea2.tiny import parallel_transformer_config, random_tiny_transformer
 from dicache.models.krea2.transformer import Krea2Transformer
 from dicache.parallel import build_context, init_parallel, lockstep, parallelize
-from dicache.reduction import PARALLEL_LAYOUT_ATTR, relative_change
 
 HEIGHT = WIDTH = 128  # no VAE: latent ×8, patch 2 -> 8 × 8 = 64 image tokens
 TEXT_LEN = 24

@@ -6,11 +6,11 @@ import torch
 from toymodels import SeamTransformer, ToyTransformer, sample
 
 import dicache
-from dicache import CacheConfig, UnsupportedModelError
-from dicache.adapters import generic_spec
-from dicache.install import observe_blocks
-from dicache.policies import DBCachePolicy
-from dicache.policies.lookahead import BranchCounters, decide_without_diff, next_call, upcoming_decisions
+from dicache import CacheConfig
+from dicache.engine.adapters import generic_spec
+from dicache.engine.install import observe_blocks
+from dicache.engine.policies import DBCachePolicy
+from dicache.engine.policies.lookahead import BranchCounters, decide_without_diff, next_call, upcoming_decisions
 
 
 class Recorder:
@@ -147,9 +147,17 @@ def test_cfg_branches_alternate_in_the_lookahead(model):
     assert rec.calls[2]["plans"][0].upcoming == (0,) + tuple(range(6))
 
 
-def test_observers_need_a_seam_model():
-    with pytest.raises(UnsupportedModelError, match="run_blocks"):
-        observe_blocks(generic_spec(ToyTransformer(num_blocks=3, dim=4)), Recorder())
+def test_observers_follow_a_model_that_loops_over_its_list_without_a_seam():
+    torch.manual_seed(0)
+    loop = ToyTransformer(num_blocks=3, dim=8).eval()
+    plain = run(loop, 2)
+    rec = Recorder()
+    stop = observe_blocks(generic_spec(loop), rec)
+    observed = run(loop, 2)
+    stop()
+    assert all(torch.equal(a, b) for a, b in zip(plain, observed))
+    assert [call["ran"] for call in rec.calls] == [[0, 1, 2], [0, 1, 2]] and all(c["ended"] for c in rec.calls)
+    assert "forward" not in loop.__dict__ and type(loop.blocks) is torch.nn.ModuleList
 
 
 def test_cache_and_observer_attach_and_detach_in_any_order(model):

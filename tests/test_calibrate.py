@@ -15,7 +15,12 @@ import pytest
 import torch
 from PIL import Image
 
-from dicache.calibration import (
+from dicache.cli import main
+from dicache.errors import ConfigError
+from dicache.settings.cache_config import PROFILE_ENV, CacheConfig, load_profile
+from dicache.settings.profiles import write_profile
+from dicache.sweep.metrics import psnr
+from dicache.tuning import (
     CANDIDATES,
     Measurement,
     calibrate,
@@ -24,11 +29,6 @@ from dicache.calibration import (
     format_table,
     profile_settings,
 )
-from dicache.cli import main
-from dicache.config import PROFILE_ENV, CacheConfig, load_profile
-from dicache.errors import ConfigError
-from dicache.profiles import write_profile
-from dicache.sweep.metrics import psnr
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 

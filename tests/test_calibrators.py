@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from dicache.calibrators import CorrectedTaylorCalibrator, ReuseCalibrator, TaylorSeerCalibrator, make_calibrator
-from dicache.config import CacheConfig
+from dicache.engine.calibrators import CorrectedTaylorCalibrator, ReuseCalibrator, TaylorSeerCalibrator, make_calibrator
+from dicache.settings.cache_config import CacheConfig
 
 
 def poly(coeffs):

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from dicache import CacheConfig, ConfigError
-from dicache.config import SETTINGS
-from dicache.config_docs import env_example, markdown_table
+from dicache.settings.cache_config import SETTINGS
+from dicache.settings.docs import env_example, markdown_table
 
 P = "SGLANG_CACHE_DIT_"
 

@@ -9,6 +9,7 @@ unknown or misspelt field fails), and against the server they run (its options, 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import pathlib
 import re
@@ -23,10 +24,10 @@ import yaml
 
 kv = pytest.importorskip("kubernetes_validate")
 
-from dicache.commands.serve import settings_from_args  # noqa: E402
-from dicache.commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args  # noqa: E402
+from dicache.commands.serve import parse_serve_argv, settings_from_args  # noqa: E402
+from dicache.commands.serve_ray import replica_spec_from_args, serve_options_from_args  # noqa: E402
 from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH  # noqa: E402
-from dicache.server.ray_serve import args_to_argv, deployment_options  # noqa: E402
+from dicache.server.ray_serve import args_to_argv, deployment_options, replica_from_options  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -128,6 +129,8 @@ def test_rayservice_serve_config_builds_with_the_dicache_serve_parser():
     options = serve_options_from_args(args, spec)
     config = deployment_options(spec, options)  # checks GPUs against tp x ulysses
     assert app["route_prefix"] == "/"
+    built, built_options = replica_from_options(app["args"])  # what app_builder builds, from the declarations
+    assert dataclasses.replace(built, cache_config=None) == spec and built_options == options
 
     cluster = rayservice["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == _ray_pin()

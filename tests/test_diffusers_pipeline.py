@@ -11,7 +11,7 @@ from tiny_krea2 import tiny_transformer as shared_tiny_transformer
 from torch import nn
 
 import dicache
-import dicache.install
+import dicache.engine.install
 from dicache import CacheConfig
 from dicache.models.krea2.tiny import tiny_vae_config
 
@@ -99,7 +99,7 @@ def test_turbo_caches_right_after_warmup_without_reading_the_timestep(monkeypatc
     def forbidden(value):
         raise AssertionError("the pipeline path must take the step from the scheduler, not the timestep tensor")
 
-    monkeypatch.setattr(dicache.install, "_timestep_key", forbidden)
+    monkeypatch.setattr(dicache.engine.install, "_timestep_key", forbidden)
     generate(pipe, 8, 0.0)
     st = dicache.stats(pipe)
     assert list(st.branches) == ["cond"] and st.num_steps == 8
@@ -154,7 +154,7 @@ def test_step_mask_preset_gets_the_step_count_from_the_pipeline(distilled, guida
     dicache.enable(pipe, {"scm_preset": "fast", "scm_policy": "static", "max_warmup_steps": 0})
     generate(pipe, 12, guidance)
     st = dicache.stats(pipe)
-    mask = dicache.policies.preset_mask("fast", 12)
+    mask = dicache.engine.policies.preset_mask("fast", 12)
     for b in st.branches.values():
         assert b.cached_steps == [i for i, m in enumerate(mask) if m == 0]
     assert st.num_steps == 12

@@ -9,7 +9,7 @@ from toymodels import DualTransformer, LinearInTimeBlock, SeamTransformer, ToyTr
 
 import dicache
 from dicache import BlockSplitError, CacheConfig, ConfigError
-from dicache.adapters import DualStream
+from dicache.engine.adapters import DualStream
 
 
 def cfg(**kw):
@@ -285,7 +285,7 @@ def test_explicit_request_and_step_api_with_named_branches(model, x):
                 model(x, torch.tensor([t]))
     st = dicache.stats(model)
     assert list(st.branches) == ["batched"] and st.num_steps == 8
-    mask = dicache.policies.preset_mask("fast", 8)
+    mask = dicache.engine.policies.preset_mask("fast", 8)
     assert all(mask[s] == 0 for s in st.branches["batched"].cached_steps)
 
 
@@ -417,7 +417,7 @@ def test_whole_step_reuse_with_fn_zero_runs_no_block_on_cached_steps():
     CountingBlock.calls = 0
     with dicache.request(model, num_inference_steps=10):
         reused = run(model, x, 10)
-    mask = dicache.policies.curved_mask(10, 0.4, 2.0)
+    mask = dicache.engine.policies.curved_mask(10, 0.4, 2.0)
     assert CountingBlock.calls == 4 * sum(mask) == 16, "a cached step must run none of the 4 blocks"
     st = dicache.stats(model).branches["cond"]
     assert st.computed_steps == [s for s in range(10) if mask[s]] and len(st.cached_steps) == 10 - sum(mask)
@@ -459,7 +459,7 @@ def test_cached_step_blocks_still_run_and_each_skipped_run_adds_its_own_residual
     model = ToyTransformer(num_blocks=4, dim=8, block=IndexedBlock).eval()
     x = torch.randn(1, 3, 8)
     plain = run(model, x, 10)
-    mask = dicache.policies.curved_mask(10, 0.4, 2.0)
+    mask = dicache.engine.policies.curved_mask(10, 0.4, 2.0)
     static = {"scm_preset": "curved", "scm_compute_fraction": 0.4, "scm_curve": 2.0, "scm_policy": "static"}
     dicache.enable(model, cfg(Fn_compute_blocks=0, max_warmup_steps=0, cached_step_blocks="2", **static))
     IndexedBlock.ran = []

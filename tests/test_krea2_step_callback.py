@@ -6,8 +6,8 @@ import torch
 from tiny_krea2 import build_tiny_pipeline
 
 import dicache
-from dicache.config import CacheConfig
 from dicache.models.krea2 import Krea2Pipeline
+from dicache.settings.cache_config import CacheConfig
 
 SIZE, STEPS = 32, 4
 

@@ -9,14 +9,15 @@ from tiny_krea2 import build_tiny_pipeline
 
 import dicache
 from dicache.cli import build_parser, main
-from dicache.config import CacheConfig
+from dicache.commands.memory import cfg_of, offload_settings
 from dicache.errors import ConfigError
+from dicache.models.krea2.memory import memory_needs
 from dicache.models.krea2.pipeline import Krea2Pipeline
-from dicache.offload.cli import cfg_of, offload_options
-from dicache.offload.pipeline import memory_needs
 from dicache.offload.plan import GiB, OffloadSettings, plan_memory
+from dicache.offload.settings import OffloadLimits
 from dicache.server.backend import load_backend
 from dicache.server.generation import GenerationSpec
+from dicache.settings.cache_config import CacheConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -52,7 +53,7 @@ def test_both_commands_take_sglangs_memory_options(command):
         [command, *(["x"] if command == "generate" else []), "--dit-layerwise-offload", "--pin-cpu-memory", "false"]
         + ["--dit-offload-prefetch-size", "0.25", "--gpu-memory-budget", "23.5", "--vae-cpu-offload", "true"]
     )
-    settings = OffloadSettings(**{k: v for k, v in offload_options(args).items() if k != "offload_limits"})
+    settings = offload_settings(args)
     assert settings == OffloadSettings(
         dit_layerwise_offload=True,
         dit_offload_prefetch_size=0.25,
@@ -60,7 +61,7 @@ def test_both_commands_take_sglangs_memory_options(command):
         pin_cpu_memory=False,
         gpu_memory_budget=23.5,
     )
-    assert offload_options(build_parser().parse_args([command, *(["x"] if command == "generate" else [])])) == {}
+    assert not offload_settings(build_parser().parse_args([command, *(["x"] if command == "generate" else [])])).any
 
 
 def test_a_bad_switch_value_names_the_option(capsys):
@@ -102,16 +103,22 @@ def test_generate_refuses_bad_memory_options_before_running(tiny_dir, tmp_path, 
 def test_offload_with_model_parallelism_or_concurrent_workers_is_refused():
     args = build_parser().parse_args(["generate", "x", "--dit-layerwise-offload"])
     with pytest.raises(ConfigError, match="cannot be combined with --tp-size / --ulysses-degree"):
-        offload_options(args, parallel=True)
+        offload_settings(args, parallel=True)
     with pytest.raises(ConfigError, match="--workers 2 is invalid with the memory options"):
-        offload_options(args, workers=2)
+        offload_settings(args, workers=2)
     assert cfg_of(None, None) is None and cfg_of(1.0, "raw") is False and cfg_of(None, "raw") is True
 
 
 def test_serve_backend_plans_for_the_largest_request_it_accepts(tiny_dir):
     args = build_parser().parse_args(["serve", "--dit-layerwise-offload", "--max-side", "64", "--max-n", "2"])
-    options = offload_options(args, max_height=64, max_width=64, max_images=2, cfg=True, size_source=" (--max-side)")
-    backend = load_backend(str(tiny_dir), device="cpu", cache_config=CacheConfig.from_env({}), offload=options)
+    limits = OffloadLimits(max_height=64, max_width=64, max_images=2, cfg=True, size_source=" (--max-side)")
+    backend = load_backend(
+        str(tiny_dir),
+        device="cpu",
+        cache_config=CacheConfig.from_env({}),
+        offload=offload_settings(args),
+        offload_limits=limits,
+    )
     offload = backend.pipe.offload
     assert offload.max_pixels == 64 * 64 and offload.max_images == 2 and offload.cfg and offload.cfg_batched
     spec = GenerationSpec(
@@ -135,7 +142,7 @@ def test_embedded_checkpoint_with_every_offload_is_bitwise_equal_to_resident():
         text_encoder_cpu_offload=True,
         vae_cpu_offload=True,
         gpu_memory_budget=1.0,  # roomy: every block stays, the components still move per phase
-        offload_limits=dict(max_height=64, max_width=64),
+        offload_limits=OffloadLimits(max_height=64, max_width=64),
     )
     pipe.set_progress_bar_config(disable=True)
     dicache.enable(pipe, cache)
@@ -147,7 +154,9 @@ def test_embedded_checkpoint_with_every_offload_is_bitwise_equal_to_resident():
     assert components.on_device("vae") and not components.on_device("text_encoder")  # the last phase was decode
     pipe("a red apple", **kw)
     assert components.bytes_in == 2 * moved  # each brought in once per call (both prompts encoded together)
-    whole = Krea2Pipeline.from_pretrained(dit_cpu_offload=True, offload_limits=dict(max_height=64, max_width=64))
+    whole = Krea2Pipeline.from_pretrained(
+        dit_cpu_offload=True, offload_limits=OffloadLimits(max_height=64, max_width=64)
+    )
     whole.set_progress_bar_config(disable=True)
     dicache.enable(whole, cache)
     assert np.array_equal(whole("a red apple", cfg_batched=True, **kw).images, expected)

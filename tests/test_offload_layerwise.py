@@ -5,13 +5,13 @@ import pytest
 import torch
 
 import dicache
-from dicache.calibration import RECOMMENDED_FAMILY
-from dicache.config import CacheConfig
 from dicache.errors import MemoryBudgetError
+from dicache.models.krea2.memory import memory_needs
 from dicache.models.krea2.pipeline import Krea2Pipeline
 from dicache.models.krea2.tiny import random_tiny_transformer, tiny_transformer_config
-from dicache.offload.pipeline import memory_needs
 from dicache.offload.plan import GiB
+from dicache.settings.cache_config import CacheConfig
+from dicache.tuning import RECOMMENDED_FAMILY
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -231,7 +231,7 @@ def test_fp8_weights_stream_as_their_inner_tensors_and_stay_bitwise_equal():
 def test_quantization_with_offload_goes_block_by_block_through_the_device(monkeypatch):
     """FP8 is made on the GPU, where the bf16 transformer need not fit: each block is quantized there on its own."""
     from dicache import quantization
-    from dicache.offload.pipeline import quantize_through_device
+    from dicache.models.krea2.memory import quantize_through_device
 
     pipe = make_pipe()
     expected = quantization.selected_linears(pipe.transformer, quantization.QuantizationSpec())

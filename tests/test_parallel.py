@@ -24,10 +24,10 @@ if not (dist.is_available() and dist.is_gloo_available()):
 
 import parallel_workers as pw  # noqa: E402
 
+from dicache.commands.shared import add_parallel_arguments  # noqa: E402
 from dicache.parallel import (  # noqa: E402
     ParallelConfigError,
     ParallelContext,
-    add_parallel_arguments,
     check_degrees,
     check_parallel_model,
     parallelize,

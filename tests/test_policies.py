@@ -1,8 +1,8 @@
 import pytest
 
 from dicache import CacheConfig, ConfigError
-from dicache.policies import AlwaysCache, DBCachePolicy, NeverCache, StepContext, make_policy, preset_mask
-from dicache.policies.step_mask import PRESET_BINS, mask_from_bins, step_mask
+from dicache.engine.policies import AlwaysCache, DBCachePolicy, NeverCache, StepContext, make_policy, preset_mask
+from dicache.engine.policies.step_mask import PRESET_BINS, mask_from_bins, step_mask
 
 
 def ctx(step, cached_total=0, continuous=0, has=True, num_steps=None):
@@ -128,8 +128,8 @@ def test_make_policy_follows_config():
 
 
 def test_curved_mask_count_placement_and_design_formula():
-    from dicache.policies import curved_mask
-    from dicache.policies.step_mask import curved_positions
+    from dicache.engine.policies import curved_mask
+    from dicache.engine.policies.step_mask import curved_positions
 
     for n in (8, 28, 50):
         for f in (0.3, 0.5, 0.8):
@@ -162,7 +162,7 @@ def test_make_policy_builds_curved_masks():
 
 
 def test_middle_segments_split_the_middle_into_skipped_and_computed_runs():
-    from dicache.policies import Segment, middle_segments
+    from dicache.engine.policies import Segment, middle_segments
 
     assert middle_segments(10, 1, 0, None) == [Segment(1, 10, True)]
     assert middle_segments(10, 0, 0, [4, 5]) == [Segment(0, 4, True), Segment(4, 6, False), Segment(6, 10, True)]

@@ -43,9 +43,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from dicache.commands.serve import settings_from_args  # noqa: E402
-from dicache.commands.serve_ray import parse_serve_argv  # noqa: E402
-from dicache.config import CacheConfig  # noqa: E402
+from dicache.commands.serve import parse_serve_argv, settings_from_args  # noqa: E402
 from dicache.server import create_app, load_backend  # noqa: E402
 from dicache.server.background import BackgroundServer  # noqa: E402
 from dicache.server.ray_serve import (  # noqa: E402
@@ -56,6 +54,7 @@ from dicache.server.ray_serve import (  # noqa: E402
     ReplicaSpec,
     build_application,
 )
+from dicache.settings.cache_config import CacheConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420), pytest.mark.usefixtures("one_torch_thread")]
 

@@ -15,7 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dicache.cli import main as cli_main
-from dicache.commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
+from dicache.commands.serve import parse_serve_argv
+from dicache.commands.serve_ray import replica_spec_from_args, serve_options_from_args
 from dicache.errors import ConfigError
 from dicache.server import ServerSettings
 from dicache.server.metrics import ServerMetrics
@@ -30,7 +31,9 @@ from dicache.server.ray_serve import (
     args_to_argv,
     check_fits,
     deployment_options,
+    replica_from_options,
 )
+from dicache.settings.profiles import cache_config as read_cache_config
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -218,6 +221,50 @@ def test_builder_args_map_to_the_same_options_and_errors():
         parse_serve_argv(args_to_argv({"replicas": "two"}))
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        {},
+        {"replicas": 2, "max_queue": 8, "device": "cpu", "default_size": "64x64", "profile": None},
+        {"replicas": "2", "max_replicas": "4", "target_ongoing_requests": "1.5", "tp_size": "2", "device": "cuda"},
+        {"timeout": "30", "workers": 2, "max_side": 512, "max_n": "2", "drain_timeout": 0, "docs": True},
+        {"variant": "raw", "dtype": "bfloat16", "torch_threads": 2, "model": "some/dir", "ulysses_degree": 2},
+        {"compile": True, "quantization": "fp8", "quantization_exclude": ["attn_gate"], "load_format": "dummy"},
+        {"api_key": "k", "metrics_auth": True, "max_connections": 10, "cpus_per_replica": 0.5, "gpus_per_replica": 0},
+    ],
+)
+def test_builder_builds_from_the_declared_options_what_the_command_line_builds(args, monkeypatch):
+    """`app_builder`'s args go to the declared options (no argv): the same replica and deployment as the command
+    line's parser gives for the same options, text values (`serve run key=value`) included."""
+    monkeypatch.delenv("DICACHE_API_KEY", raising=False)
+    spec, options = replica_from_options(args)
+    parsed = parse_serve_argv(args_to_argv(args))
+    expected = replica_spec_from_args(parsed, read_cache_config(parsed.profile))
+    assert spec == expected
+    assert options == serve_options_from_args(parsed, expected)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"replica": 2}, r"unknown option\(s\) 'replica'; allowed: .*replicas"),
+        ({"dit_layerwise_offload": True}, r"unknown option\(s\) 'dit_layerwise_offload'"),
+        ({"replicas": "two"}, "--replicas='two' is invalid: must be an integer >= 1"),
+        ({"variant": "fast"}, "--variant='fast' is invalid: must be one of 'turbo', 'raw'"),
+        ({"tp_size": 0}, "--tp-size=0 is invalid: must be an integer >= 1"),
+        ({"default_size": "60x60"}, "'60x60' is invalid: each side must be a multiple of 16"),
+        ({"load_format": "fast"}, "load_format='fast' is invalid: must be one of auto, dummy"),
+        ({"max_queue": -1}, "max_queue=-1 is invalid"),
+        ({"metrics_auth": True}, "--metrics-auth needs an API key"),
+        ({"max_connections": 0}, "max_connections=0 is invalid"),
+    ],
+)
+def test_builder_args_name_the_bad_option(args, message, monkeypatch):
+    monkeypatch.delenv("DICACHE_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match=message):
+        replica_from_options(args)
+
+
 def test_serve_run_with_the_builder_gives_its_local_cluster_the_openai_shaped_proxy_errors(monkeypatch):
     """`serve run dicache.server.ray_serve:app_builder ...` builds the app before it starts a local Ray cluster: the
     builder sets the proxy callback variable that the cluster inherits, unless the environment already has one."""
@@ -251,7 +298,7 @@ def test_without_ray_the_single_process_server_works_and_serve_ray_says_what_to_
         "from fastapi.testclient import TestClient\n"
         "from dicache.server import create_app, ServerSettings\n"
         "from dicache.server.generation import Defaults\n"
-        "from dicache.config import CacheConfig\n"
+        "from dicache.settings.cache_config import CacheConfig\n"
         "class B:\n"
         "    cache_config = CacheConfig.defaults(); num_blocks = 4\n"
         "    defaults = Defaults('turbo', 8, 1.0, 64, 64)\n"
@@ -402,8 +449,8 @@ def test_serve_ray_rejects_bad_options_before_starting_a_cluster(capsys):
 def test_replicas_get_the_speed_options_and_refuse_offload():
     """`--compile`, `--quantization` and `--load-format` reach every replica (applied after any split, then a
     warm-up); the memory options, which plan one process's GPU, are refused before a cluster starts."""
-    from dicache.config import CacheConfig
     from dicache.quantization import QuantizationSpec
+    from dicache.settings.cache_config import CacheConfig
 
     args = parse_serve_argv(["--ray", "--compile", "--quantization", "fp8", "--load-format", "dummy"])
     spec = replica_spec_from_args(args, CacheConfig())

@@ -189,7 +189,7 @@ def test_turbo_and_raw_requests_cache_exactly_as_the_engine_does(server, backend
             assert body["data"][0]["sha256"] == hashlib.sha256(out.images[0].tobytes()).hexdigest()  # off means off
         else:
             assert stats["cached_calls"] > 0, name
-    mask = dicache.policies.preset_mask("fast", 12)
+    mask = dicache.engine.policies.preset_mask("fast", 12)
     turbo_mask = post(server, CASES["turbo_mask"]).json()["cache_stats"]["branches"]["cond"]
     assert turbo_mask["cached_steps"] == [i for i, m in enumerate(mask) if m == 0]
     capped = post(server, CASES["raw_capped"]).json()["cache_stats"]["branches"]

@@ -1,5 +1,5 @@
-"""Server options declared once (`dicache.options.option`): the `dicache serve` options, their defaults and help
-are derived from the `ServerSettings` / `ConnectionLimits` / `RayServeOptions` fields, and a bad value names the
+"""Server options declared once (`dicache.settings.options.option`): the `dicache serve` options, their defaults and
+help are derived from the `ServerSettings` / `ConnectionLimits` / `RayServeOptions` fields, and a bad value names the
 field, the value and what is allowed."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 
 from dicache.cli import main as cli_main
 from dicache.commands.fields import flagged
-from dicache.commands.serve import limits_from_args, settings_from_args
-from dicache.commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
+from dicache.commands.serve import limits_from_args, parse_serve_argv, settings_from_args
+from dicache.commands.serve_ray import replica_spec_from_args, serve_options_from_args
 from dicache.errors import ConfigError
 from dicache.server.ray_serve import RayServeOptions
 from dicache.server.settings import ConnectionLimits, ServerSettings
@@ -108,10 +108,10 @@ def test_a_default_size_outside_the_limits_is_refused_before_loading(monkeypatch
 def test_a_model_default_size_outside_the_limits_asks_for_a_size():
     """A model whose default size exceeds --max-side: requests without `size` get a 400 asking for one (they were
     generated at the default size, past the limit); requests with an allowed size are served."""
-    from dicache.config import CacheConfig
     from dicache.server.errors import ApiError
     from dicache.server.generation import Defaults, resolve
     from dicache.server.schemas import ImageGenerationRequest
+    from dicache.settings.cache_config import CacheConfig
 
     defaults = Defaults(variant=None, num_inference_steps=4, guidance_scale=1.0, width=1024, height=1024)
     settings = ServerSettings(max_side=512, max_pixels=512 * 512)

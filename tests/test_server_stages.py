@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from dicache.config import CacheConfig
 from dicache.models.krea2 import Krea2Pipeline
 from dicache.server.backend import (
     PipelineBackend,
@@ -29,6 +28,7 @@ from dicache.server.generation import GenerationSpec
 from dicache.server.handling import images_json, response_body
 from dicache.server.schemas import GenerationInfo, ImageObject, ImagesResponse, Timings
 from dicache.server.stages import GenerationStages
+from dicache.settings.cache_config import CacheConfig
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -198,16 +198,17 @@ def test_the_prebuilt_answer_is_the_models_json():
 
 def test_serve_runs_two_requests_at_once_unless_offloaded():
     from dicache.cli import build_parser
-    from dicache.commands.serve import settings_from_args
+    from dicache.commands.memory import offload_settings
+    from dicache.commands.serve_args import settings_from_args
     from dicache.errors import ConfigError
-    from dicache.offload.cli import offload_options
 
-    def settings(*options):
-        return settings_from_args(build_parser().parse_args(["serve", *options]))
+    def parsed(*options):
+        return build_parser().parse_args(["serve", *options])
 
-    assert settings().workers == 2 and settings("--workers", "3").workers == 3
-    offloaded = build_parser().parse_args(["serve", "--dit-cpu-offload"])
-    assert settings_from_args(offloaded).workers == 1
-    assert offload_options(offloaded, workers=settings_from_args(offloaded).workers)  # accepted: one at a time
+    assert settings_from_args(parsed()).workers == 2 and settings_from_args(parsed("--workers", "3")).workers == 3
+    offloaded = parsed("--dit-cpu-offload")
+    workers = settings_from_args(offloaded).workers
+    assert workers == 1 and offload_settings(offloaded, workers=workers).any  # accepted: one at a time
+    explicit = parsed("--dit-cpu-offload", "--workers", "2")
     with pytest.raises(ConfigError, match="--workers 2 is invalid with the memory options"):
-        offload_options(offloaded, workers=settings("--dit-cpu-offload", "--workers", "2").workers)
+        offload_settings(explicit, workers=settings_from_args(explicit).workers)

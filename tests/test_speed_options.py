@@ -7,7 +7,6 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from dicache.cli import main
-from dicache.config import CacheConfig
 from dicache.models.krea2 import Krea2Pipeline
 from dicache.quantization import (
     LAYER_GROUPS,
@@ -19,6 +18,7 @@ from dicache.quantization import (
 )
 from dicache.server.backend import PipelineBackend, variant_defaults
 from dicache.server.generation import GenerationSpec
+from dicache.settings.cache_config import CacheConfig
 
 CUDA_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 

@@ -9,7 +9,7 @@ import torch
 from tiny_krea2 import build_tiny_pipeline
 
 from dicache.cli import main
-from dicache.policies import preset_mask
+from dicache.engine.policies import preset_mask
 from dicache.sweep import analysis, metrics
 from dicache.sweep.cachedit import cache_dit_settings, unsupported_reason
 from dicache.sweep.flops import flops_ratio, krea2_call_flops

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from dicache.engine.stats import RequestStats
 from dicache.models.krea2.pipeline import Krea2Pipeline
 from dicache.models.krea2.tiny import random_tiny_transformer, tiny_transformer_config
-from dicache.stats import RequestStats
 from dicache.sweep import compare, solvers
 from dicache.sweep.flops import CallFlops, flops_ratio
 from dicache.sweep.runners import Sample, block_fraction

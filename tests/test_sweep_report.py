@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from dicache.config import SETTINGS_BY_KEY
+from dicache.settings.cache_config import SETTINGS_BY_KEY
 from dicache.sweep import answer, settings
 from dicache.sweep.report import render_report
 from dicache.sweep.spec import DEFAULT_COMPUTE_TARGETS, QUICK_GRID, expand_grid, make_cell
@@ -115,7 +115,7 @@ def test_the_quick_grid_runs_the_recommended_family_at_every_compute_budget():
 
 
 def test_grid_axes_and_labels_derive_from_the_settings_declarations():
-    from dicache import calibration
+    from dicache import tuning as calibration
     from dicache.commands.sweep import GRID_AXES, add_arguments
     from dicache.sweep import spec
 

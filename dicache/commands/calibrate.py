@@ -1,7 +1,7 @@
 """`dicache calibrate`: measure cache-setting candidates on a model and write the cheapest one that meets a PSNR
 target (vs the uncached run) as a settings profile for `--profile` / `SGLANG_CACHE_DIT_PROFILE`.
 
-The procedure and the choice rule are in `dicache.calibration`. Exit status 0: the profile was written; 2: bad input,
+The procedure and the choice rule are in `dicache.tuning`. Exit status 0: the profile was written; 2: bad input,
 or no candidate met the target (the table is printed, nothing is written).
 """
 
@@ -11,10 +11,35 @@ import argparse
 import json
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import torch
+
+from .. import __version__
+from ..models.krea2 import Krea2Pipeline
+from ..models.krea2.checkpoints import heldout_prompts_file, resolve_model
+from ..models.krea2.presets import PRESETS, resolve_variant
+from ..models.options import DeviceOptions
+from ..settings.cache_config import SETTINGS
+from ..settings.options import FlagOptions, option
+from ..settings.profiles import write_profile
+from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
+from ..tuning import (
+    CANDIDATES,
+    CalibrationError,
+    PipelineRunner,
+    TargetNotMet,
+    calibrate,
+    calibration_record,
+    format_table,
+    load_candidates,
+    profile_settings,
+)
+from .fields import add_options
 from .generate import add_sampling_arguments
+from .shared import RunOptions
 
 HELP = (
     "find the least-compute cache settings whose PSNR vs uncached meets a target on a few prompts, and write them "
@@ -22,6 +47,50 @@ HELP = (
 )
 DEFAULT_PROMPTS = 4
 DEFAULT_OUT = "dicache-profile.json"
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """`--size`: 'N' -> (N, N); 'WxH' -> (W, H), in px; ValueError otherwise."""
+    try:
+        parts = [int(p) for p in text.lower().replace("×", "x").split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or min(parts) < 1:
+        raise ValueError(f"expected N or WIDTHxHEIGHT in px, e.g. 128 or 128x96, got {text!r}")
+    return parts[0], parts[1]
+
+
+class CalibrateOptions(FlagOptions):
+    """What `dicache calibrate` measures, against which target, and where it writes the profile (the model and
+    schedule are `ModelChoice` and `SamplingOptions`, the device `DeviceOptions`)."""
+
+    size: str | None = option(
+        None, flag="--size", read=parse_size, default_text="the checkpoint's", help="image size: N (square) or WxH px"
+    )
+    prompts: str = option(
+        str(DEFAULT_PROMPTS),
+        flag="--prompts",
+        metavar="N|FILE",
+        help="a count of the checkpoint's held-out prompts (with their seeds), or a prompt file: text (one a line, "
+        "seed 0) or JSON (strings or {prompt, seed} objects)",
+    )
+    target_psnr: float = option(35.0, flag="--target-psnr", help="PSNR in dB vs the uncached image")
+    criterion: Literal["min", "mean"] = option(
+        "min", flag="--criterion", help="min: every prompt must meet the target (safe); mean: their average must"
+    )
+    candidates: str | None = option(
+        None,
+        flag="--candidates",
+        metavar="FILE",
+        help="JSON/YAML list of override dicts to try (default: the built-in list, see --list-candidates)",
+    )
+    list_candidates: bool = option(False, flag="--list-candidates", help="print the built-in candidates as JSON; exit")
+    out: str = option(DEFAULT_OUT, flag="--out", help="profile to write (replaced)")
+    no_early_stop: bool = option(
+        False, flag="--no-early-stop", help="run every candidate on every prompt (fuller table, slower)"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,68 +106,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "override a profile's values when it is used; calibration itself ignores them (built-in defaults + candidate)."
     )
     add_sampling_arguments(parser, "--preset")
-    parser.add_argument(
-        "--size", type=_size, default=None, help="image size: N (square) or WxH px (default: the checkpoint's)"
-    )
-    parser.add_argument(
-        "--prompts",
-        default=str(DEFAULT_PROMPTS),
-        metavar="N|FILE",
-        help=f"a count of the checkpoint's held-out prompts (with their seeds; default {DEFAULT_PROMPTS}), or a "
-        "prompt file: text (one a line, seed 0) or JSON (strings or {prompt, seed} objects)",
-    )
-    parser.add_argument(
-        "--target-psnr", type=float, default=35.0, help="PSNR in dB vs the uncached image (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--criterion",
-        choices=("min", "mean"),
-        default="min",
-        help="min: every prompt must meet the target (default, safe); mean: their average must",
-    )
-    parser.add_argument(
-        "--candidates",
-        metavar="FILE",
-        help="JSON/YAML list of override dicts to try (default: the built-in list, see --list-candidates)",
-    )
-    parser.add_argument("--list-candidates", action="store_true", help="print the built-in candidates as JSON; exit")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="profile to write (default: %(default)s; replaced)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    parser.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype (default: pipeline's)"
-    )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument(
-        "--no-early-stop", action="store_true", help="run every candidate on every prompt (fuller table, slower)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _size(text: str) -> tuple[int, int]:
-    """'N' -> (N, N); 'WxH' -> (W, H)."""
-    try:
-        parts = [int(p) for p in text.lower().replace("×", "x").split("x")]
-    except ValueError:
-        parts = []
-    if len(parts) == 1:
-        parts = parts * 2
-    if len(parts) != 2 or min(parts) < 1:
-        raise argparse.ArgumentTypeError(f"expected N or WIDTHxHEIGHT in px, e.g. 128 or 128x96, got {text!r}")
-    return parts[0], parts[1]
+    add_options(parser, CalibrateOptions)
+    add_options(parser, DeviceOptions)
+    add_options(parser, RunOptions)
 
 
 def _heldout_file(model: str | None) -> Path:
-    from ..models.krea2.checkpoints import heldout_prompts_file
-
     return heldout_prompts_file(model)
 
 
 def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
     """(prompt, seed) pairs of `--prompts`: a count of the checkpoint's held-out prompts (built-in ones when it
     has none), or a prompt file."""
-    from ..calibration import CalibrationError
-    from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
-
     text = prompts.strip()
     if text.isdigit():
         count = int(text)
@@ -113,28 +132,15 @@ def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
 
 
 def _env_knobs() -> list[str]:
-    from ..config import SETTINGS
-
     return [k.env_name for k in SETTINGS if k.env_name in os.environ and k.key != "enable_cache"]
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import __version__
-    from ..calibration import CANDIDATES, CalibrationError, TargetNotMet, calibrate, load_candidates
-
     if args.list_candidates:
         print(json.dumps(list(CANDIDATES), indent=2))
         return 0
     candidates = load_candidates(args.candidates) if args.candidates else list(CANDIDATES)
     samples = resolve_samples(args.prompts, args.model)
-    if args.threads is not None and args.threads < 1:
-        raise CalibrationError(f"--threads={args.threads} is invalid: must be an integer >= 1")
-    if args.steps is not None and args.steps < 1:
-        raise CalibrationError(f"--steps={args.steps} is invalid: must be an integer >= 1")
-    if args.guidance is not None and not args.guidance >= 1.0:
-        raise CalibrationError(f"--guidance={args.guidance} is invalid: must be >= 1 (1 = no CFG)")
-
-    import torch
 
     previous_threads = torch.get_num_threads()
     if args.threads:
@@ -159,13 +165,10 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         torch.set_num_threads(previous_threads)
-    from ..calibration import calibration_record, format_table, profile_settings
-    from ..profiles import write_profile
 
     print(format_table(result))
     if result.chosen is None:
         raise TargetNotMet(result.failure_message())
-    from datetime import datetime, timezone
 
     record = calibration_record(
         result,
@@ -189,13 +192,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The pipeline runner at the resolved schedule and size, and what to record about them."""
-    import torch
-
-    from ..calibration import CalibrationError, PipelineRunner
-    from ..models.krea2 import Krea2Pipeline
-    from ..models.krea2.checkpoints import resolve_model
-    from ..models.krea2.presets import PRESETS, resolve_variant
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
 

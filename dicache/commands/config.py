@@ -5,25 +5,32 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..settings.docs import env_example, markdown_table
+from ..settings.options import Options, option
+from ..settings.profiles import cache_config, describe_profile, profile_source
+from .fields import add_options
+from .shared import add_profile_argument
+
 HELP = (
     "print the effective cache settings (SGLANG_CACHE_DIT_* variables over an optional settings profile) and where "
     "each value came from"
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..profiles import add_profile_argument
+class ConfigOptions(Options):
+    """What `dicache config` prints."""
 
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--env-example", action="store_true", help="print env.example (every variable and default)")
-    parser.add_argument("--markdown", action="store_true", help="print the README's settings table (Markdown)")
+    as_json: bool = option(False, flag="--json", help="print JSON instead of a table")
+    env_example: bool = option(False, flag="--env-example", help="print env.example (every variable and default)")
+    markdown: bool = option(False, flag="--markdown", help="print the README's settings table (Markdown)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, ConfigOptions)
     add_profile_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config_docs import env_example, markdown_table
-    from ..profiles import cache_config, describe_profile, profile_source
-
     if args.env_example:
         print(env_example(), end="")
         return 0

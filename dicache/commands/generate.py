@@ -7,67 +7,65 @@ import argparse
 import json
 import pathlib
 import time
+from typing import Literal
+
+import torch
+
+from .. import api
+from ..errors import ConfigError
+from ..models.krea2.checkpoints import resolve_model
+from ..models.krea2.pipeline import Krea2Pipeline
+from ..models.options import DeviceOptions, ModelChoice, SamplingOptions
+from ..offload.settings import OffloadLimits
+from ..parallel import parallelize_pipeline, setup_from_args
+from ..settings.options import FlagOptions, option
+from ..settings.profiles import cache_config, describe_profile, profile_source
+from .fields import add_options
+from .memory import add_offload_arguments, cfg_of, describe, offload_settings
+from .shared import add_parallel_arguments, add_profile_argument
+from .speed import add_speed_arguments, apply_speed_options, speed_spec
 
 HELP = "generate images with Krea-2 (default: the embedded checkpoint) and print the cache statistics"
 
 
+class GenerateOptions(FlagOptions):
+    """What `dicache generate` makes and where it writes it (the model, sampling, device, memory and speed options
+    are the shared declarations: `add_arguments`)."""
+
+    prompt: list[str] = option(..., flag="prompt", help="one or more prompts")
+    negative_prompt: str | None = option(None, flag="--negative-prompt", help="what the images should not show (CFG)")
+    seed: int = option(0, flag="--seed", ge=0, help="seed of the initial noise (one generator for every image)")
+    height: int | None = option(None, flag="--height", ge=1, default_text="the checkpoint's", help="image height, px")
+    width: int | None = option(None, flag="--width", ge=1, default_text="the checkpoint's", help="image width, px")
+    num_images: int = option(1, flag="--num-images", ge=1, help="images per prompt")
+    out: str = option("dicache.png", flag="--out", help="output PNG (several images: name-<i>.png)")
+    cache: Literal["env", "on", "off"] = option(
+        "env",
+        flag="--cache",
+        help="env: SGLANG_CACHE_DIT_ENABLED (or the profile's enable_cache) decides; on/off force it",
+    )
+    stats_json: str | None = option(
+        None,
+        flag="--stats-json",
+        metavar="PATH",
+        help="also write the cache statistics as JSON here (with the settings used and where each came from)",
+    )
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser, *variant_aliases: str) -> None:
     """`--model`, `--variant` (plus `variant_aliases`), `--steps`, `--guidance`: what to sample with, shared by the
-    commands that run the pipeline (`generate`, `calibrate`)."""
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="local diffusers-layout folder or hub repo id (default: the embedded checkpoint; with --variant turbo "
-        "its distilled Turbo student)",
-    )
-    parser.add_argument(
-        "--variant",
-        *variant_aliases,
-        choices=("turbo", "raw"),
-        default=None,
-        help="turbo: 8 steps, no CFG; raw: 50 steps, CFG 4.5 (default: by checkpoint)",
-    )
-    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: by variant)")
-    parser.add_argument(
-        "--guidance",
-        type=float,
-        default=None,
-        help="CFG scale s in uncond + s*(cond - uncond); 1 = no CFG (Krea's reference g = s - 1)",
-    )
+    commands that run the pipeline (`generate`, `calibrate`); a bad value is a usage error naming the option."""
+    add_options(parser, ModelChoice, aliases={"variant": variant_aliases})
+    add_options(parser, SamplingOptions)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", nargs="+", help="one or more prompts")
+    add_options(parser, GenerateOptions)
     add_sampling_arguments(parser)
-    parser.add_argument("--negative-prompt", default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--height", type=int, default=None)
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--num-images", type=int, default=1, help="images per prompt")
-    parser.add_argument("--out", default="dicache.png", help="output PNG (several images: name-<i>.png)")
-    parser.add_argument(
-        "--cache",
-        choices=("env", "on", "off"),
-        default="env",
-        help="env: SGLANG_CACHE_DIT_ENABLED (or the profile's enable_cache) decides (default); on/off force it",
-    )
-    from ..profiles import add_profile_argument
-
+    add_options(parser, DeviceOptions, only=("device",))
     add_profile_argument(parser)
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    parser.add_argument(
-        "--stats-json",
-        default=None,
-        help="also write the cache statistics as JSON here (with the settings used and where each came from)",
-    )
-    from ..parallel import add_parallel_arguments
-
     add_parallel_arguments(parser)
-    from .speed import add_speed_arguments
-
     add_speed_arguments(parser)
-    from ..offload.cli import add_offload_arguments
-
     add_offload_arguments(parser)
 
 
@@ -78,16 +76,15 @@ def output_paths(out: str, count: int) -> list[pathlib.Path]:
     return [path.with_name(f"{path.stem}-{i}{path.suffix or '.png'}") for i in range(count)]
 
 
+def check_size(pipe: Krea2Pipeline, args: argparse.Namespace) -> None:
+    """`--height` / `--width` against the loaded checkpoint's size multiple (a `ConfigError` naming the option)."""
+    multiple = pipe.size_multiple
+    for flag, value in (("--height", args.height), ("--width", args.width)):
+        if value is not None and value % multiple:
+            raise ConfigError(f"{flag}={value} is invalid: must be a multiple of {multiple} px for {pipe.source}")
+
+
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    import dicache
-    from dicache.models.krea2 import Krea2Pipeline
-    from dicache.parallel import parallelize_pipeline, setup_from_args
-    from dicache.profiles import cache_config
-
-    from .speed import speed_spec
-
     config = cache_config(args.profile)  # defaults < profile (--profile wins over the variable) < environment
     speed_spec(args)  # a bad --quantization-exclude stops here, before loading
     use_cache = config.enable_cache if args.cache == "env" else args.cache == "on"
@@ -95,38 +92,39 @@ def run(args: argparse.Namespace) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
     try:
-        return _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline)
+        return _generate(args, ctx, config, use_cache)
     finally:
         ctx.shutdown()
 
 
-def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_pipeline) -> int:
-    from dicache.models.krea2.checkpoints import resolve_model
-    from dicache.offload.cli import cfg_of, describe, offload_options
-
-    from .speed import apply_speed_options, speed_spec
-
-    offload = offload_options(  # {} unless a memory option is given; the plan covers this command's request
-        args,
+def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
+    offload = offload_settings(args, parallel=ctx.enabled)
+    limits = OffloadLimits(  # the plan covers this command's request
         max_height=args.height,
         max_width=args.width,
         max_images=len(args.prompt) * args.num_images,
         cfg=cfg_of(args.guidance, args.variant),
-        parallel=ctx.enabled,
-        cache_config=config,
+        size_source=" (--height, --width, --num-images)",
     )
     # with offload, loading quantizes, plans and places, then compiles, in that order
-    speed = dict(quantization=speed_spec(args), compile=args.compile) if offload else {}
     pipe = Krea2Pipeline.from_pretrained(
-        resolve_model(args.model, args.variant), device=ctx.device, load_format=args.load_format, **offload, **speed
+        resolve_model(args.model, args.variant),
+        device=ctx.device,
+        load_format=args.load_format,
+        quantization=speed_spec(args) if offload.any else None,
+        compile=args.compile and offload.any,
+        offload_settings=offload,
+        offload_limits=limits,
+        cache_config=config,
     )
+    check_size(pipe, args)
     if describe(pipe):
         print(describe(pipe))
     parallelize_pipeline(pipe, ctx)
-    if not offload:
+    if not offload.any:
         apply_speed_options(pipe, args)
     if use_cache:
-        dicache.enable(pipe, config)
+        api.enable(pipe, config)
     start = time.perf_counter()
     out = pipe(
         args.prompt,
@@ -151,12 +149,11 @@ def _generate(args, ctx, config, use_cache, dicache, Krea2Pipeline, parallelize_
     if not use_cache:
         print("caching off (set SGLANG_CACHE_DIT_ENABLED=true or pass --cache on)")
         return 0
-    from dicache.profiles import describe_profile, profile_source
 
     profile = describe_profile(config)
     if profile:
         print(profile)
-    stats = dicache.stats(pipe)
+    stats = api.stats(pipe)
     print(stats.table())
     if args.stats_json:
         record = {

@@ -22,15 +22,11 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         "serve N replicas of this server behind one endpoint on a Ray cluster (needs `pip install 'dicache[ray]'`); "
         "--tp-size / --ulysses-degree then split each replica's model over that many GPUs (no torchrun)",
     )
-    group.add_argument("--ray", action="store_true", help="serve with Ray Serve instead of one process")
-    group.add_argument(
-        "--ray-address",
-        default=None,
-        help="Ray cluster to deploy onto, e.g. ray://head:10001 or auto (default: RAY_ADDRESS, else start a local one)",
-    )
+    from ..server.ray_options import RayDriverOptions
     from ..server.ray_serve import RayServeOptions
     from .fields import add_options
 
+    add_options(group, RayDriverOptions)
     add_options(group, RayServeOptions, checked=False)  # the options' own messages name the flag and the bound
 
 
@@ -43,31 +39,21 @@ class _StoppedStarting(BaseException):
     path mistakes it for a failure)."""
 
 
-class _RaisingParser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        raise ConfigError(f"dicache serve: {message}")
-
-
-def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
-    """`dicache serve` options (as for the command line) -> the parsed namespace; a bad one raises ConfigError."""
-    from .serve import add_arguments
-
-    parser = _RaisingParser(prog="dicache serve", add_help=False, allow_abbrev=False)
-    add_arguments(parser)
-    return parser.parse_args(argv)
-
-
 def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> Any:
-    from ..offload.cli import settings_from_args as offload_settings
     from ..server.ray_serve import ReplicaSpec
-    from .serve import settings_from_args
-    from .speed import speed_spec
+    from .memory import memory_flags, offload_settings
+    from .serve_args import settings_from_args
+    from .speed import speed_spec, text_encoder_quantization
 
     if offload_settings(args).any:
         raise ConfigError(
-            "dicache serve --ray: the memory options (--dit-layerwise-offload, --dit-cpu-offload, "
-            "--text-encoder-cpu-offload, --vae-cpu-offload, --gpu-memory-budget) are not supported on Ray replicas; "
-            "run the single-process server for them"
+            f"dicache serve --ray: the memory options ({', '.join(memory_flags())}) are not supported on Ray "
+            "replicas; run the single-process server for them"
+        )
+    if text_encoder_quantization(args) is not None:
+        raise ConfigError(
+            "dicache serve --ray: --text-encoder-quantization is not supported on Ray replicas yet; run the "
+            "single-process server for it"
         )
     return ReplicaSpec(
         load_format=args.load_format,
@@ -90,6 +76,7 @@ def serve_options_from_args(args: argparse.Namespace, spec: Any, cluster_gpus: f
     """`RayServeOptions` from the options; `cluster_gpus` (the cluster's GPU count, when known) picks the default
     of --gpus-per-replica."""
     from ..parallel import check_degrees
+    from ..server.ray_options import default_gpus
     from ..server.ray_serve import RayServeOptions
     from .fields import values_from_args
 
@@ -97,10 +84,7 @@ def serve_options_from_args(args: argparse.Namespace, spec: Any, cluster_gpus: f
     check_degrees(world, args.tp_size, args.ulysses_degree)  # each an integer >= 1
     gpus = args.gpus_per_replica
     if gpus is None:
-        if spec.device is not None:
-            gpus = float(world) if spec.device.startswith("cuda") else 0.0
-        else:
-            gpus = float(world) if cluster_gpus else 0.0
+        gpus = default_gpus(spec.device, world, cluster_gpus)
     return RayServeOptions(**{**values_from_args(args, RayServeOptions), "gpus_per_replica": gpus})
 
 
@@ -109,7 +93,7 @@ def ray_warnings(args: argparse.Namespace, settings: Any) -> list[str]:
     server does), and connection options that only the single-process server (uvicorn) applies."""
     from ..server.runner import exposure_warnings
     from ..server.settings import ConnectionLimits
-    from .serve import limits_from_args
+    from .serve_args import limits_from_args
 
     warnings = exposure_warnings(args.host, settings)
     given, default = limits_from_args(args), ConnectionLimits()
@@ -145,8 +129,8 @@ def run_ray(args: argparse.Namespace) -> int:
         from ..server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
     except ModuleNotFoundError as exc:
         raise DicacheError(f"dicache serve --ray needs the ray extra: pip install 'dicache[ray]' ({exc})") from None
-    from ..profiles import cache_config as read_cache_config
-    from ..profiles import describe_profile
+    from ..settings.profiles import cache_config as read_cache_config
+    from ..settings.profiles import describe_profile
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cache_config = read_cache_config(args.profile)

@@ -11,10 +11,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import torch
+
+from ..errors import DicacheError
+from ..models.krea2.checkpoints import default_checkpoint, heldout_prompts_file
+from ..models.options import ModelChoice
+from ..settings.options import FlagOptions, option
+from ..sweep import spec as S
+from ..sweep.cachedit import INSTALL_HINT, cache_dit_available
+from ..sweep.launch import run_sweep
+from ..sweep.prompts import FALLBACK_PROMPTS, read_prompts
+from ..sweep.report import write_report
 from ..sweep.settings import grid_axes
+from ..sweep.spec import FILE_KEYS, SweepSpecError
+from ..sweep.store import RESULTS_JSON
+from .fields import add_options
+from .shared import RunOptions
 
 HELP = "sweep cache settings: compute fraction, time and fidelity (PSNR/SSIM/rel-L2) vs cache-dit and fewer steps"
 
@@ -22,6 +38,80 @@ GRID_AXES = grid_axes()
 """(flag, request key, value type) of the grid axes: `--<short name>` of each `AXIS_KEYS` setting."""
 QUICK_PROMPTS = 2
 DEFAULT_PROMPTS = 8
+
+
+class SweepOptions(FlagOptions):
+    """What `dicache sweep` measures and where it writes (the model is `ModelChoice`; the grid axes come from the
+    cache settings' declarations, `GRID_AXES`). Unset values come from a `--grid` file, else the built-in (or
+    `--quick`) defaults; the spec checks the values that a grid file can also give (`dicache.sweep.spec`)."""
+
+    out: str = option("sweep-results", flag="--out", help="output folder")
+    grid: str | None = option(
+        None, flag="--grid", metavar="FILE", help="YAML/JSON grid file (keys: " + ", ".join(FILE_KEYS) + ")"
+    )
+    quick: bool = option(False, flag="--quick", help="a small grid, 2 prompts, 8 and 28:4.5 steps (minutes)")
+    schedules: list[str] | None = option(None, flag="--schedules", metavar="SCHED", help="e.g. 8 28:4.5 50:4.5")
+    prompts: str | None = option(
+        None,
+        flag="--prompts",
+        metavar="FILE",
+        help="prompt file: text (one a line) or JSON (default: the checkpoint's heldout_prompts.json, held-out split)",
+    )
+    prompt: list[str] | None = option(
+        None, flag="--prompt", repeat=True, metavar="TEXT", help="a prompt (repeatable; replaces --prompts)"
+    )
+    seeds: list[int] | None = option(None, flag="--seeds", help="seeds for every prompt (default: the file's, else 0)")
+    num_prompts: int | None = option(
+        None,
+        flag="--num-prompts",
+        ge=1,
+        help=f"use the first K prompts (default {DEFAULT_PROMPTS}, --quick {QUICK_PROMPTS})",
+    )
+    height: int | None = option(
+        None,
+        flag="--height",
+        ge=1,
+        help="image height in px (default: heldout_prompts.json's image_size, else the pipeline's)",
+    )
+    width: int | None = option(None, flag="--width", ge=1, help="image width in px (default: as --height)")
+    methods: list[Literal["ours", "cache-dit"]] | None = option(
+        None, flag="--methods", help="cached methods (default: ours, plus cache-dit when installed)"
+    )
+    targets: list[float] | None = option(
+        None, flag="--targets", help="PSNR targets in dB for recommendations (default 30 35 40)"
+    )
+    baselines: list[str] | None = option(
+        None,
+        flag="--baselines",
+        metavar="NAME",
+        help="same-compute baselines: euler heun curved cachedit (default: all, cachedit when installed)",
+    )
+    reference_steps: str | None = option(
+        None,
+        flag="--reference-steps",
+        metavar="N",
+        help="steps of the high-accuracy reference (uncached Euler) for PSNR-vs-reference; 0 = off (default 200)",
+    )
+    compute_targets: list[float] | None = option(
+        None,
+        flag="--compute-targets",
+        metavar="F",
+        help="compute fractions where the baselines run and the report's bins sit (default 0.3 0.4 ... 0.8)",
+    )
+    quantization: list[Literal["none", "fp8"]] | None = option(
+        None,
+        flag="--quantization",
+        help="the quantization axis: fp8 adds the method ours-fp8 (the model in FP8, uncached and with every cell, "
+        "measured against the bf16 references; needs --dtype bfloat16 and a GPU with FP8) (default: none)",
+    )
+    device: str | None = option(
+        None, flag="--device", default_text="cpu", help="torch device for both pipelines, e.g. cuda"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = option(
+        "float32", flag="--dtype", help="both pipelines' dtype (a sweep resumes only in the dtype it started in)"
+    )
+    dry_run: bool = option(False, flag="--dry-run", help="print the cells and samples, run nothing")
+    report_only: bool = option(False, flag="--report-only", help="redraw report.md and plots from results.json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,62 +127,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "baselines: euler heun curved cachedit (default: all; cachedit only when cache-dit is installed).\n"
         "An interrupted sweep resumes: rerun the same command; finished cells are not recomputed."
     )
-    parser.add_argument("--model", help="checkpoint folder or hub repo id (default: the embedded krea2-tiny)")
-    parser.add_argument(
-        "--variant",
-        choices=("turbo", "raw"),
-        help="without --model: turbo = the embedded Turbo student (krea2-tiny-turbo; default schedule 8 steps, no "
-        "CFG), raw = the embedded base (the default)",
-    )
-    parser.add_argument("--out", default="sweep-results", help="output folder (default: %(default)s)")
-    parser.add_argument("--grid", metavar="FILE", help="YAML/JSON grid file (keys: " + ", ".join(_file_keys()) + ")")
-    parser.add_argument("--quick", action="store_true", help="a small grid, 2 prompts, 8 and 28:4.5 steps (minutes)")
-    parser.add_argument("--schedules", nargs="+", metavar="SCHED", help="e.g. 8 28:4.5 50:4.5")
-    parser.add_argument(
-        "--prompts",
-        metavar="FILE",
-        help="prompt file: text (one a line) or JSON (default: the checkpoint's heldout_prompts.json, held-out split)",
-    )
-    parser.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable; replaces --prompts)")
-    parser.add_argument("--seeds", nargs="+", type=int, help="seeds for every prompt (default: the file's, else 0)")
-    parser.add_argument(
-        "--num-prompts", type=int, help=f"use the first K prompts (default {DEFAULT_PROMPTS}, --quick {QUICK_PROMPTS})"
-    )
-    parser.add_argument(
-        "--height",
-        type=int,
-        help="image height in px (default: heldout_prompts.json's image_size, else the pipeline's)",
-    )
-    parser.add_argument("--width", type=int, help="image width in px (default: as --height)")
-    parser.add_argument(
-        "--methods",
-        nargs="+",
-        choices=("ours", "cache-dit"),
-        help="cached methods (default: ours, plus cache-dit when installed)",
-    )
-    parser.add_argument(
-        "--targets", nargs="+", type=float, help="PSNR targets in dB for recommendations (default 30 35 40)"
-    )
-    parser.add_argument(
-        "--baselines",
-        nargs="+",
-        metavar="NAME",
-        help="same-compute baselines: euler heun curved cachedit (default: all, cachedit when installed)",
-    )
-    parser.add_argument(
-        "--reference-steps",
-        metavar="N",
-        help="steps of the high-accuracy reference (uncached Euler) for PSNR-vs-reference; 0 = off (default 200)",
-    )
-    parser.add_argument(
-        "--compute-targets",
-        nargs="+",
-        type=float,
-        metavar="F",
-        help="compute fractions where the baselines run and the report's bins sit (default 0.3 0.4 ... 0.8)",
-    )
+    add_options(parser, ModelChoice)
+    add_options(parser, SweepOptions)
+    add_options(parser, RunOptions)
     axes = parser.add_argument_group("grid axes (each a list; overrides the grid file's grid)")
-    for flag, key, kind in GRID_AXES:
+    for flag, key, kind in GRID_AXES:  # derived from the cache settings' declarations (sweep.settings.grid_axes)
         axes.add_argument(
             f"--{flag.replace('_', '-')}",
             dest=f"axis_{flag}",
@@ -101,28 +140,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             metavar="V",
             help=key,
         )
-    parser.add_argument(
-        "--quantization",
-        nargs="+",
-        choices=("none", "fp8"),
-        help="the quantization axis: fp8 adds the method ours-fp8 (the model in FP8, uncached and with every cell, "
-        "measured against the bf16 references; needs --dtype bfloat16 and a GPU with FP8) (default: none)",
-    )
-    parser.add_argument("--device", help="torch device for both pipelines, e.g. cuda (default: cpu)")
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default="float32",
-        help="model dtype (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        help="torch CPU threads while sweeping (default: torch's); 1 is often fastest on a shared or loaded CPU",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--dry-run", action="store_true", help="print the cells and samples, run nothing")
-    parser.add_argument("--report-only", action="store_true", help="redraw report.md and plots from results.json")
 
 
 def _int(text: str) -> int:
@@ -132,22 +149,12 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
-def _file_keys() -> tuple[str, ...]:
-    from ..sweep.spec import FILE_KEYS
-
-    return FILE_KEYS
-
-
 def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
     """The `SweepSpec` of the parsed arguments (CLI > grid file > `--quick`/default presets)."""
-    from ..sweep import spec as S
-
     file: dict[str, Any] = S.read_grid_file(args.grid) if args.grid else {}
     model = args.model or file.get("model")
     variant = getattr(args, "variant", None)
     if model is None and variant == "turbo":
-        from ..models.krea2.checkpoints import default_checkpoint
-
         model = str(default_checkpoint("turbo"))
 
     grid: Any = S.QUICK_GRID if args.quick else S.DEFAULT_GRID
@@ -187,14 +194,11 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
         methods = ["ours"] + (["cache-dit"] if want_cachedit else [])
     elif baselines_given is not None and want_cachedit and not asked:
         methods = [*methods, "cache-dit"]
-    if "cache-dit" in methods and not asked:
-        from ..sweep.cachedit import INSTALL_HINT, cache_dit_available
-
-        if not cache_dit_available():
-            methods = [m for m in methods if m != "cache-dit"]
-            note = f"{INSTALL_HINT}; the cache-dit baseline is skipped"
-            notes.append(note)
-            log(f"note: {note}")
+    if "cache-dit" in methods and not asked and not cache_dit_available():
+        methods = [m for m in methods if m != "cache-dit"]
+        note = f"{INSTALL_HINT}; the cache-dit baseline is skipped"
+        notes.append(note)
+        log(f"note: {note}")
     quantizations = args.quantization or file.get("quantization") or []
     for q in [quantizations] if isinstance(quantizations, str) else quantizations:
         if q != "none" and q not in S.QUANTIZED_METHODS:
@@ -224,8 +228,6 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
 
 
 def _fraction(value: Any) -> float:
-    from ..sweep.spec import SweepSpecError
-
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -234,15 +236,11 @@ def _fraction(value: Any) -> float:
 
 def _heldout_file(model: str | None) -> Path:
     """`heldout_prompts.json` beside the checkpoint, else beside its base checkpoint (it may not exist)."""
-    from ..models.krea2.checkpoints import heldout_prompts_file
-
     return heldout_prompts_file(model)
 
 
 def _default_prompts(model: str | None) -> list[tuple[str, int | None]]:
     """The checkpoint's held-out prompts (heldout_prompts.json) when it has them, else built-in ones."""
-    from ..sweep.prompts import FALLBACK_PROMPTS, read_prompts
-
     path = _heldout_file(model)
     if path.is_file():
         return read_prompts(path, split="heldout")
@@ -262,15 +260,10 @@ def _default_size(model: str | None) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..sweep.report import write_report
-    from ..sweep.store import RESULTS_JSON
-
     out = Path(args.out)
     if args.report_only:
         path = out / RESULTS_JSON
         if not path.is_file():
-            from ..sweep.spec import SweepSpecError
-
             raise SweepSpecError(f"--report-only: {path} does not exist (run the sweep first)")
         report = write_report(json.loads(path.read_text()), out)
         print(f"wrote {report}")
@@ -295,14 +288,7 @@ def run(args: argparse.Namespace) -> int:
             for cell in spec.cachedit_cells:
                 print(f"  {cell.label}")
         return 0
-    import torch
 
-    from ..sweep.launch import run_sweep
-
-    if args.threads is not None and args.threads < 1:
-        from ..sweep.spec import SweepSpecError
-
-        raise SweepSpecError(f"--threads={args.threads} is invalid: must be an integer >= 1")
     previous = torch.get_num_threads()
     try:
         if args.threads:
@@ -318,10 +304,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m dicache.commands.sweep ...`: the subcommand alone (no other subcommand's imports)."""
-    import sys
-
-    from ..errors import DicacheError
-
     parser = argparse.ArgumentParser(prog="dicache sweep", description=HELP)
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -16,6 +16,7 @@ import pathlib
 from collections.abc import Callable, Iterable
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from dicache.errors import DicacheError
 
@@ -53,6 +54,7 @@ def resolve_component_dir(
     pattern = f"{subfolder.strip('/')}/*" if subfolder else "*"
     where = f"repo '{repo_id}'" + (f", subfolder '{subfolder}'" if subfolder else "")
 
+    # huggingface_hub's download client takes about 0.5 s to import: only a Hub id needs it
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import validate_repo_id
 
@@ -308,8 +310,6 @@ def _read_safetensors(
     dtype: torch.dtype | None,
     keep_fp32: Callable[[str], bool] | None,
 ) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
     device = torch.device(device)
     tensors = {}
     try:

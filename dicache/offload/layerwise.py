@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..adapters import generic_spec
-from ..adapters.base import ModelSpec
-from ..block_plan import BlockPlan, CallInfo
-from ..install import observe_blocks
+from ..engine.adapters import StackSpec, stack_spec
+from ..engine.block_plan import BlockPlan, CallInfo
+from ..engine.install import observe_blocks
 from .packing import PackedWeights
 from .schedule import Copy, SlotSchedule
 from .timeline import TraceEvent
@@ -59,14 +58,14 @@ class LayerwiseOffloader:
     """Keeps `resident` blocks of `model`'s stack on `device` and streams the others through `num_slots` slots.
 
     Args:
-        model: a transformer with a block-stack seam (`run_blocks`); moved in place: everything but the streamed
-            blocks goes to `device`, the streamed blocks' weights to their host copies.
-        resident: indices of the blocks kept on the device.
+        model: a transformer; moved in place: everything but the streamed blocks goes to `device`, the streamed
+            blocks' weights to their host copies.
+        resident: indices of the blocks kept on the device (stack indices, over all its block lists).
         num_slots: device buffers streamed blocks pass through (at least 1 when any block streams; 2 overlaps a copy
             with the running block).
         device: the compute device.
         pin_memory: page-lock the host copies (CUDA).
-        spec: the model's stack, when not the generic one.
+        spec: the model's stack, when not the one `stack_spec` finds.
     """
 
     def __init__(
@@ -76,9 +75,9 @@ class LayerwiseOffloader:
         num_slots: int,
         device: torch.device | str,
         pin_memory: bool = True,
-        spec: ModelSpec | None = None,
+        spec: StackSpec | None = None,
     ) -> None:
-        spec = spec or generic_spec(model)
+        spec = spec or stack_spec(model)
         self.model, self.device = model, torch.device(device)
         blocks = spec.blocks
         self.resident = frozenset(int(i) for i in resident)
@@ -208,7 +207,7 @@ class LayerwiseOffloader:
         self.slots = []
 
 
-def move_all_but(model: nn.Module, blocks: nn.ModuleList, streamed: set[int], device: torch.device) -> None:
+def move_all_but(model: nn.Module, blocks: Sequence[nn.Module], streamed: set[int], device: torch.device) -> None:
     """Move `model`'s parameters and buffers to `device`, except those of the blocks listed in `streamed`."""
     skip = {id(blocks[i]) for i in streamed}
 

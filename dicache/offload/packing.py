@@ -11,6 +11,8 @@ moves the module.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -189,9 +191,6 @@ def _register(buffer: torch.Tensor) -> bool:
 def _clear_cuda_error() -> None:
     """Reset the CUDA runtime's last error after a refused registration, so that the next kernel launch check does
     not report it (best effort: the runtime library PyTorch already loaded)."""
-    import ctypes
-    import os
-
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
             ctypes.CDLL(name, mode=os.RTLD_NOLOAD).cudaGetLastError()

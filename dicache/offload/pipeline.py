@@ -1,47 +1,72 @@
-"""Offload for the native Krea-2 pipeline: measure, plan once under the budget, then place and stream.
+"""Offload installed on a pipeline from what its model says about it: plan once under the budget, then place and
+stream. Model-agnostic: the model's memory glue (e.g. `dicache.models.krea2.memory`) describes the pipeline as a
+`PipelineMemory` (its denoiser's block stack, its other components by role, which method runs which of them) and
+measures its `MemoryNeeds`; this module knows blocks, bytes and the block plan, never a model's attributes.
 
-`enable_pipeline_offload(pipe, settings, ...)` (what `Krea2Pipeline.enable_offload` and `from_pretrained(...,
-dit_layerwise_offload=True, ...)` call) reads the loaded weights' bytes (after any quantization: quantize first),
-estimates the working memory of the largest request it is told to serve, plans with `plan_memory` (an error before
-the first request if nothing fits), then installs a `LayerwiseOffloader` for the transformer's blocks and/or a
-`ComponentOffloader` for whole components. The pipeline's phases (`encode_prompt`, `text_conditioning`, `denoise`,
-`decode`) are wrapped on the instance so each offloaded component is on the device only for its phase.
-
-With layerwise offload, CFG runs batched (cond and uncond in one call per step): a streamed block is then copied
-once per step for both branches instead of once per branch (`cfg_batched=False` in a call still separates them).
+`install_offload(memory, settings, needs, request, device, always_run)` plans with `plan_memory` (an error before
+the first request if nothing fits), then installs a `LayerwiseOffloader` for the stack's blocks and/or a
+`ComponentOffloader` for whole components, and wraps the pipeline's phase methods on the instance so that each
+offloaded component is on the device only for its phase.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
+from .. import api
+from .. import quantization as quant
 from ..errors import ConfigError
+from ..quantization import QuantizationSpec
+from ..settings.cache_config import CacheConfig
 from .components import ComponentOffloader
-from .estimate import (
-    cache_bytes,
-    dit_activation_bytes,
-    stored_residuals_per_row,
-    text_encoder_activation_bytes,
-    vae_decode_bytes,
-)
 from .layerwise import LayerwiseOffloader, move_all_but
-from .packing import module_bytes, packed_bytes
-from .plan import BUDGET_FLAG, GiB, MemoryNeeds, MemoryPlan, OffloadSettings, plan_memory
+from .plan import BUDGET_FLAG, GiB, MemoryNeeds, MemoryPlan, plan_memory
+from .settings import OffloadSettings
 
-PHASES = {
-    "encode_prompt": ("text_encoder",),
-    "text_conditioning": ("transformer",),
-    "denoise": ("transformer",),
-    "decode": ("vae",),
-}
-"""Pipeline methods wrapped for offload, and the components each one runs."""
+TRANSFORMER = "transformer"
+"""The role of the denoiser among a pipeline's components (`PipelineMemory.phases`)."""
 
-DEFAULT_TEXT_TOKENS = 512
+
+@dataclass(frozen=True)
+class PipelineMemory:
+    """What a model hands the offload installer about one loaded pipeline.
+
+    pipeline: the object whose phase methods are wrapped (on the instance) and whose `offload` attribute holds the
+        installed `PipelineOffload`.
+    transformer: the denoiser; everything in it outside `stack.blocks` stays on the device (or moves whole with
+        `dit_cpu_offload`).
+    stack: the denoiser's block stack as the engine describes it (`blocks` in stack order, possibly from several
+        block lists, and the seam the layerwise offloader observes through `observe_blocks`).
+    components: the other whole components by role ("text_encoder", "vae"; None: the pipeline has none), offloaded
+        as `OffloadSettings.offloads(role)` says.
+    phases: pipeline method -> the roles it runs (`TRANSFORMER` for the denoiser).
+    counted: the method whose streamed bytes are counted per request (`PipelineOffload.last_request`).
+    """
+
+    pipeline: Any
+    transformer: nn.Module
+    stack: Any
+    components: Mapping[str, nn.Module | None]
+    phases: Mapping[str, tuple[str, ...]]
+    counted: str
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """The largest request a plan holds: pixels per image, images per call, whether CFG runs, and whether its
+    branches run batched in one denoiser call (the model's choice under these settings)."""
+
+    max_pixels: int
+    max_images: int
+    cfg: bool
+    cfg_batched: bool
 
 
 @dataclass
@@ -56,7 +81,7 @@ class RequestTransfer:
 
 @dataclass
 class PipelineOffload:
-    """What `enable_pipeline_offload` installed on a pipeline; `remove()` takes it off (weights stay where they are:
+    """What `install_offload` installed on a pipeline; `remove()` takes it off (weights stay where they are:
     resident parts on the device, offloaded ones in host memory).
 
     plan: the memory plan. max_pixels / max_images / cfg: the largest request planned for (`check_request` refuses
@@ -99,94 +124,89 @@ def always_run_blocks(fn: int, bn: int, num_blocks: int, cached_step_blocks: Seq
     return tuple(first) + tuple(middle) + tuple(last)
 
 
+def cache_always_run(config: CacheConfig, num_blocks: int) -> tuple[int, ...]:
+    """`always_run_blocks` of a cache config: its Fn / Bn blocks and `cached_step_blocks`."""
+    return always_run_blocks(
+        config.Fn_compute_blocks, config.Bn_compute_blocks, num_blocks, config.cached_step_blocks or ()
+    )
+
+
 def default_reserve_bytes(device: torch.device, budget_bytes: int | None) -> int:
     """Bytes a plan keeps free for allocator slack and library workspaces: on CUDA the larger of 0.5 GiB and 2 % of
     the budget, elsewhere (or without a budget) none."""
     return max(GiB // 2, int(0.02 * budget_bytes)) if (device.type == "cuda" and budget_bytes) else 0
 
 
-def enable_pipeline_offload(
-    pipe: Any,
-    settings: OffloadSettings,
-    device: torch.device | str | None = None,
-    max_height: int | None = None,
-    max_width: int | None = None,
-    max_images: int = 1,
-    cfg: bool | None = None,
-    always_run: Sequence[int] | None = None,
-    reserve_bytes: int | None = None,
-    size_source: str = "",
-    cache_config: Any = None,
-) -> PipelineOffload:
-    """Plan and install offload on a native Krea-2 pipeline (see the module docstring).
-
-    device: where to compute (default: CUDA if available). max_height / max_width (default: the pipeline's default
-    size), max_images (images per call) and cfg (default: unless the checkpoint is distilled) bound the requests the
-    plan must hold. always_run: blocks every call runs (default: the cache settings' Fn/Bn blocks, from the enabled
-    cache or the environment). reserve_bytes: kept free for allocator slack and workspaces (default: on CUDA
-    max(0.5 GiB, 2 % of the budget), else 0). size_source: where the size bounds came from, for messages.
-    cache_config: the cache settings requests will use (default: the enabled cache's, else the environment's).
-    Raises `MemoryBudgetError` when nothing fits, `ConfigError` for bad values.
-    """
-    if getattr(pipe, "offload", None) is not None:
-        pipe.offload.remove()
-    if not isinstance(max_images, int) or isinstance(max_images, bool) or max_images < 1:
-        raise ConfigError(f"max_images={max_images!r} is invalid: must be an integer >= 1")
+def compute_device(device: torch.device | str | None) -> torch.device:
+    """Where offloaded parts run: `device`, else CUDA if available; a CUDA device without CUDA is a ConfigError."""
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={str(device)!r} is invalid: CUDA is not available on this machine")
-    transformer = pipe.transformer
-    height, width = max_height or pipe.default_size[0], max_width or pipe.default_size[1]
-    pipe.latent_grid(height, width)  # a clear error for sizes off the multiple
-    cfg = (not pipe.is_distilled) if cfg is None else bool(cfg)
-    cfg_batched = settings.dit_layerwise_offload
-    config = cache_config if cache_config is not None else _cache_config(pipe)
-    blocks = transformer.transformer_blocks
-    if always_run is None:
-        always_run = always_run_blocks(
-            config.Fn_compute_blocks, config.Bn_compute_blocks, len(blocks), config.cached_step_blocks or ()
-        )
+    return device
 
-    needs = memory_needs(pipe, height, width, max_images, cfg, cfg_batched, config, size_source)
+
+def active_cache_config(pipe: Any) -> CacheConfig:
+    """The cache settings a pipeline runs with: its enabled session's, else the environment's."""
+    if api.is_enabled(pipe):
+        return api.session_of(pipe).config
+    return CacheConfig.from_env()
+
+
+def install_offload(
+    memory: PipelineMemory,
+    settings: OffloadSettings,
+    needs: MemoryNeeds,
+    request: PlannedRequest,
+    device: torch.device,
+    always_run: Sequence[int],
+    reserve_bytes: int | None = None,
+) -> PipelineOffload:
+    """Plan and install offload (see the module docstring); replaces an offload already installed.
+
+    needs: the pipeline's bytes at `request` (reserve not included). always_run: the stack blocks every call runs
+    (kept resident first). reserve_bytes: kept free for allocator slack and workspaces (default:
+    `default_reserve_bytes`). Raises `MemoryBudgetError` when nothing fits, before anything moves.
+    """
+    pipe = memory.pipeline
+    if getattr(pipe, "offload", None) is not None:
+        pipe.offload.remove()
     budget, source = _budget(settings, device)
     if reserve_bytes is None:
         reserve_bytes = default_reserve_bytes(device, budget)
-    needs = MemoryNeeds(**{**needs.__dict__, "reserve_bytes": int(reserve_bytes)})
-    plan = plan_memory(needs, settings, budget, always_run, source)
+    plan = plan_memory(
+        dataclasses.replace(needs, reserve_bytes=int(reserve_bytes)), settings, budget, always_run, source
+    )
 
     handle = PipelineOffload(
         plan=plan,
         settings=settings,
         device=device,
-        max_pixels=height * width,
-        max_images=max_images,
-        cfg=cfg,
-        cfg_batched=cfg_batched,
+        max_pixels=request.max_pixels,
+        max_images=request.max_images,
+        cfg=request.cfg,
+        cfg_batched=request.cfg_batched,
     )
     components = ComponentOffloader(device, settings.pin_cpu_memory)
-    text_encoder = getattr(pipe.text_encoder, "text_encoder", None) if pipe.text_encoder is not None else None
-    for name, module, offloaded in (
-        ("text_encoder", text_encoder, settings.text_encoder_cpu_offload),
-        ("vae", pipe.vae, settings.vae_cpu_offload),
-    ):
+    for role, module in memory.components.items():
         if module is None:
             continue
-        if offloaded:
+        if settings.offloads(role):
             module.to("cpu")
-            components.add(name, module)
+            components.add(role, module)
         else:
             module.to(device)
+    transformer = memory.transformer
     if plan.dit_mode == "layerwise":
         handle.layerwise = LayerwiseOffloader(
-            transformer, plan.resident, plan.num_slots, device, pin_memory=settings.pin_cpu_memory
+            transformer, plan.resident, plan.num_slots, device, pin_memory=settings.pin_cpu_memory, spec=memory.stack
         )
     elif plan.dit_mode == "cpu":
         transformer.to("cpu")
-        components.add("transformer", transformer)
+        components.add(TRANSFORMER, transformer)
     else:
         transformer.to(device)
     handle.components = components if components.components else None
-    _wrap_phases(pipe, handle)
+    _wrap_phases(memory, handle)
     pipe.offload = handle
 
     def take_off() -> None:
@@ -201,46 +221,35 @@ def enable_pipeline_offload(
     return handle
 
 
-def quantize_through_device(pipe: Any, quantization: Any, device: torch.device | str | None = None) -> list[str]:
+def quantize_block_by_block(
+    transformer: nn.Module, blocks: Sequence[nn.Module], spec: QuantizationSpec, device: torch.device
+) -> list[str]:
     """Quantize a transformer held in host memory one block at a time on `device` (FP8 is made on the GPU, and the
-    bf16 transformer need not fit there whole): the parts outside the blocks go to `device`, then each block goes
-    there, is quantized, and returns to the host. Returns the quantized linears (as `Krea2Pipeline.quantize`)."""
-    from ..quantization import QuantizationSpec, parse_quantization, quantize_transformer, selected_linears
-
-    spec = parse_quantization(quantization) if isinstance(quantization, str) else quantization
-    if spec is None:
-        return []
-    device = torch.device(device) if device is not None else _default_device()
-    transformer = pipe.transformer
-    blocks = transformer.transformer_blocks
-    names = selected_linears(transformer, spec)
+    bf16 transformer need not fit there whole): the parts outside `blocks` go to `device`, then each block goes
+    there, is quantized, and returns to the host. Returns the quantized linears (qualified names, sorted)."""
+    names = quant.selected_linears(transformer, spec)
     move_all_but(transformer, blocks, set(range(len(blocks))), device)
+    where = {id(module): name for name, module in transformer.named_modules()}
+    prefixes = [where[id(block)] + "." for block in blocks]
     done: list[str] = []
-    groups = [[n for n in names if n.startswith(f"transformer_blocks.{i}.")] for i in range(len(blocks))]
-    for block, group in zip(blocks, groups):
+    for block, prefix in zip(blocks, prefixes):
+        group = [n for n in names if n.startswith(prefix)]
         if group:
             block.to(device)
-            done += quantize_transformer(transformer, QuantizationSpec(spec.method, include=tuple(group), exclude=()))
+            done += quant.quantize_transformer(
+                transformer, QuantizationSpec(spec.method, include=tuple(group), exclude=())
+            )
             block.to("cpu")
-    outside = [n for n in names if not n.startswith("transformer_blocks.")]
+    outside = [n for n in names if not n.startswith(tuple(prefixes))]
     if outside:
-        done += quantize_transformer(transformer, QuantizationSpec(spec.method, include=tuple(outside), exclude=()))
-    transformer.quantization = spec
+        done += quant.quantize_transformer(
+            transformer, QuantizationSpec(spec.method, include=tuple(outside), exclude=())
+        )
     return sorted(done)
 
 
 def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _cache_config(pipe: Any):
-    """The cache settings the pipeline runs with: its enabled session's, else the environment's."""
-    from .. import api
-    from ..config import CacheConfig
-
-    if api.is_enabled(pipe):
-        return api.session_of(pipe).config
-    return CacheConfig.from_env()
 
 
 def _budget(settings: OffloadSettings, device: torch.device) -> tuple[int | None, str]:
@@ -253,74 +262,22 @@ def _budget(settings: OffloadSettings, device: torch.device) -> tuple[int | None
     return free + held, f"free memory on {device} at load time"
 
 
-def memory_needs(
-    pipe: Any, height: int, width: int, images: int, cfg: bool, cfg_batched: bool, config: Any, size_source: str = ""
-) -> MemoryNeeds:
-    """What `pipe` needs on the device (reserve not included) for requests up to `height` x `width`, `images` per
-    call, with or without CFG (batched into one call or not), under the cache settings `config`."""
-    transformer = pipe.transformer
-    blocks = transformer.transformer_blocks
-    block_bytes = tuple(packed_bytes(block) for block in blocks)
-    other = module_bytes(transformer) - sum(module_bytes(block) for block in blocks)
-    element = torch.empty((), dtype=transformer.dtype).element_size()
-    text_tokens = DEFAULT_TEXT_TOKENS
-    text = pipe.text_encoder
-    if text is not None:
-        text_tokens = text.max_sequence_length
-    multiple = pipe.size_multiple
-    tokens = (height // multiple) * (width // multiple) + text_tokens
-    branches = 2 if cfg else 1
-    rows_per_call = images * (branches if cfg_batched else 1)
-    hidden, intermediate = transformer.hidden_size, transformer.config["intermediate_size"]
-    stored = stored_residuals_per_row(
-        uses_diff=not config.decides_statically,
-        taylorseer_order=config.taylorseer_order if config.enable_taylorseer else None,
-    )
-    needs = dict(
-        block_bytes=block_bytes,
-        other_dit_bytes=other,
-        dit_activation_bytes=dit_activation_bytes(hidden, intermediate, rows_per_call, tokens, element),
-        cache_bytes=cache_bytes(hidden, images * branches, tokens, element, stored, rows_per_call),
-        shape=f"{width}x{height}, {rows_per_call} row(s) per transformer call{size_source}",
-    )
-    if text is not None:
-        from ..models.krea2.text import _text_config
-
-        tc = _text_config(text.text_encoder)
-        needs["text_encoder_bytes"] = module_bytes(text.text_encoder)
-        needs["text_encoder_activation_bytes"] = text_encoder_activation_bytes(
-            tc.num_hidden_layers,
-            tc.hidden_size,
-            tc.intermediate_size,
-            images,
-            text.prefix_len + text.max_sequence_length,
-            len(text.select_layers),
-            element,
-        )
-    if pipe.vae is not None:
-        vc = pipe.vae.config
-        factor = pipe.vae_scale_factor
-        needs["vae_bytes"] = module_bytes(pipe.vae)
-        needs["vae_activation_bytes"] = vae_decode_bytes(
-            vc.z_dim, vc.base_dim, vc.dim_mult, height // factor, width // factor, images, element
-        )
-    return MemoryNeeds(**needs)
-
-
-def _wrap_phases(pipe: Any, handle: PipelineOffload) -> None:
+def _wrap_phases(memory: PipelineMemory, handle: PipelineOffload) -> None:
     """Wrap the pipeline's phase methods on the instance: enter the phase's components, and count the bytes each
-    denoising moved."""
-    for name, needed in PHASES.items():
+    counted phase moved."""
+    pipe = memory.pipeline
+    for name, needed in memory.phases.items():
         original = getattr(pipe, name)
         had_own = name in pipe.__dict__
+        counted = name == memory.counted
 
         @functools.wraps(original)
-        def wrapper(*args, _original=original, _needed=needed, _name=name, **kwargs):
+        def wrapper(*args, _original=original, _needed=needed, _counted=counted, **kwargs):
             if handle.components is not None:
                 handle.components.enter(_needed)
-            if _name != "denoise":
+            if not _counted:
                 return _original(*args, **kwargs)
-            return _counted(handle, _original, args, kwargs)
+            return _count(handle, _original, args, kwargs)
 
         pipe.__dict__[name] = wrapper
 
@@ -333,13 +290,13 @@ def _wrap_phases(pipe: Any, handle: PipelineOffload) -> None:
         handle._undo.append(restore)
 
 
-def _counted(handle: PipelineOffload, denoise, args, kwargs):
+def _count(handle: PipelineOffload, run: Callable, args: tuple, kwargs: dict) -> Any:
     layerwise = handle.layerwise
     if layerwise is None:
-        return denoise(*args, **kwargs)
+        return run(*args, **kwargs)
     before = layerwise.totals()
     try:
-        return denoise(*args, **kwargs)
+        return run(*args, **kwargs)
     finally:
         after = layerwise.totals()
         count = after.calls - before.calls

@@ -17,35 +17,26 @@ every streamed block has resident blocks before it (the longest run right after 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError, MemoryBudgetError
+from ..errors import MemoryBudgetError
+from .settings import BUDGET_FLAG, PREFETCH_FLAG, OffloadSettings, prefetch_blocks
 
 GiB = 1 << 30
-PREFETCH_FLAG = "--dit-offload-prefetch-size"
-BUDGET_FLAG = "--gpu-memory-budget"
 
-
-def prefetch_blocks(value: float, num_blocks: int) -> int:
-    """Blocks copied ahead of the running one, SGLang's `--dit-offload-prefetch-size` meaning.
-
-    value < 1: a fraction of the layers, `1 + round(value · (num_blocks − 1))` (0 = one block ahead);
-    value >= 1: that many layers (a whole number). Always at least 1 and at most `num_blocks`.
-    """
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ConfigError(
-            f"{PREFETCH_FLAG}={value!r} is invalid: must be a number >= 0 (below 1: a fraction of the layers; "
-            "1 or more: a whole number of layers)"
-        )
-    if value >= 1 and value != int(value):
-        raise ConfigError(
-            f"{PREFETCH_FLAG}={value!r} is invalid: 1 or more counts layers and must be a whole number "
-            f"(below 1 it is a fraction of the {num_blocks} layers)"
-        )
-    count = 1 + round(value * (num_blocks - 1)) if value < 1 else int(value)
-    return max(1, min(count, num_blocks))
+__all__ = [
+    "BUDGET_FLAG",
+    "GiB",
+    "MemoryNeeds",
+    "MemoryPlan",
+    "OffloadSettings",
+    "PREFETCH_FLAG",
+    "format_bytes",
+    "plan_memory",
+    "prefetch_blocks",
+    "resident_layout",
+]
 
 
 def resident_layout(num_blocks: int, always_run: Sequence[int], num_resident: int) -> tuple[int, ...]:
@@ -102,69 +93,12 @@ class MemoryNeeds:
     shape: str = ""
 
 
-@dataclass(frozen=True)
-class OffloadSettings:
-    """The offload options, with SGLang's names and meanings (plus our `gpu_memory_budget`).
-
-    dit_layerwise_offload: keep as many transformer blocks resident as fit, stream the rest block by block, copying
-        only the blocks each call runs (the cache's skipped blocks are never copied).
-    dit_offload_prefetch_size: blocks copied ahead of the running one (< 1: fraction of the layers; >= 1: a count).
-    dit_cpu_offload: keep the whole transformer on the host and bring it in whole for each request's denoising
-        (layerwise offload wins when both are set, as in SGLang).
-    text_encoder_cpu_offload / vae_cpu_offload: keep that component on the host and bring it in whole around its use.
-    pin_cpu_memory: page-lock the host copies (fast asynchronous copies); turn off only if pinning fails.
-    gpu_memory_budget: GiB (2^30 bytes) the pipeline may use on the device; None: what is free at load time.
-    """
-
-    dit_layerwise_offload: bool = False
-    dit_offload_prefetch_size: float = 0.0
-    dit_cpu_offload: bool = False
-    text_encoder_cpu_offload: bool = False
-    vae_cpu_offload: bool = False
-    pin_cpu_memory: bool = True
-    gpu_memory_budget: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("dit_layerwise_offload", "dit_cpu_offload", "text_encoder_cpu_offload", "vae_cpu_offload"):
-            _check_bool(name, getattr(self, name))
-        _check_bool("pin_cpu_memory", self.pin_cpu_memory)
-        prefetch_blocks(self.dit_offload_prefetch_size, 1 << 20)  # validates the value
-        budget = self.gpu_memory_budget
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int | float) or not math.isfinite(budget) or budget <= 0
-        ):
-            raise ConfigError(f"{BUDGET_FLAG}={budget!r} is invalid: must be a number of GiB > 0")
-
-    @property
-    def dit_mode(self) -> str:
-        """'layerwise', 'cpu' (whole transformer brought in per request) or 'resident'."""
-        if self.dit_layerwise_offload:
-            return "layerwise"
-        return "cpu" if self.dit_cpu_offload else "resident"
-
-    @property
-    def any(self) -> bool:
-        """Whether any offload or a budget is asked for."""
-        return (
-            self.dit_layerwise_offload
-            or self.dit_cpu_offload
-            or self.text_encoder_cpu_offload
-            or self.vae_cpu_offload
-            or self.gpu_memory_budget is not None
-        )
-
-
 def format_bytes(count: int) -> str:
     """`count` bytes in GiB, or MiB / KiB / B when small (messages about tiny models stay readable)."""
     for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if count >= size // 10:
             return f"{count / size:.2f} {unit}"
     return f"{count} B"
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"--{name.replace('_', '-')}={value!r} is invalid: must be true or false")
 
 
 @dataclass(frozen=True)
@@ -227,7 +161,8 @@ def plan_memory(
     if mode != "layerwise":
         plan = _evaluate(needs, settings, budget_bytes, budget_source, mode, tuple(range(num_blocks)), 0)
         if budget_bytes is not None and plan.peak_bytes > budget_bytes:
-            hint = "" if mode == "cpu" else "; --dit-layerwise-offload streams the blocks that do not fit"
+            layerwise = OffloadSettings.flag("dit_layerwise_offload")
+            hint = "" if mode == "cpu" else f"; {layerwise} streams the blocks that do not fit"
             raise MemoryBudgetError(_too_small(plan, budget_bytes, budget_source, hint, needs.shape))
         return plan
     prefetch = prefetch_blocks(settings.dit_offload_prefetch_size, num_blocks)
@@ -241,7 +176,8 @@ def plan_memory(
     hint = (
         f" with every block streamed through {last.num_slots} slot(s) ({PREFETCH_FLAG} "
         f"{settings.dit_offload_prefetch_size:g}); lower the image size or batch, lower {PREFETCH_FLAG}, offload the "
-        "text encoder / VAE (--text-encoder-cpu-offload, --vae-cpu-offload) or quantize the transformer"
+        f"text encoder / VAE ({OffloadSettings.flag('text_encoder_cpu_offload')}, "
+        f"{OffloadSettings.flag('vae_cpu_offload')}) or quantize the transformer"
     )
     raise MemoryBudgetError(_too_small(last, budget_bytes, budget_source, hint, needs.shape))
 

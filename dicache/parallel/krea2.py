@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..engine.reduction import PARALLEL_LAYOUT_ATTR
 from ..models.krea2.transformer import Krea2Transformer
-from ..reduction import PARALLEL_LAYOUT_ATTR
 from .context import ParallelConfigError, ParallelContext
 from .layout import TokenShareLayout
 from .sequence import apply_sequence_parallel, sequence_parallel_problems

@@ -21,7 +21,7 @@ from .sequence import SequenceShard
 
 
 class TokenShareLayout:
-    """`ReductionLayout` (see `dicache.reduction`) of a Krea-2 transformer split by `dicache.parallel.parallelize`.
+    """`ReductionLayout` (`dicache.engine.reduction`) of a Krea-2 transformer split by `dicache.parallel.parallelize`.
 
     group: the model-parallel group; shard: the Ulysses split (None without sequence parallelism).
     """

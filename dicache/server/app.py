@@ -23,8 +23,8 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..config import CacheConfig
-from ..profiles import profile_source
+from ..settings.cache_config import CacheConfig
+from ..settings.profiles import profile_source
 from .auth import ApiKeyMiddleware
 from .body_limit import BodyLimitMiddleware
 from .drain import Drain, DrainMiddleware

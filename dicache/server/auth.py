@@ -13,8 +13,9 @@ import hmac
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import send_error
+from .settings import API_KEY_ENV
 
-API_KEY_ENV = "DICACHE_API_KEY"
+__all__ = ["API_KEY_ENV", "ApiKeyMiddleware", "bearer_token", "is_protected"]
 
 
 def is_protected(path: str, protect_metrics: bool) -> bool:

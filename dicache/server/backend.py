@@ -34,11 +34,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from .. import api as dicache_api
-from ..config import CacheConfig
-from ..reduction import PARALLEL_LAYOUT_ATTR
-from ..stats import RequestStats
+from ..engine.reduction import PARALLEL_LAYOUT_ATTR
+from ..engine.stats import RequestStats
+from ..models.krea2 import Krea2Pipeline
+from ..models.krea2.checkpoints import resolve_model
+from ..models.krea2.presets import PRESETS, resolve_variant
+from ..offload.settings import OffloadLimits, OffloadSettings
+from ..settings.cache_config import CacheConfig
+from ..settings.profiles import cache_config as read_cache_config
 from ..sweep.flops import request_flops
 from .generation import Defaults, GenerationSpec
 from .memory import release_cached_memory
@@ -89,8 +95,6 @@ def quantize_pixels(images: np.ndarray | torch.Tensor) -> np.ndarray | torch.Ten
 def encode_pixels(pixels: np.ndarray, output_format: str = "png", quality: int = 100) -> bytes:
     """uint8 (H, W, C) -> image file bytes. `output_format`: png (lossless; `quality` unused), jpeg or webp
     (`quality` in percent, 0..100)."""
-    from PIL import Image
-
     if output_format not in _PIL_FORMATS:
         raise ValueError(f"output_format={output_format!r} is invalid: must be one of {', '.join(_PIL_FORMATS)}")
     buffer = io.BytesIO()
@@ -274,8 +278,6 @@ class PipelineBackend:
         each variant, with prompts of two lengths, so that every graph a request can need (computed and cached
         steps, cond and uncond, a symbolic text length) is built before the first request. Returns what ran:
         generations, seconds and graphs compiled."""
-        from ..models.krea2.presets import PRESETS
-
         start = time.perf_counter()
         graphs = _compiled_graphs()
         runs = 0
@@ -331,7 +333,7 @@ def prepare_compiled_thread(pipe: Any) -> None:
 
 def _compiled_graphs() -> int:
     """Graphs torch.compile has built in this process so far (dynamo's counter)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # seconds to import: only a compiled warm-up counts graphs
 
     return int(counters["stats"]["unique_graphs"])
 
@@ -351,8 +353,6 @@ def _stop_after_step(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict
 
 def variant_defaults(pipe: Any, variant: str | None = None, default_size: tuple[int, int] | None = None) -> Defaults:
     """The preset of `variant` (None: the checkpoint's own, turbo if distilled) and the default (width, height)."""
-    from ..models.krea2.presets import PRESETS, resolve_variant
-
     variant = resolve_variant(pipe, variant)
     preset = PRESETS[variant]
     if default_size is None:
@@ -378,16 +378,18 @@ def load_backend(
     default_size: tuple[int, int] | None = None,
     profile: str | None = None,
     load_format: str = "auto",
-    offload: dict | None = None,
+    offload: OffloadSettings | None = None,
+    offload_limits: OffloadLimits | None = None,
+    quantization: Any = None,
+    compile: bool = False,
 ) -> PipelineBackend:
     """Load the native Krea-2 pipeline (`model` None: the embedded checkpoint, its Turbo student for `variant`
     "turbo"; device None: cuda if available) and
     enable caching with `cache_config` (None: the environment's, `SGLANG_CACHE_DIT_*` over the settings profile
     `profile`, default `SGLANG_CACHE_DIT_PROFILE`'s). Every request starts from these settings; its
-    `cache_dit_params` merge over them. `offload`: `Krea2Pipeline.from_pretrained`'s memory options
-    (`dicache.offload.cli.offload_options`)."""
-    from ..models.krea2 import Krea2Pipeline
-
+    `cache_dit_params` merge over them. `offload` / `offload_limits`: the memory options and the largest request
+    their plan holds. `quantization` / `compile` are applied while loading, in `Krea2Pipeline.from_pretrained`'s order:
+    quantize, plan and place (with offload), compile."""
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
@@ -396,15 +398,20 @@ def load_backend(
     if cache_config is not None and profile is not None:
         raise ValueError("load_backend: pass cache_config or profile, not both")
     if cache_config is None:
-        from ..profiles import cache_config as read_cache_config
-
         cache_config = read_cache_config(profile)
     config = cache_config
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from ..models.krea2.checkpoints import resolve_model
 
     pipe = Krea2Pipeline.from_pretrained(
-        resolve_model(model, variant), dtype=dtype, device=device, load_format=load_format, **(offload or {})
+        resolve_model(model, variant),
+        dtype=dtype,
+        device=device,
+        load_format=load_format,
+        quantization=quantization,
+        compile=compile,
+        offload_settings=offload,
+        offload_limits=offload_limits,
+        cache_config=config,
     )
     release_cached_memory(pipe.device)  # what loading left reserved (e.g. bf16 weights replaced by FP8 ones)
     return PipelineBackend(pipe, config, variant_defaults(pipe, variant, default_size))

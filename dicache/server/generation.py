@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from ..config import CacheConfig
+from ..engine.policies import make_policy
 from ..errors import ConfigError
 from ..formatting import clip_repr
-from ..options import value_type
-from ..policies import make_policy
+from ..settings.cache_config import CacheConfig
+from ..settings.options import value_type
 from .errors import ApiError
 from .schemas import ImageGenerationRequest
 from .settings import ServerSettings

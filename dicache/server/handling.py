@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from ..config import CacheConfig
 from ..errors import DicacheError
+from ..settings.cache_config import CacheConfig
 from .backend import GenerationStopped
 from .drain import UNFINISHED_MESSAGE
 from .errors import ApiError, describe_validation_error, key_at_error

@@ -28,6 +28,7 @@ import platform
 import threading
 import time
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -152,13 +153,11 @@ class ServerMetrics:
 
 def build_info() -> dict[str, str]:
     """dicache, Python and torch versions."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         dicache_version = version("dicache")
     except PackageNotFoundError:  # a source checkout that was never installed
         dicache_version = "unknown"
-    import torch
+    import torch  # only for its version: the metrics themselves never load torch (a Ray proxy imports them)
 
     return {"version": dicache_version, "python": platform.python_version(), "torch": torch.__version__}
 

@@ -21,22 +21,26 @@ middleware and the error contract are the single-process server's. What Ray adds
 
 Entry points: `dicache serve --ray --replicas N` (`dicache.commands.serve_ray`), or the application builder
 `dicache.server.ray_serve:app_builder` for `serve run` / `serve deploy` / KubeRay's `serveConfigV2`, whose args
-are `dicache serve` options (`{"replicas": 2, "max_queue": 8}` means `--replicas 2 --max-queue 8`).
+are `dicache serve` options (`{"replicas": 2, "max_queue": 8}` means `--replicas 2 --max-queue 8`), checked against
+their declarations (`ServerSettings`, `RayServeOptions`, `ray_options.ReplicaOptions`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pydantic import model_validator
 
-from ..config import CacheConfig
 from ..errors import ConfigError
-from ..options import Options, option
-from .settings import ANSWER_TIMEOUT_S, ServerSettings
+from ..settings.cache_config import CacheConfig
+from ..settings.options import Options, option, option_values
+from ..settings.profiles import cache_config as read_cache_config
+from .ray_options import ReplicaOptions, default_gpus
+from .settings import ANSWER_TIMEOUT_S, ConnectionLimits, ServerSettings, parse_default_size, server_settings
 
 log = logging.getLogger("dicache.server.ray")
 
@@ -346,24 +350,65 @@ def args_to_argv(args: dict[str, Any]) -> list[str]:
     return argv
 
 
+BUILDER_OPTIONS = (ServerSettings, ConnectionLimits, RayServeOptions, ReplicaOptions)
+"""The declared options a Serve builder's arguments are checked against, each by its `dicache serve` option name."""
+
+
+def replica_from_options(
+    args: Mapping[str, Any], cluster_gpus: float | None = None
+) -> tuple[ReplicaSpec, RayServeOptions]:
+    """Builder arguments (`dicache serve` option names without dashes: `{"replicas": 2, "max_queue": 8}`) -> what
+    every replica loads and the deployment's `RayServeOptions`. Each name goes to the declared model that has it
+    (`BUILDER_OPTIONS`); text is converted by the field's type (`serve run ... replicas=2`). Cache settings are read
+    here from `SGLANG_CACHE_DIT_*` over `profile`, once. A bad name or value is a `ConfigError` naming it."""
+    # models.loading and quantization import torch, which building the application does not otherwise need
+    from ..models.loading import CheckpointError, check_load_format
+    from ..quantization import parse_quantization
+
+    split = option_values(args, BUILDER_OPTIONS, ConfigError)
+    load = ReplicaOptions(**split[ReplicaOptions])
+    try:  # checked as the command line checks them; under Ray, Serve's proxy holds the connections
+        ConnectionLimits(**split[ConnectionLimits])
+        default_size = None if load.default_size is None else parse_default_size(load.default_size)
+        check_load_format(load.load_format)
+    except (ValueError, CheckpointError) as exc:
+        raise ConfigError(f"Serve application args: {exc}") from None
+    spec = ReplicaSpec(
+        settings=server_settings(split[ServerSettings], load.api_key),
+        model=load.model,
+        variant=load.variant,
+        dtype=load.dtype,
+        device=load.device,
+        default_size=default_size,
+        cache_config=read_cache_config(load.profile),
+        torch_threads=load.torch_threads,
+        tp_size=load.tp_size,
+        ulysses_degree=load.ulysses_degree,
+        load_format=load.load_format,
+        quantization=parse_quantization(load.quantization, load.quantization_exclude),
+        compile=load.compile,
+    )
+    deployment = split[RayServeOptions]
+    if deployment.get("gpus_per_replica") is None:
+        deployment["gpus_per_replica"] = default_gpus(spec.device, spec.world_size, cluster_gpus)
+    return spec, RayServeOptions(**deployment)
+
+
 def app_builder(args: dict[str, Any]) -> Any:
     """Serve application builder: `serve run dicache.server.ray_serve:app_builder replicas=2 device=cpu`, or
     `import_path: dicache.server.ray_serve:app_builder` + `args:` in a Serve config / KubeRay `serveConfigV2`.
 
-    `args` are `dicache serve` options without the dashes (see `args_to_argv`); cache settings are read here from
-    `SGLANG_CACHE_DIT_*` over `profile`, once, and sent to every replica. A bad option fails the deployment with
-    the same message as the command line. Called before Ray is initialized (`serve run` with an import path, which
-    then starts a local cluster), it sets `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` for that cluster's proxy
-    (`ray_proxy`); elsewhere the cluster's environment must set it.
+    `args` are `dicache serve` options without the dashes, checked against their declarations
+    (`replica_from_options`); cache settings are read here from `SGLANG_CACHE_DIT_*` over `profile`, once, and sent
+    to every replica. Called before Ray is initialized (`serve run` with an import path, which then starts a local
+    cluster), it sets `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` for that cluster's proxy (`ray_proxy`); elsewhere
+    the cluster's environment must set it.
     """
     import ray
 
-    from ..commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
-    from ..profiles import cache_config as read_cache_config
     from .ray_proxy import CALLBACK_ENV, CALLBACK_PATH
 
     if not ray.is_initialized():  # `serve run <module>:app_builder` builds first, then starts a local cluster that
         os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)  # inherits this: its proxy answers Serve's errors our way
-    parsed = parse_serve_argv(args_to_argv(dict(args or {})))
-    spec = replica_spec_from_args(parsed, read_cache_config(parsed.profile))
-    return build_application(spec, serve_options_from_args(parsed, spec))
+    spec, options = replica_from_options(dict(args or {}))
+    return build_application(spec, options)

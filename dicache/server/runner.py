@@ -27,6 +27,11 @@ from typing import Any
 
 import uvicorn
 
+try:
+    import resource
+except ImportError:  # not POSIX: the descriptor limit is left alone
+    resource = None
+
 from ..errors import ConfigError
 from .settings import ConnectionLimits, ServerSettings
 
@@ -42,9 +47,7 @@ def ensure_descriptors(max_connections: int) -> int:
     """Make sure the process may open `max_connections` sockets (each client connection is one file descriptor):
     raise the soft `RLIMIT_NOFILE` up to the hard one if needed; `ConfigError` naming `--max-connections` if even the
     hard limit is too low. Returns the soft limit in force."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
+    if resource is None:  # not POSIX
         return -1
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = max_connections + FD_RESERVE

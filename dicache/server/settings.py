@@ -1,22 +1,41 @@
-"""`ServerSettings`: the HTTP app's own limits and exposure (queue, workers, timeouts, input bounds, API key, drain).
+"""`ServerSettings`: the HTTP app's own limits and exposure (queue, workers, timeouts, input bounds, API key, drain);
+`ConnectionLimits` (the uvicorn host's), `ServerProcessOptions` (default size, threads, API key option) and
+`ListenOptions` (address, log level): every `dicache serve` option of the server, declared once.
 
 Cache settings are not here: they come from `SGLANG_CACHE_DIT_*` over an optional settings profile
-(`dicache.profiles.cache_config`: `--profile` or `SGLANG_CACHE_DIT_PROFILE`) at start-up and from each request's
-`cache_dit_params`. Everything here is enforced inside the ASGI app, so any ASGI host (uvicorn, Ray Serve) gets it;
-connection-level limits (`ConnectionLimits`: concurrent connections, keep-alive, request heads) belong to the host
-(`dicache.server.runner` applies them to uvicorn).
+(`dicache.settings.profiles.cache_config`: `--profile` or `SGLANG_CACHE_DIT_PROFILE`) at start-up and from each
+request's `cache_dit_params`. Everything in `ServerSettings` is enforced inside the ASGI app, so any ASGI host
+(uvicorn, Ray Serve) gets it; connection-level limits (`ConnectionLimits`: concurrent connections, keep-alive, request
+heads) belong to the host (`dicache.server.runner` applies them to uvicorn).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import os
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from pydantic import model_validator
 
-from ..options import Options, option
+from ..errors import ConfigError
+from ..settings.options import FlagOptions, Options, option
+
+API_KEY_ENV = "DICACHE_API_KEY"
+"""The API key's environment variable (`--api-key` wins over it)."""
 
 ANSWER_TIMEOUT_S = 10.0
 """Seconds a drain waits for the answers of the generations it stopped (after `drain_grace_s`)."""
+
+
+def parse_default_size(text: str) -> tuple[int, int]:
+    """`--default-size` "WxH" -> (width, height), each side a multiple of 16 and at least 16; ValueError otherwise."""
+    try:
+        width, height = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"expected WIDTHxHEIGHT, e.g. 1024x1024, got {text!r}") from None
+    if width < 16 or height < 16 or width % 16 or height % 16:
+        raise ValueError(f"{text!r} is invalid: each side must be a multiple of 16, at least 16")
+    return width, height
 
 
 class ServerSettings(Options):
@@ -151,3 +170,60 @@ class ConnectionLimits(Options):
         help="seconds a new connection may take to send its request head; a slower one is closed",
     )
     shutdown_timeout_s: float = option(5.0, gt=0, unit="seconds")
+
+
+def server_settings(values: Mapping[str, Any], api_key: str | None, environ: Mapping[str, str] | None = None):
+    """`ServerSettings` from `dicache serve`'s options (`values` by field name): `max_pixels` is `max_side` squared,
+    the key `api_key` (`--api-key`) else `DICACHE_API_KEY` of `environ` (default: the process environment). A bad
+    value is a `ConfigError` naming the option."""
+    env = os.environ if environ is None else environ
+    if api_key is not None and not api_key.strip():  # e.g. --api-key "$KEY" with KEY unset
+        raise ConfigError("serve: --api-key is empty: give a key, or leave the option out (no authentication)")
+    key = api_key or env.get(API_KEY_ENV) or None
+    if values.get("protect_metrics") and not key:
+        raise ConfigError(f"serve: --metrics-auth needs an API key (--api-key or {API_KEY_ENV})")
+    side = values.get("max_side", ServerSettings.model_fields["max_side"].default)
+    try:
+        return ServerSettings(**values, max_pixels=side * side, api_key=key)
+    except ValueError as exc:
+        raise ConfigError(f"serve: {exc}") from None
+
+
+class ServerProcessOptions(FlagOptions):
+    """What a server process sets up beside its model and its limits: `dicache serve`, and each Ray Serve replica
+    (`dicache.server.ray_options.ReplicaOptions`). `default_size` is "WxH" text (`parse_default_size`, which the
+    command line applies while parsing)."""
+
+    default_size: str | None = option(
+        None,
+        flag="--default-size",
+        read=parse_default_size,
+        metavar="WxH",
+        default_text="the checkpoint's",
+        help="size when a request omits it",
+    )
+    torch_threads: int | None = option(
+        None, flag="--torch-threads", ge=1, default_text="torch's", help="CPU threads per torch op"
+    )
+    api_key: str | None = option(
+        None,
+        flag="--api-key",
+        repr=False,
+        default_text=f"{API_KEY_ENV}, else none",
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); prefer the {API_KEY_ENV} environment "
+        "variable, which other users cannot read from the process list",
+    )
+
+
+class ListenOptions(FlagOptions):
+    """Where the single-process server (or the Ray Serve proxy of `dicache serve --ray`) listens, and its log level."""
+
+    host: str = option(
+        "127.0.0.1",
+        flag="--host",
+        help="address to listen on (another address without an API key logs a warning)",
+    )
+    port: int = option(30000, flag="--port", ge=1, le=65535, help="port")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = option(
+        "info", flag="--log-level", help="log level"
+    )

@@ -8,19 +8,13 @@ the recommended family), `prompts` (prompt files and samples), `files` (reading 
 (resumable output folder), `keys` (record keys), `records` (measured records), `run` (the sweep loop), `launch`
 (load the models and run), `analysis` (Pareto front, recommendations, goal check), `compare` (dicache vs the four
 baselines per compute bin and measure, the issue's targets), `answer` (which setting to use per compute budget),
-`report` (Markdown), `plots` (matplotlib figures, image grids). `dicache.calibration` samples with `runners` and
+`report` (Markdown), `plots` (matplotlib figures, image grids). `dicache.tuning` samples with `runners` and
 names settings with `settings` too.
 """
 
 from __future__ import annotations
 
+from .launch import run_sweep
 from .spec import Cell, Schedule, SweepSpec, SweepSpecError, expand_grid, make_cell
 
 __all__ = ["Cell", "Schedule", "SweepSpec", "SweepSpecError", "expand_grid", "make_cell", "run_sweep"]
-
-
-def run_sweep(*args, **kwargs):
-    """See `dicache.sweep.launch.run_sweep` (imported lazily: it loads torch models)."""
-    from .launch import run_sweep as _run_sweep
-
-    return _run_sweep(*args, **kwargs)

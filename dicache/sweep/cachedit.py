@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
-from ..config import CacheConfig
+from ..engine.policies import step_mask
 from ..errors import DicacheError
-from ..policies import step_mask
+from ..models.krea2.pipeline import read_dicache_json, resolve_base_checkpoint
+from ..models.loading import read_json
+from ..settings.cache_config import CacheConfig
 from .runners import CallRecorder, Sample, recorded_sample
 from .spec import Schedule
 
@@ -113,9 +115,6 @@ class CacheDitRunner:
     def load(cls, model_dir: str, dtype: torch.dtype = torch.float32, device: str | None = None) -> CacheDitRunner:
         import_cache_dit()
         from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Pipeline, Krea2Transformer2DModel
-
-        from ..models.krea2.pipeline import read_dicache_json, resolve_base_checkpoint
-        from ..models.loading import read_json
 
         root = Path(model_dir)
         base = resolve_base_checkpoint(root, read_dicache_json(root))

@@ -10,15 +10,17 @@ from typing import Any
 
 import torch
 
+from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT, EMBEDDED_TURBO_CHECKPOINT
+from .cachedit import CacheDitRunner
+from .report import write_report
 from .run import Sweep
+from .runners import NativeRunner
 from .spec import QUANTIZED_METHODS, SweepSpec, SweepSpecError
 from .store import model_fingerprint
 
 
 def model_identity(model: str | os.PathLike | None) -> tuple[str, str]:
     """(display name, fingerprint) of a model argument; None is the embedded checkpoint."""
-    from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT, EMBEDDED_TURBO_CHECKPOINT
-
     path = Path(model) if model is not None else EMBEDDED_CHECKPOINT
     name = "embedded krea2-tiny" if model is None else str(model)
     if path.is_dir() and path.resolve() == EMBEDDED_TURBO_CHECKPOINT:
@@ -41,11 +43,6 @@ def run_sweep(
 
     Nothing needs a network when the model is a local folder (the embedded checkpoint by default). float32 on CUDA
     is true float32 (TF32 off for matmuls and cuDNN convolutions while the sweep runs), as on a CPU."""
-    from ..models.krea2.pipeline import EMBEDDED_CHECKPOINT
-    from .cachedit import CacheDitRunner
-    from .report import write_report
-    from .runners import NativeRunner
-
     name, model_id = model_identity(spec.model)
     # results depend on the numerics too: a sweep resumed in another dtype or on another device type starts afresh
     model_id = f"{model_id}|{str(dtype).removeprefix('torch.')}|{torch.device(device or 'cpu').type}"

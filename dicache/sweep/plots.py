@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from .analysis import pareto_front
 from .metrics import PSNR_CAP_DB
@@ -194,8 +195,6 @@ def save_image_grid(
     """A PNG with `top` images (the references) in the first row and `bottom` (one setting's outputs) below, one
     column per (prompt, seed), separated by `gap` white pixels. Images: `(3, H, W)` floats in [0, 1]; images smaller
     than `min_side` px are enlarged by an integer factor (nearest neighbour) to stay visible."""
-    from PIL import Image
-
     if len(top) != len(bottom) or not top:
         raise ValueError(f"need as many outputs as references (got {len(top)} and {len(bottom)}), at least one")
     h, w = top[0].shape[-2:]

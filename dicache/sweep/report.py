@@ -17,7 +17,7 @@ from . import compare
 from .analysis import cheapest_reaching, goal_check, pareto_front
 from .answer import answer_lines
 from .metrics import MS_SSIM_MIN_SIZE, PSNR_CAP_DB
-from .plots import PLOTS_DIR, schedule_records
+from .plots import PLOTS_DIR, save_plots, schedule_records
 
 REPORT_MD = "report.md"
 METHOD_NAMES = {
@@ -326,8 +326,6 @@ def _schedule_section(
 
 def write_report(results: dict[str, Any], out_dir: str | Path) -> Path:
     """Write `report.md` and the plots into `out_dir`; returns the report's path."""
-    from .plots import save_plots
-
     out = Path(out_dir)
     save_plots(results, out)
     path = out / REPORT_MD

@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from .. import __version__
 from . import solvers
 from .cachedit import unsupported_reason
 from .compare import compare
 from .keys import RESULTS_VERSION, SweepKeys
+from .plots import save_image_grid
 from .records import flops_ratio_of, measured_record, reference_record, sample_from_ref
 from .runners import Sample
 from .spec import QUANTIZED_METHODS, Cell, Schedule, SweepSpec, SweepSpecError
@@ -161,8 +163,6 @@ class Sweep(SweepKeys):
     # ------------------------------------------------------------------ running
     def run(self) -> dict[str, Any]:
         """Run (or resume) the whole sweep; returns the results (also written to `results.json`)."""
-        from tqdm.auto import tqdm
-
         self._bar = tqdm(total=self.planned_generations(), unit="img", desc="sweep", disable=not self.progress)
         try:
             for note in self.spec.extra.get("notes", []):  # said already by whoever built the spec: kept for the report
@@ -375,8 +375,6 @@ class Sweep(SweepKeys):
         return reference_record(key, pipeline, schedule, refs, self._hirefs, native)
 
     def _save_grid(self, schedule: Schedule, name: str, refs: list[dict], samples: list[Sample]) -> str:
-        from .plots import save_image_grid
-
         rel = Path(GRIDS_DIR) / schedule.slug / f"{name}.png"
         save_image_grid([r["image"] for r in refs], [s.image for s in samples], self.root / rel)
         return rel.as_posix()

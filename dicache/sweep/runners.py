@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
-from ..config import CacheConfig
+import dicache
+
+from ..models.krea2 import Krea2Pipeline
+from ..settings.cache_config import CacheConfig
+from . import solvers
 from .spec import Schedule
 
 
@@ -174,8 +178,6 @@ class NativeRunner:
         device: str | None = None,
         quantization: str | None = None,
     ) -> NativeRunner:
-        from ..models.krea2 import Krea2Pipeline
-
         return cls(Krea2Pipeline.from_pretrained(model, dtype=dtype, device=device, quantization=quantization))
 
     @property
@@ -195,8 +197,6 @@ class NativeRunner:
         return bool(self.pipe.is_distilled)
 
     def _configure(self, cache: CacheConfig | None) -> None:
-        import dicache
-
         if cache is None:
             dicache.disable(self.pipe)
         else:
@@ -206,8 +206,6 @@ class NativeRunner:
         self, prompt: str, seed: int, schedule: Schedule, steps: int, height: int, width: int, cache: CacheConfig | None
     ) -> Sample:
         """One image of `prompt` with `seed` at `steps` steps and the schedule's CFG, cached with `cache` (or not)."""
-        import dicache
-
         self._configure(cache)
         with CallRecorder(self.pipe.transformer) as rec:
             out = self.pipe(
@@ -239,8 +237,6 @@ class NativeRunner:
     ) -> Sample:
         """One image of a same-compute baseline (`dicache.sweep.solvers`: `euler` / `heun` with `count` steps,
         `curved` computing `curved_steps(schedule.steps, count)`), uncached, measured like `generate`."""
-        from . import solvers
-
         self._configure(None)
         with CallRecorder(self.pipe.transformer) as rec:
             run = solvers.sample(

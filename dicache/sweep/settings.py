@@ -1,4 +1,5 @@
-"""Names of cache settings as `sweep` and `calibrate` show and take them, derived from `dicache.config.SETTINGS`.
+"""Names of cache settings as `sweep` and `calibrate` show and take them, derived from
+`dicache.settings.cache_config.SETTINGS`.
 
 One module for: the grid's short names (`ALIASES`, `GRID_KEYS`), the command-line grid axes (`grid_axes`), the two
 label formats (`label`: environment suffixes, for candidates; `cell_label`: compact, for grid cells) and the
@@ -11,8 +12,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import SETTINGS, SETTINGS_BY_KEY, CacheConfig
 from ..formatting import show_value
+from ..settings.cache_config import SETTINGS, SETTINGS_BY_KEY, CacheConfig
 
 RECOMMENDED_FAMILY = {
     "Fn_compute_blocks": 0,

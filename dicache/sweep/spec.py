@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import CacheConfig
 from ..errors import ConfigError
+from ..settings.cache_config import CacheConfig
 from .errors import SweepSpecError, as_int
 from .files import read_data_file
 from .prompts import FALLBACK_PROMPTS as FALLBACK_PROMPTS  # re-exported: the prompt sets live in `prompts`

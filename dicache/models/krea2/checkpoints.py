@@ -8,6 +8,7 @@ it gives the default image size, sample prompts and, for a checkpoint that holds
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -134,8 +135,6 @@ def resolve_base_checkpoint(
 
 def component_fingerprint(directory: str | os.PathLike) -> str:
     """sha256 over the names and bytes of a component folder's `*.safetensors` files (sorted; shards included)."""
-    import hashlib
-
     digest = hashlib.sha256()
     files = sorted(pathlib.Path(directory).glob("*.safetensors"))
     if not files:

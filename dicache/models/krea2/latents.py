@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 
 def pack(latents: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -44,6 +45,5 @@ def to_output(decoded: torch.Tensor, output_type: str) -> Any:
     array = images.permute(0, 2, 3, 1).cpu().numpy()
     if output_type == "np":
         return array
-    from PIL import Image
 
     return [Image.fromarray((a * 255).round().astype(np.uint8)) for a in array]

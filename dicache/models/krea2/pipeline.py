@@ -11,8 +11,9 @@ sigmas)` around one generation, `call_scope(step, branch, sigma)` around each tr
 callback; neither needs a seam to be wrapped.
 
 Memory (small GPUs): `enable_offload(...)` (or the same options on `from_pretrained`) installs `dicache.offload`'s
-planner and offloaders. A call runs its phases in order (encode every prompt, text conditioning, denoise, decode) so
-an offloaded component is brought in once per call.
+planner and offloaders through Krea-2's memory glue (`memory`: the components, their phases, the bytes a request
+needs, CFG batching under offload). A call runs its phases in order (encode every prompt, text conditioning,
+denoise, decode) so an offloaded component is brought in once per call.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dicache.models.krea2 import latents as layout
+from dicache.models.krea2 import memory
 from dicache.models.krea2.callbacks import StepCallback, callback_inputs, run_callback
 from dicache.models.krea2.checkpoints import (
     EMBEDDED_CHECKPOINT,
@@ -40,13 +42,14 @@ from dicache.models.krea2.checkpoints import (
     resolve_base_checkpoint,
     resolve_model,
 )
-from dicache.models.krea2.optimizations import PipelineOptimizations, offload_settings
+from dicache.models.krea2.optimizations import PipelineOptimizations
 from dicache.models.krea2.presets import OUTPUT_TYPES, PRESETS, Preset, guided_velocity, resolve_variant, schedule_mu
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler
 from dicache.models.krea2.text import Krea2TextEncoder
 from dicache.models.krea2.transformer import Krea2Transformer, TextConditioning
 from dicache.models.krea2.vae import QwenImageVAEDecoder
 from dicache.models.loading import CheckpointError, default_dtype
+from dicache.offload.settings import OffloadLimits, OffloadSettings
 from dicache.quantization import QuantizationSpec
 
 __all__ = [
@@ -163,15 +166,10 @@ class Krea2Pipeline(PipelineOptimizations):
         quantization: str | QuantizationSpec | None = None,
         compile: bool = False,
         load_format: str = "auto",
-        dit_layerwise_offload: bool = False,
-        dit_offload_prefetch_size: float = 0.0,
-        dit_cpu_offload: bool = False,
-        text_encoder_cpu_offload: bool = False,
-        vae_cpu_offload: bool = False,
-        pin_cpu_memory: bool = True,
-        gpu_memory_budget: float | None = None,
-        offload_limits: dict | None = None,
-        **hub_kwargs: Any,
+        offload_settings: OffloadSettings | None = None,
+        offload_limits: OffloadLimits | None = None,
+        cache_config: Any = None,
+        **kwargs: Any,
     ) -> Krea2Pipeline:
         """Load a diffusers-layout Krea-2 folder or hub repo (None: the embedded checkpoint).
 
@@ -185,9 +183,11 @@ class Krea2Pipeline(PipelineOptimizations):
         and memory measurements). `quantization="fp8"` and `compile=True` apply `quantize` and `compile` after
         loading (for a model split over GPUs, call them yourself after `dicache.parallel.parallelize_pipeline`).
 
-        The offload options (SGLang's names, see `enable_offload`) load the weights into host memory first and then
-        place them as the memory plan says; `offload_limits` passes `enable_offload`'s size bounds (max_height,
-        max_width, max_images, cfg, size_source, cache_config).
+        Memory: `offload_settings`, or the same options by name among the keyword arguments (SGLang's names,
+        `dit_layerwise_offload=True, text_encoder_cpu_offload=True, ...`: the fields of `OffloadSettings`), load the
+        weights into host memory first and then place them as the memory plan says (`enable_offload`);
+        `offload_limits` bounds the largest request the plan holds, `cache_config` the cache settings requests will
+        use (default: the environment's). The other keyword arguments go to the hub download.
         """
         if path_or_repo_id is None:
             path_or_repo_id = EMBEDDED_CHECKPOINT
@@ -195,20 +195,16 @@ class Krea2Pipeline(PipelineOptimizations):
                 raise CheckpointError(f"the embedded checkpoint is missing: {EMBEDDED_CHECKPOINT} is not a directory")
         device = torch.device(device) if device is not None else torch.device("cpu")
         dtype = dtype or default_dtype(device)
-        offload = offload_settings(
-            dit_layerwise_offload, dit_offload_prefetch_size, dit_cpu_offload, text_encoder_cpu_offload,
-            vae_cpu_offload, pin_cpu_memory, gpu_memory_budget,
-        )  # fmt: skip
+        named = {k: kwargs.pop(k) for k in list(kwargs) if k in OffloadSettings.model_fields}
+        offload = OffloadSettings.given(offload_settings, named)
         target, device = device, (torch.device("cpu") if offload.any else device)  # offload: load on the host
-        pipe = cls(**load_components(path_or_repo_id, dtype, device, base, load_format, **hub_kwargs))
+        pipe = cls(**load_components(path_or_repo_id, dtype, device, base, load_format, **kwargs))
         pipe.source = str(path_or_repo_id)
         # order: quantize (the memory plan reads the weights' actual bytes), plan and place, compile
         if offload.any:
-            from dicache.offload.pipeline import enable_pipeline_offload, quantize_through_device
-
             if quantization is not None:
-                quantize_through_device(pipe, quantization, target)
-            enable_pipeline_offload(pipe, offload, target, **(offload_limits or {}))
+                memory.quantize_through_device(pipe, quantization, target)
+            memory.enable_offload(pipe, offload, offload_limits, target, cache_config)
         elif quantization is not None:
             pipe.quantize(quantization)
         if compile:

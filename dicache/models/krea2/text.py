@@ -76,6 +76,12 @@ class Krea2TextEncoder:
         return _text_config(self.text_encoder).hidden_size
 
     @property
+    def text_config(self):
+        """The language model's config (a multimodal model's `text_config`): `num_hidden_layers`, `hidden_size`,
+        `intermediate_size`, as memory planning reads them."""
+        return _text_config(self.text_encoder)
+
+    @property
     def device(self) -> torch.device:
         return next(self.text_encoder.parameters()).device
 
@@ -140,7 +146,8 @@ class Krea2TextEncoder:
         `load_format="dummy"`: random weights from `text_encoder/config.json` alone. The parts the taps never read
         are dropped after loading (`drop_untapped_parts`; their count in `dropped_parameters`).
         """
-        from transformers import AutoTokenizer, Qwen3VLModel
+        # transformers takes about 2 s to import: only loading a text encoder needs it
+        from transformers import AutoConfig, AutoTokenizer, Qwen3VLModel
 
         tokenizer_dir = resolve_component_dir(path_or_repo_id, "tokenizer", **hub_kwargs)
         encoder_dir = resolve_component_dir(path_or_repo_id, "text_encoder", **hub_kwargs)
@@ -152,8 +159,6 @@ class Krea2TextEncoder:
         try:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
             if check_load_format(load_format) == "dummy":  # transformers' own random init, drawn on the device
-                from transformers import AutoConfig
-
                 with torch.device(device):
                     text_encoder = Qwen3VLModel._from_config(AutoConfig.from_pretrained(encoder_dir), dtype=dtype)
             else:
@@ -203,6 +208,7 @@ def _read_model_index(path_or_repo_id: str | os.PathLike, root: pathlib.Path, hu
     if pathlib.Path(os.path.expanduser(os.fspath(path_or_repo_id))).is_dir():
         return {}
     # A Hub snapshot resolved per subfolder does not include the top-level file: fetch it alone.
+    # huggingface_hub's download client takes about 0.5 s to import: only a Hub id needs it
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 

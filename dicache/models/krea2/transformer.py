@@ -466,7 +466,7 @@ class Krea2Transformer(nn.Module):
         limit = getattr(self, "recompile_limit", None)
         if limit is None:
             return
-        import torch._dynamo
+        import torch._dynamo  # seconds to import: only compiling needs it
 
         config = torch._dynamo.config
         limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"

@@ -1,0 +1,442 @@
+"""`BlockStackRunner`: runs a transformer's block stack as Fn / middle / Bn, one block at a time (docs/architecture.md
+§2).
+
+During a transformer call the model's own loops call a `BlockProxy` in place of each block (`dicache.engine.install`
+redirects the lists' iteration; a `run_blocks` seam loops over the proxies itself). The proxies hand every call to
+the call's `StackWalk`, which runs the first Fn blocks, asks the request's policy whether the middle can be skipped,
+and then either runs the middle blocks (storing each middle segment's residual) or answers each skipped block's call
+with the segment's input plus the calibrator's estimate, without running it; the last Bn blocks always run. Because
+the model's loop still runs, whatever it does between blocks keeps working by block index: SD3's skip-layer guidance
+skips the blocks it names, ControlNet residuals are added after the blocks they belong to. A block that runs is
+called with exactly the arguments the model gave it, so a call that caches nothing is bitwise the plain model.
+
+The first complete call checks every block's call against its list's form (`adapters.forms.misfit`) and raises a
+`BlockFormError` naming the block, the form, what it returned and the `form=` that fits. Observers of the stack
+(`dicache.engine.block_plan`) are told the plan and each block's start and end; a model with observers but no cache
+gets a runner too (every call runs all blocks).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..errors import BlockFormError
+from .adapters.families import registered_forms
+from .adapters.forms import DIFF_STREAMS, BlockForm, H, describe, fitting_forms, misfit
+from .adapters.stack import StackSpec
+from .block_plan import BlockObserver, BlockPlan, CallInfo, publish
+from .policies import StepContext
+from .policies.lookahead import BranchCounters, decide_without_diff, upcoming_decisions
+from .reduction import PARALLEL_LAYOUT_ATTR, relative_change
+from .session import CacheSession
+
+_ids = itertools.count()
+
+
+class BlockProxy:
+    """Stands in for one block of the stack while a transformer call runs: the model calls it as it would call the
+    block, and the call's `StackWalk` decides whether the block runs. Other attributes are the block's."""
+
+    __slots__ = ("runner", "index", "block")
+
+    def __init__(self, runner: BlockStackRunner, index: int, block: torch.nn.Module) -> None:
+        self.runner, self.index, self.block = runner, index, block
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        walk = self.runner.walk()
+        if walk is None:
+            return self.block(*args, **kwargs)
+        return walk.block(self.index, self.block, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in BlockProxy.__slots__:  # not set yet (a copy in progress): never recurse
+            raise AttributeError(name)
+        return getattr(self.block, name)
+
+    def __repr__(self) -> str:
+        return f"BlockProxy({self.runner.spec.where(self.index)})"
+
+
+class _Scope:
+    """One transformer call in progress; its walk starts at the first block the model calls."""
+
+    __slots__ = ("walk",)
+
+    def __init__(self) -> None:
+        self.walk: StackWalk | None = None
+
+
+class BlockStackRunner:
+    """Runs a block stack for the call context the session reports, and keeps the stack's observers informed.
+
+    Args:
+        spec: the transformer's block lists and forms.
+        plain: runs the whole stack without the runner (the model's own `run_blocks`), for seam models when nothing
+            needs the runner; None for models whose loops the iteration redirect reaches.
+        session: request/call bookkeeping of the cache (None: no caching; every call runs all blocks).
+    """
+
+    def __init__(self, spec: StackSpec, plain: Callable[..., Any] | None = None, session: CacheSession | None = None):
+        self.session = session
+        self.spec = spec
+        self.plain = plain
+        self.observers: list[BlockObserver] = []
+        self.proxies = tuple(BlockProxy(self, i, block) for i, block in enumerate(spec.blocks))
+        self.checked: set[int] = set()
+        """Lists (positions in `spec.lists`) whose form a complete call has confirmed."""
+        self._scope: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
+            f"dicache_stack_{next(_ids)}", default=None
+        )
+
+    # ------------------------------------------------------------------ calls
+    def active(self) -> bool:
+        """Whether a transformer call is in progress in this context (the lists then yield the proxies)."""
+        return self._scope.get() is not None
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """One transformer call: the blocks the model calls inside form one walk through the stack."""
+        scope = _Scope()
+        token = self._scope.set(scope)
+        failed = False
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            self._scope.reset(token)
+            if scope.walk is not None:
+                scope.walk.finish(failed)
+            elif not failed and len(self.checked) < len(self.spec.lists):
+                raise BlockFormError(self._no_block_ran())
+
+    def walk(self) -> StackWalk | None:
+        """The walk of the call in progress (started by its first block), or None outside a call."""
+        scope = self._scope.get()
+        if scope is None:
+            return None
+        if scope.walk is None:
+            ctx = self.session.current_call() if self.session is not None else None
+            scope.walk = StackWalk(self, ctx, tuple(self.observers))
+        return scope.walk
+
+    def run_seam(self, *args: Any, **kwargs: Any) -> Any:
+        """Replaces the owner's `run_blocks(hidden, *block_args)` seam: the blocks in order, each through its proxy."""
+        if (self.session is None or self.session.current_call() is None) and not self.observers:
+            return self.plain(*args, **kwargs)
+        form = self.spec.lists[0].form
+        values, taken = form.read_inputs(args, kwargs)
+        result = None
+        with self.scope():
+            for proxy in self.proxies:
+                call_args, call_kwargs = form.rebuild_call(values, taken, args, kwargs)
+                result = proxy(*call_args, **call_kwargs)
+                values.update(form.read_outputs(result))  # the walk has checked the structure
+        return result
+
+    def _no_block_ran(self) -> str:
+        owner = type(self.spec.owner).__name__
+        paths = ", ".join(block_list.path for block_list in self.spec.lists)
+        return (
+            f"dicache: {owner}.forward ran none of its blocks through {paths} (it does not loop over that list in "
+            f"the usual `for block in self.<list>` way), so caching would do nothing; this model needs a family "
+            "entry naming the lists its forward loops over (dicache.engine.adapters.families)"
+        )
+
+    # ------------------------------------------------------------------ plans
+    def call_plan(self, cache: bool, fn: int, bn: int, segments: Sequence = ()) -> tuple[int, ...]:
+        """All blocks on a computed call; on a cached one the Fn blocks, the middle blocks it still computes (the
+        uncached `segments`, i.e. `cached_step_blocks`), then the Bn blocks."""
+        num_blocks = self.spec.num_blocks
+        if not cache:
+            return tuple(range(num_blocks))
+        kept = tuple(b for seg in segments if not seg.cached for b in range(seg.start, seg.stop))
+        return tuple(range(fn)) + kept + tuple(range(num_blocks - bn, num_blocks))
+
+    def upcoming(self, ctx, current_cache: bool | None) -> tuple[int, ...]:
+        """The blocks of the calls after this one, as far as the policy knows them: at least one stack's worth when
+        it can (a static mask knows the whole request); an undecided call contributes its Fn blocks and ends the list.
+        """
+        request = ctx.request
+        config = request.config
+        fn, bn, num_blocks = config.Fn_compute_blocks, config.Bn_compute_blocks, self.spec.num_blocks
+        counters = {
+            name: BranchCounters(b.cached_total, b.continuous_cached, b.has_residual, b.reference is not None)
+            for name, b in request.branches.items()
+        }
+        upcoming: list[int] = []
+        calls = upcoming_decisions(
+            request.policy,
+            counters,
+            list(request.branches),
+            ctx.step,
+            ctx.branch.name,
+            current_cache,
+            request.num_steps,
+            request.sigmas,
+            max_calls=2 * (request.num_steps or 1) * max(len(counters), 1) + 2,
+        )
+        for call in calls:
+            if call.cache is None:
+                upcoming.extend(range(fn))
+                break
+            upcoming.extend(self.call_plan(call.cache, fn, bn, request.segments))
+            if len(upcoming) >= num_blocks:
+                break
+        return tuple(upcoming)
+
+
+class StackWalk:
+    """One transformer call's way through the stack, driven by the blocks the model calls (in stack order).
+
+    `state` holds each stream as the model last handed it to a block, or as the last block returned it (for a stream
+    blocks return but do not take). A middle segment's residual is what its last run block returned minus the
+    stream at its first block; a skipped segment answers every one of its blocks with that input plus the estimate.
+    """
+
+    def __init__(self, runner: BlockStackRunner, ctx, observers: tuple[BlockObserver, ...]) -> None:
+        self.runner, self.spec, self.ctx, self.observers = runner, runner.spec, ctx, observers
+        self.enabled = ctx is not None and ctx.request.enabled
+        self.checking = len(runner.checked) < len(self.spec.lists)
+        self.last = -1
+        self.lists_seen: set[int] = set()
+        self.state: dict[str, Any] = {}
+        self.h0: tuple[torch.Tensor, ...] | None = None
+        self.h0_list = -1
+        self.decision = None
+        self.open: int | None = None  # the middle segment whose blocks are being run or skipped
+        self.seg_form: BlockForm | None = None
+        self.seg_in: dict[str, Any] = {}
+        self.seg_out: dict[str, Any] | None = None
+        self.cached_out: Any = None
+        self.position = 0.0
+        self.previous: tuple | None = None  # the last run block's call, checked again against the next call
+        info = CallInfo(ctx.step, ctx.branch.name) if ctx is not None else CallInfo()
+        for observer in observers:
+            observer.begin_call(info)
+        if not self.enabled:
+            everything = tuple(range(self.spec.num_blocks))
+            publish(observers, BlockPlan(everything, True, everything))
+            return
+        request, branch = ctx.request, ctx.branch
+        config = request.config
+        self.fn, self.bn = config.Fn_compute_blocks, config.Bn_compute_blocks
+        self.segments = request.segments
+        self.segment_of = request.segment_of
+        self.step_ctx = StepContext(
+            step=ctx.step,
+            num_steps=request.num_steps,
+            cached_total=branch.cached_total,
+            continuous_cached=branch.continuous_cached,
+            has_residual=branch.has_residual,
+            has_reference=branch.reference is not None,
+            sigma=ctx.sigma,
+        )
+        # Rules that do not read the diff decide before any block runs (same answer: decisions are pure), so the
+        # observers learn the whole call up front; otherwise they learn the Fn blocks now and the rest after them.
+        self.early = decide_without_diff(request.policy, self.step_ctx) if observers else None
+        if observers:
+            early = self.early
+            known = (
+                runner.call_plan(early.cache, self.fn, self.bn, self.segments)
+                if early is not None
+                else tuple(range(self.fn))
+            )
+            publish(observers, BlockPlan(known, early is not None, runner.upcoming(ctx, early and early.cache)))
+
+    # ------------------------------------------------------------------ one block
+    def block(self, index: int, block: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """The model calls stack block `index` with `(args, kwargs)`: run it, or answer for it."""
+        spec = self.spec
+        if index <= self.last:
+            raise BlockFormError(
+                f"dicache: {spec.where(index)} was called after {spec.where(self.last)} in one transformer call: the "
+                "model runs its blocks out of stack order (or twice), which a block-skipping cache cannot follow"
+            )
+        position = spec.list_of(index)
+        form = spec.lists[position].form
+        self.lists_seen.add(position)
+        inputs, _ = form.read_inputs(args, kwargs)
+        if self.previous is not None:
+            self._check(*self.previous, following=(args, kwargs))
+            self.previous = None
+        for stream in form.outputs:
+            if stream in inputs:
+                self.state[stream] = inputs[stream]
+        self.last = index
+        if not self.enabled:
+            return self._run(index, block, form, args, kwargs)[0]
+        if self.decision is None:
+            if index < self.fn:
+                if position != self.h0_list:  # the Fn residual is measured within one list's streams
+                    self.h0, self.h0_list = self._diff_streams(), position
+                return self._run(index, block, form, args, kwargs)[0]
+            self._decide()
+        segment = self.segment_of[index]
+        if segment != self.open:
+            self._close()
+            if segment is not None:
+                self._enter(segment, form)
+        if segment is not None and self.decision.cache and self.segments[segment].cached:
+            self.previous = None
+            return self.cached_out
+        result, outputs = self._run(index, block, form, args, kwargs)
+        if segment is not None:
+            self.seg_out = outputs
+        return result
+
+    def _run(self, index: int, block: torch.nn.Module, form: BlockForm, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """Run the block as the model called it; its result and that result read with `form` (None: unreadable)."""
+        for observer in self.observers:
+            observer.before_block(index)
+        result = block(*args, **kwargs)
+        for observer in self.observers:
+            observer.after_block(index)
+        outputs = form.read_outputs(result)
+        if self.checking:  # checked at the next block's call, which shows where the model puts what this returned
+            self.previous = (index, block, form, args, kwargs, result, dict(self.state))
+        elif outputs is None or not isinstance(outputs.get(H), torch.Tensor):
+            self._check(index, block, form, args, kwargs, result, dict(self.state), following=None)
+        if outputs is not None:
+            self.state.update(outputs)
+        return result, outputs
+
+    def _check(self, index, block, form, args, kwargs, result, before, following) -> None:
+        """Raise a `BlockFormError` when the call does not fit `form` (`following`: the next block's call)."""
+        passed = form.read_inputs(*following)[0] if following is not None else None
+        reason = misfit(form, args, kwargs, result, before, passed)
+        if reason is None:
+            return
+        spec = self.spec
+        fits = fitting_forms(form.names, args, kwargs, result, before, following)
+        position = spec.list_of(index)
+        owner = f"{spec.family} model" if spec.family != "generic" else "model (no family entry: generic path)"
+        message = (
+            f"dicache: {spec.where(index)} ({type(block).__name__}) does not fit the block form {form.label!r} "
+            f"dicache uses for this {owner}: {reason}. It was called with {describe_call(args, kwargs)} and "
+            f"returned {describe(result)}. "
+        )
+        registered = registered_forms(spec.owner)
+        if registered is not None and registered.get(spec.lists[position].path, "") in fits:
+            message += (
+                f"The {spec.family} entry's form for {spec.lists[position].path} "
+                f"({registered[spec.lists[position].path]!r}) fits: call dicache.enable without form=."
+            )
+        elif fits:
+            forms = [block_list.form.label for block_list in spec.lists]
+            forms[position] = fits[0]
+            value = repr(fits[0]) if len(forms) == 1 else "[" + ", ".join(repr(f) for f in forms) + "]"
+            others = f" (forms that fit this call: {', '.join(repr(f) for f in fits)})" if len(fits) > 1 else ""
+            message += f"Pass dicache.enable(..., form={value}){others}."
+        else:
+            message += "None of the declared forms fits this call (dicache.adapters.FORMS)."
+        raise BlockFormError(message)
+
+    # ------------------------------------------------------------------ the cache
+    def _diff_streams(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.state[s] for s in DIFF_STREAMS if isinstance(self.state.get(s), torch.Tensor))
+
+    def _decide(self) -> None:
+        ctx, runner = self.ctx, self.runner
+        request, branch = ctx.request, ctx.branch
+        config = request.config
+        hf = self._diff_streams()
+        h0 = self.h0 if self.h0 is not None else hf
+        fn_residual: list[tuple[torch.Tensor, ...]] = []
+
+        def residual() -> tuple[torch.Tensor, ...]:
+            if not fn_residual:
+                fn_residual.append(tuple(torch.sub(a, b) for a, b in zip(hf, h0)))
+            return fn_residual[0]
+
+        def diff() -> float:
+            layout = getattr(self.spec.owner, PARALLEL_LAYOUT_ATTR, None)
+            return relative_change(residual(), branch.reference, layout)
+
+        policy = request.policy
+        decision = self.early if self.early is not None else policy.decide(self.step_ctx, diff)
+        if self.observers and self.early is None:
+            full = runner.call_plan(decision.cache, self.fn, self.bn, self.segments)
+            publish(self.observers, BlockPlan(full, True, runner.upcoming(ctx, decision.cache)))
+        self.position = request.position(ctx.step, ctx.sigma) if config.enable_taylorseer else float(ctx.step)
+        if decision.cache:
+            branch.cached_total += 1
+            branch.continuous_cached += 1
+        else:
+            if policy.uses_diff:
+                branch.reference = residual()
+            branch.continuous_cached = 0
+        self.decision = decision
+
+    def _enter(self, segment: int, form: BlockForm) -> None:
+        """The first called block of middle segment `segment`: remember its input; on a cached call, build the answer
+        every block of a skipped segment gives."""
+        self.open, self.seg_form, self.seg_out = segment, form, None
+        self.seg_in = {s: self.state.get(s) for s in form.outputs}
+        if not (self.decision.cache and self.segments[segment].cached):
+            return
+        branch = self.ctx.branch
+        values: dict[str, Any] = {}
+        for stream in form.outputs:
+            if (segment, stream) in branch.none_outputs:
+                values[stream] = None
+                continue
+            calibrator = branch.calibrators.get((segment, stream))
+            if calibrator is None:
+                raise RuntimeError(
+                    f"dicache: no stored residual for stream {stream!r} of middle segment {segment} "
+                    f"({self.spec.where(self.segments[segment].start)} on); the computed steps never ran it"
+                )
+            estimate = calibrator.estimate(self.position)
+            base = self.seg_in[stream]
+            values[stream] = estimate if base is None else base + estimate
+        self.state.update(values)
+        self.cached_out = form.pack(values)
+
+    def _close(self) -> None:
+        """Leaving the open segment: on a computed call, store what its blocks added to each stream."""
+        segment, self.open = self.open, None
+        if segment is None or self.decision.cache or not self.segments[segment].cached or self.seg_out is None:
+            return
+        branch = self.ctx.branch
+        for stream in self.seg_form.outputs:
+            out, base = self.seg_out.get(stream), self.seg_in.get(stream)
+            if out is None:
+                branch.none_outputs.add((segment, stream))
+                continue
+            branch.none_outputs.discard((segment, stream))
+            residual = out if base is None else torch.sub(out, base)
+            branch.calibrator(segment, stream).update(self.position, residual)
+
+    def finish(self, failed: bool) -> None:
+        """The transformer call returned (or failed): close the open segment, record the call, confirm the forms."""
+        try:
+            if failed:
+                return
+            if self.previous is not None:
+                self._check(*self.previous, following=None)
+            ctx = self.ctx
+            if self.enabled and self.decision is not None:
+                self._close()
+                ctx.branch.stats.record(ctx.step, self.decision.cache, self.decision.reason, self.decision.diff)
+            elif ctx is not None and not self.enabled:
+                ctx.branch.stats.record(ctx.step, False, "disabled", None)
+            if self.checking:
+                self.runner.checked |= self.lists_seen
+        finally:
+            for observer in reversed(self.observers):
+                observer.end_call()
+
+
+def describe_call(args: tuple, kwargs: dict, limit: int = 5) -> str:
+    """`(Tensor[1, 16, 32], encoder_hidden_states=Tensor[1, 8, 32], …)`: a block call's arguments, briefly."""
+    parts = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()]
+    shown = parts[:limit] + (["…"] if len(parts) > limit else [])
+    return "(" + ", ".join(shown) + ")"

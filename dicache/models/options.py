@@ -1,0 +1,102 @@
+"""The options that say which model to load, how, and how to sample it, declared once for every command and for the
+Ray Serve builder (`dicache.server.ray_options.ReplicaOptions` is made of them): `ModelChoice`, `DeviceOptions`,
+`SpeedOptions`, `SamplingOptions`. Each field carries its command-line flag, help and bounds
+(`dicache.settings.options.option`); the commands derive their options from them (`dicache.commands.fields`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from ..quantization import LAYER_GROUPS, NO_EXCLUSIONS, QUANTIZATION_METHODS
+from ..settings.options import FlagOptions, option
+from .loading import LOAD_FORMATS
+
+
+class ModelChoice(FlagOptions):
+    """Which checkpoint, and which of its presets requests get by default."""
+
+    model: str | None = option(
+        None,
+        flag="--model",
+        default_text="the embedded checkpoint; its Turbo student with --variant turbo",
+        help="checkpoint folder or hub repo id (diffusers layout)",
+    )
+    variant: Literal["turbo", "raw"] | None = option(
+        None,
+        flag="--variant",
+        default_text="the checkpoint's own: turbo if distilled",
+        help="the preset for unset steps / guidance: turbo = 8 steps, guidance 1 (no CFG); raw = 50 steps, "
+        "guidance 4.5",
+    )
+
+
+class DeviceOptions(FlagOptions):
+    """Where the model runs and in which precision."""
+
+    device: str | None = option(None, flag="--device", default_text="cuda if available", help="cpu, cuda, cuda:1 ...")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = option(
+        None, flag="--dtype", default_text="bfloat16 on CUDA, float32 on CPU", help="weights dtype"
+    )
+
+
+class SpeedOptions(FlagOptions):
+    """Loading and speed: weights read or drawn, FP8, `torch.compile` (applied in that order after loading)."""
+
+    group: ClassVar[tuple[str, str | None]] = ("loading and speed", None)
+
+    load_format: str = option(
+        "auto",
+        flag="--load-format",
+        choices=LOAD_FORMATS,
+        help="auto: read the checkpoint's weights; dummy: random weights from its config files alone, for speed and "
+        "memory measurements (SGLang's flag)",
+    )
+    quantization: str = option(
+        "none",
+        flag="--quantization",
+        choices=("none", *QUANTIZATION_METHODS),
+        help="fp8: the transformer blocks' linears run FP8 e4m3 (per-row activation, per-channel weight scales; "
+        "torchao; needs an Ada/Hopper GPU and `pip install 'dicache[fp8]'`); weights stored in FP8",
+    )
+    quantization_exclude: list[str] | None = option(
+        None,
+        flag="--quantization-exclude",
+        metavar="GROUP_OR_GLOB",
+        help="block linears kept in bf16 under --quantization fp8, replacing the defaults: group names "
+        f"({', '.join(LAYER_GROUPS)}) or glob patterns over module names, e.g. 'transformer_blocks.*.attn.to_gate'; "
+        f"'{NO_EXCLUSIONS}': every block linear in FP8",
+    )
+    compile: bool = option(
+        False,
+        flag="--compile",
+        help="torch.compile the transformer blocks (the first generation at a new shape compiles; `dicache serve` "
+        "does that at start-up for its default size)",
+    )
+
+
+class TextEncoderOptions(FlagOptions):
+    """The text encoder's precision (`dicache generate` and `dicache serve` without the memory options)."""
+
+    group: ClassVar[tuple[str, str | None]] = ("loading and speed", None)
+
+    text_encoder_quantization: str = option(
+        "none",
+        flag="--text-encoder-quantization",
+        choices=("none", *QUANTIZATION_METHODS),
+        help="fp8: the text encoder's decoder-layer linears in FP8 too (as --quantization fp8; halves those "
+        "weights, about 3.5 GB less for Krea-2's; not with the memory options)",
+    )
+
+
+class SamplingOptions(FlagOptions):
+    """The sampling schedule of a generation (unset: the variant's preset)."""
+
+    steps: int | None = option(None, flag="--steps", ge=1, default_text="by variant", help="denoising steps")
+    guidance: float | None = option(
+        None,
+        flag="--guidance",
+        ge=1,
+        default_text="by variant",
+        help="CFG scale s in uncond + s*(cond - uncond); 1 = no CFG (Krea's reference g = s - 1)",
+    )

@@ -1,0 +1,213 @@
+"""The search: references, candidates run hardest-sample-first with an exact early stop, and the choice (see the
+package docstring)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tqdm.auto import tqdm
+
+from ..errors import ConfigError
+from ..settings.cache_config import CacheConfig
+from ..sweep.metrics import PSNR_CAP_DB, psnr
+from ..sweep.settings import label
+from .candidates import CANDIDATES, check_candidate
+from .errors import CalibrationError
+from .runner import Runner
+
+Criterion = Literal["min", "mean"]
+CRITERIA: tuple[str, ...] = ("min", "mean")
+
+
+@dataclass
+class CandidateResult:
+    """One candidate's outcome. `status`: ``complete`` (ran on every sample), ``stopped`` (early stop: cannot meet
+    the target), ``invalid`` (rejected before running; `error` says why). `psnr` / `blocks_run` / `blocks_total` are
+    keyed by sample index."""
+
+    index: int
+    overrides: Any
+    status: str = "pending"
+    error: str | None = None
+    config: CacheConfig | None = None
+    psnr: dict[int, float] = field(default_factory=dict)
+    blocks_run: dict[int, int] = field(default_factory=dict)
+    blocks_total: dict[int, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    meets_target: bool = False
+
+    @property
+    def label(self) -> str:
+        return label(self.overrides) if isinstance(self.overrides, Mapping) else repr(self.overrides)
+
+    @property
+    def psnr_min(self) -> float | None:
+        return min(self.psnr.values()) if self.psnr else None
+
+    @property
+    def psnr_mean(self) -> float | None:
+        return sum(self.psnr.values()) / len(self.psnr) if self.psnr else None
+
+    @property
+    def compute_fraction(self) -> float | None:
+        total = sum(self.blocks_total.values())
+        return sum(self.blocks_run.values()) / total if total else None
+
+    def score(self, criterion: Criterion) -> float | None:
+        return self.psnr_min if criterion == "min" else self.psnr_mean
+
+    def to_dict(self, samples: Sequence[tuple[str, int]]) -> dict[str, Any]:
+        def rounded(value: float | None, digits: int) -> float | None:
+            return None if value is None else round(value, digits)
+
+        return {
+            "index": self.index,
+            "label": self.label,
+            "overrides": self.overrides,
+            "status": self.status,
+            "error": self.error,
+            "meets_target": self.meets_target,
+            "samples_run": len(self.psnr),
+            "compute_fraction": rounded(self.compute_fraction, 6),
+            "psnr_min_db": rounded(self.psnr_min, 4),
+            "psnr_mean_db": rounded(self.psnr_mean, 4),
+            "per_sample": [
+                {
+                    "prompt": samples[i][0],
+                    "seed": samples[i][1],
+                    "psnr_db": round(self.psnr[i], 4),
+                    "blocks_run": self.blocks_run[i],
+                    "blocks_total": self.blocks_total[i],
+                }
+                for i in sorted(self.psnr)
+            ],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class Calibration:
+    """Everything `calibrate` measured: the samples, the references' block counts and time, every candidate."""
+
+    samples: list[tuple[str, int]]
+    target_psnr: float
+    criterion: Criterion
+    reference_blocks: list[int]
+    reference_seconds: float
+    candidates: list[CandidateResult]
+    chosen: CandidateResult | None
+
+    def best(self) -> CandidateResult | None:
+        """The candidate with the highest criterion PSNR over the samples it ran (complete ones first)."""
+        ran = [c for c in self.candidates if c.psnr]
+        if not ran:
+            return None
+        return max(ran, key=lambda c: (c.status == "complete", c.score(self.criterion), -c.index))
+
+    def failure_message(self) -> str:
+        what = f"{'worst-case (min)' if self.criterion == 'min' else 'mean'} PSNR >= {self.target_psnr:g} dB"
+        head = f"no candidate meets the target {what} vs uncached over {len(self.samples)} prompt(s)"
+        best = self.best()
+        if best is None:
+            return f"{head}: no candidate could run (all invalid); nothing written"
+        partial = "" if best.status == "complete" else f", over the {len(best.psnr)} prompt(s) it ran before stopping"
+        return (
+            f"{head}; the best PSNR achieved is {best.score(self.criterion):.2f} dB ({self.criterion}) by candidate "
+            f"#{best.index} {best.label} at compute {best.compute_fraction:.3f}{partial}; nothing written. "
+            "Lower --target-psnr or add more conservative --candidates"
+        )
+
+
+def _cannot_qualify(values: Sequence[float], total: int, target: float, criterion: Criterion) -> bool:
+    """True when the PSNRs so far rule the candidate out whatever the remaining samples give."""
+    if criterion == "min":
+        return min(values) < target
+    return sum(values) + (total - len(values)) * PSNR_CAP_DB < target * total
+
+
+def calibrate(
+    runner: Runner,
+    samples: Sequence[tuple[str, int]],
+    candidates: Iterable[Any] = CANDIDATES,
+    *,
+    target_psnr: float = 35.0,
+    criterion: Criterion = "min",
+    early_stop: bool = True,
+    progress: bool = True,
+    on_reject: Callable[[CandidateResult], None] | None = None,
+) -> Calibration:
+    """Run the references and the candidates on `samples` and choose (see the module docstring).
+
+    `on_reject` is called for each invalid candidate (the command prints them as they are found)."""
+    if criterion not in CRITERIA:
+        raise CalibrationError(f"criterion={criterion!r} is invalid: must be one of {', '.join(CRITERIA)}")
+    if not math.isfinite(target_psnr) or target_psnr <= 0:
+        raise CalibrationError(f"--target-psnr={target_psnr!r} is invalid: must be a number of dB > 0")
+    samples = [(str(p), int(s)) for p, s in samples]
+    if not samples:
+        raise CalibrationError("calibration needs at least one prompt")
+    results = []
+    for index, overrides in enumerate(candidates):
+        result = CandidateResult(index, overrides)
+        try:
+            result.config = check_candidate(overrides, runner.num_blocks, runner.steps)
+        except (ConfigError, TypeError, ValueError) as exc:
+            result.status, result.error = "invalid", str(exc)
+            if on_reject is not None:
+                on_reject(result)
+        results.append(result)
+    valid = [r for r in results if r.status != "invalid"]
+    n = len(samples)
+    bar = tqdm(total=n * (1 + len(valid)), desc="calibrate", unit="image", disable=not progress, leave=False)
+    try:
+        references, reference_blocks, reference_seconds = [], [], 0.0
+        for prompt, seed in samples:
+            bar.set_postfix_str("uncached reference")
+            try:
+                ref = runner.run(prompt, seed, None)
+            except ValueError as exc:  # e.g. a size off the model's multiple: nothing can run
+                raise CalibrationError(f"the uncached reference of {prompt!r} failed: {exc}") from None
+            references.append(ref.image)
+            reference_blocks.append(ref.blocks_total)
+            reference_seconds += ref.seconds
+            bar.update()
+        hardest: dict[int, float] = {}  # sample index -> lowest PSNR any candidate got on it
+        for result in valid:
+            order = sorted(range(n), key=lambda i: (hardest.get(i, math.inf), i)) if early_stop else range(n)
+            bar.set_postfix_str(f"#{result.index} {result.label}"[:60])
+            for i in order:
+                prompt, seed = samples[i]
+                try:
+                    run = runner.run(prompt, seed, result.config)
+                except ValueError as exc:  # a setting the pipeline refuses (ConfigError is one): not fatal
+                    result.status, result.error = "invalid", str(exc)
+                    if on_reject is not None:
+                        on_reject(result)
+                    break
+                value = psnr(run.image, references[i])[0]
+                result.psnr[i], result.blocks_run[i] = value, run.blocks_run
+                result.blocks_total[i] = reference_blocks[i]  # compute is measured against the uncached run
+                result.seconds += run.seconds
+                hardest[i] = min(hardest.get(i, math.inf), value)
+                bar.update()
+                done = list(result.psnr.values())
+                if early_stop and len(done) < n and _cannot_qualify(done, n, target_psnr, criterion):
+                    result.status = "stopped"
+                    result.error = (
+                        f"stopped after {len(done)} of {n} prompts: PSNR {value:.2f} dB on {prompt!r} "
+                        f"rules out {criterion} >= {target_psnr:g} dB"
+                    )
+                    break
+            if result.status == "pending":
+                result.status = "complete"
+                result.meets_target = result.score(criterion) >= target_psnr
+            bar.total -= n - len(result.psnr)  # the generations an early stop saved
+            bar.refresh()
+    finally:
+        bar.close()
+    qualified = [r for r in results if r.meets_target]
+    chosen = min(qualified, key=lambda r: (r.compute_fraction, -r.score(criterion), r.index)) if qualified else None
+    return Calibration(samples, target_psnr, criterion, reference_blocks, reference_seconds, results, chosen)
