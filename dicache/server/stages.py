@@ -51,7 +51,7 @@ class GenerationStages:
         self._closed = False
 
     def _enter_thread(self) -> None:
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:  # the model's GPU is this thread's
             torch.cuda.set_device(self.device)
 
     def run(self, phase: str, fn: Callable[..., _T], *args: Any) -> _T:
