@@ -41,6 +41,8 @@ cost the most fidelity (benchmarks/RESULTS.md "FP8 fidelity and speed by layer g
 
 LAYER_GROUPS: dict[str, tuple[str, ...]] = {
     "attn_qkv": ("*.attn.to_q", "*.attn.to_k", "*.attn.to_v"),
+    "attn_q": ("*.attn.to_q",),
+    "attn_kv": ("*.attn.to_k", "*.attn.to_v"),
     "attn_gate": ("*.attn.to_gate",),
     "attn_out": ("*.attn.to_out.0",),
     "ff_in": ("*.ff.gate", "*.ff.up"),
@@ -48,8 +50,9 @@ LAYER_GROUPS: dict[str, tuple[str, ...]] = {
     "first_block": ("transformer_blocks.0.*",),
     "last_block": ("transformer_blocks.-1.*",),
 }
-"""Named groups of block linears, for `exclude` lists and the per-group fidelity measurement. `-1` in a pattern
-stands for the last block's index."""
+"""Named groups of block linears, for `exclude` lists and the per-group fidelity measurement (`attn_q` / `attn_kv`
+split `attn_qkv`: q is the attention projection FP8 costs least, per FLOP). `-1` in a pattern stands for the last
+block's index."""
 
 
 class QuantizationError(DicacheError, RuntimeError):
