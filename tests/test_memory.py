@@ -64,3 +64,18 @@ def test_breakdown_and_release_are_no_ops_off_cuda():
     assert memory_breakdown(CpuPipe()) is None and memory_breakdown(None) is None
     release_cached_memory("cpu")
     release_cached_memory(None)
+
+
+def test_vae_norm_in_row_chunks_gives_the_same_values(monkeypatch):
+    import torch.nn.functional as F
+
+    from dicache.models.krea2 import vae
+
+    torch.manual_seed(0)
+    norm = vae.RMSNorm(24).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.gamma.uniform_(0.5, 1.5)
+        x = (torch.randn(2, 24, 37, 11) * 3).to(torch.bfloat16)
+        whole = F.normalize(x.float(), dim=1).to(x.dtype) * norm.scale * norm.gamma.view(-1, 1, 1)
+        monkeypatch.setattr(vae, "NORM_CHUNK_ELEMENTS", 2 * 24 * 11 * 5)  # 5 rows per chunk, the last one short
+        assert torch.equal(norm(x), whole)
