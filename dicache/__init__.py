@@ -4,14 +4,33 @@ import dicache
 dicache.enable(pipe)            # our Krea2Pipeline, diffusers' Krea2Pipeline, or a bare transformer
 image = pipe("a red apple").images[0]
 print(dicache.stats(pipe))      # computed / cached steps per CFG branch
+
+The API (`dicache.api`, which imports torch) and `CacheConfig` are imported on first use, so that importing a
+light submodule, e.g. `dicache.server.ray_proxy` in Ray Serve's HTTP proxy, does not import torch or the engine.
 """
 
-from .api import disable, enable, is_enabled, request, session_of, stats, step
-from .config import CacheConfig
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_getattr
 from .errors import BlockSplitError, ConfigError, DicacheError, NotEnabledError, UnsupportedModelError
 from .stats import BranchStats, RequestStats
 
+# Importing `.stats` bound the submodule to the name `stats`, but `dicache.stats` is the API function (served by
+# `__getattr__`); the submodule stays in sys.modules, so no later import binds it here again.
+globals().pop("stats", None)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time `__getattr__` imports these on first use
+    from .api import disable, enable, is_enabled, request, session_of, stats, step
+    from .config import CacheConfig
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    **dict.fromkeys(("disable", "enable", "is_enabled", "request", "session_of", "stats", "step"), ".api"),
+    "CacheConfig": ".config",
+}
 
 __all__ = [
     "BlockSplitError",
@@ -30,3 +49,9 @@ __all__ = [
     "stats",
     "step",
 ]
+
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
