@@ -4,7 +4,9 @@ from __future__ import annotations
 
 
 class DicacheError(Exception):
-    """Base class of the errors dicache raises on bad input."""
+    """Base class of the errors dicache raises on bad input (the command line exits with `exit_status`)."""
+
+    exit_status = 2
 
 
 class ConfigError(DicacheError, ValueError):
@@ -26,3 +28,10 @@ class UnsupportedModelError(DicacheError, TypeError):
 
 class MemoryBudgetError(ConfigError):
     """A memory plan that cannot fit the device budget: says what was needed and what was available."""
+
+
+class StartupError(DicacheError, RuntimeError):
+    """A server that could not start although its options were valid (e.g. a timeout on a busy machine): the
+    message says what failed and which option to change; the command line exits 1."""
+
+    exit_status = 1
