@@ -94,6 +94,17 @@ def test_health_and_start_up_timeouts_come_from_the_options():
     assert read.stdout.split() == ["15.0", "20.0", str(PROXY_CHECKS)], read.stderr[-2000:]
 
 
+def test_readme_states_the_timeouts_as_declared():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    timeouts = [name for name in RayServeOptions.model_fields if name.endswith(("_timeout_s", "_period_s"))]
+    assert len(timeouts) == 5
+    for name in timeouts:  # the README's table of them: | `--flag` | default [Ray's own] | ...
+        field = RayServeOptions.model_fields[name]
+        assert f"| `{field.json_schema_extra['flag']}` | {field.default:g} [" in readme, name
+
+
 def test_the_driver_waits_for_the_proxy_as_long_as_the_option_says():
     """Ray 2.60's `serve.start` / `serve.run` wait a fixed 60 s for the proxy, read from these module constants."""
     pytest.importorskip("ray")
