@@ -31,12 +31,14 @@ from dicache.server.ray_proxy import ServeErrorsMiddleware, translate
 from dicache.server.ray_serve import (
     PROXY_CHECKS,
     REPLICA_HEADER,
+    WORKER_NICENESS_ENV,
     RayServeOptions,
     ReplicaHeaderMiddleware,
     ReplicaSpec,
     args_to_argv,
     check_fits,
     deployment_options,
+    local_cluster_environment,
     proxy_environment,
 )
 
@@ -178,6 +180,30 @@ def test_serve_ray_warns_like_the_single_process_server_and_about_ignored_connec
     assert ray_warnings(quiet, replica_spec_from_args(quiet, None).settings) == []
 
 
+LOCAL_CLUSTER_ENV = (*local_cluster_environment(RayServeOptions()), "RAY_USAGE_STATS_ENABLED")
+
+
+def _unset_local_cluster_env(monkeypatch) -> None:
+    """Remove what `dicache serve --ray` / `app_builder` set for a local cluster, and have it removed (or restored)
+    after the test: a value left in this process's environment would reach the commands the live tests start."""
+    for name in LOCAL_CLUSTER_ENV:
+        monkeypatch.setenv(name, "")  # recorded, so that the variable is restored (or removed) after
+        monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def fake_serve(monkeypatch):
+    """A `FakeServe`; the signal handlers that `dicache serve --ray` installs are put back after the test."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    try:
+        yield FakeServe(monkeypatch)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 class FakeServe:
     """Ray and Serve for `dicache serve --ray` without a cluster: records the calls; `proxies` / `replicas` are what
     `serve.status()` reports; `start` / `run` replace `serve.start` / `serve.run`."""
@@ -210,6 +236,7 @@ class FakeServe:
             self.run(*args, **kwargs)
 
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        _unset_local_cluster_env(monkeypatch)
         monkeypatch.setattr(ray, "init", lambda **kw: self.calls.append("init") or context)
         monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
         monkeypatch.setattr(ray, "shutdown", lambda: self.calls.append("shutdown"))
@@ -227,25 +254,20 @@ def _start_failure(fake: FakeServe, capsys, *flags: str) -> str:
     and give back the SIGALRM handler and timer it borrowed (here pytest-timeout's); returns the line."""
     import signal
 
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
-    timer = signal.getitimer(signal.ITIMER_REAL)[0]
-    try:
-        assert cli_main(["serve", "--ray", "--device", "cpu", "--port", "30299", *flags]) == 1
-        assert signal.getsignal(signal.SIGALRM) == saved[signal.SIGALRM]
-        assert (signal.getitimer(signal.ITIMER_REAL)[0] > 0) == (timer > 0)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    handler, timer = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)[0]
+    assert cli_main(["serve", "--ray", "--device", "cpu", "--port", "30299", *flags]) == 1
+    assert signal.getsignal(signal.SIGALRM) == handler
+    assert (signal.getitimer(signal.ITIMER_REAL)[0] > 0) == (timer > 0)
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert fake.calls[-3:] == ["serve.delete", "serve.shutdown", "shutdown"]
     return err.strip()
 
 
-def test_a_proxy_that_does_not_start_in_time_is_one_line_naming_the_option(monkeypatch, capsys):
+def test_a_proxy_that_does_not_start_in_time_is_one_line_naming_the_option(fake_serve, monkeypatch, capsys):
     """Serve's controller keeps restarting a proxy that missed its readiness checks, while `serve.start` may already
     have returned: the command waits for the controller's verdict, then fails naming --proxy-start-timeout."""
-    fake = FakeServe(monkeypatch)
+    fake = fake_serve
     fake.proxies = {"node1": "STARTING"}
     monkeypatch.setattr("dicache.commands.serve_ray.PROXY_WAIT_MARGIN_S", 0.1)
     line = _start_failure(fake, capsys, "--proxy-start-timeout", "1.5", "--proxy-health-timeout", "40")
@@ -271,8 +293,8 @@ def test_a_proxy_that_does_not_start_in_time_is_one_line_naming_the_option(monke
         ),
     ],
 )
-def test_serve_start_errors_are_one_line(monkeypatch, capsys, error, expected):
-    fake = FakeServe(monkeypatch)
+def test_serve_start_errors_are_one_line(fake_serve, capsys, error, expected):
+    fake = fake_serve
 
     def failing(**kwargs):
         raise error()
@@ -281,8 +303,8 @@ def test_serve_start_errors_are_one_line(monkeypatch, capsys, error, expected):
     assert expected in _start_failure(fake, capsys)
 
 
-def test_replicas_that_do_not_start_in_time_are_one_line_naming_the_option(monkeypatch, capsys):
-    fake = FakeServe(monkeypatch)
+def test_replicas_that_do_not_start_in_time_are_one_line_naming_the_option(fake_serve, capsys):
+    fake = fake_serve
     fake.replicas = {"STARTING": 1, "RUNNING": 1}
 
     def loading(*args, **kwargs):  # serve.run waits for replicas that take longer than the option allows
@@ -299,8 +321,8 @@ def test_replicas_that_do_not_start_in_time_are_one_line_naming_the_option(monke
     assert "serve.run returned" not in fake.calls
 
 
-def test_a_replica_that_fails_to_start_is_one_line(monkeypatch, capsys):
-    fake = FakeServe(monkeypatch)
+def test_a_replica_that_fails_to_start_is_one_line(fake_serve, capsys):
+    fake = fake_serve
 
     def failing(*args, **kwargs):
         raise RuntimeError(
@@ -317,10 +339,10 @@ def test_a_replica_that_fails_to_start_is_one_line(monkeypatch, capsys):
     assert summary(RuntimeError("x" * 400)) == "x" * 297 + "..."
 
 
-def test_serve_ray_refuses_gpus_a_local_cluster_lacks_before_deploying(monkeypatch, capsys, caplog):
+def test_serve_ray_refuses_gpus_a_local_cluster_lacks_before_deploying(fake_serve, capsys, caplog):
     """On a machine without GPUs, --gpus-per-replica / --tp-size with GPUs is a usage error once the local
     cluster shows its resources, instead of a deployment that waits forever for GPUs."""
-    fake = FakeServe(monkeypatch)
+    fake = fake_serve
     argv = ["serve", "--ray", "--device", "cuda", "--tp-size", "2", "--port", "30299", "--host", "0.0.0.0"]
     assert cli_main(argv) == 2
     assert "--host 0.0.0.0 is reachable from other machines and no API key is set" in caplog.text
@@ -328,12 +350,12 @@ def test_serve_ray_refuses_gpus_a_local_cluster_lacks_before_deploying(monkeypat
     assert "serve.start" not in fake.calls and "serve.run" not in fake.calls and fake.calls[-1] == "shutdown"
 
 
-def test_serve_ray_stopped_while_its_replicas_start_cleans_up_and_exits_0(monkeypatch, capsys):
+def test_serve_ray_stopped_while_its_replicas_start_cleans_up_and_exits_0(fake_serve, capsys):
     """SIGTERM while `serve.run` waits for the replicas to load (minutes with big weights): the start-up stops, the
     cluster is shut down and the command exits 0 (Ray's own handler used to abort the process, status 134)."""
     import signal
 
-    fake = FakeServe(monkeypatch)
+    fake = fake_serve
 
     def loading(*args, **kwargs):  # a deployment that takes its time; the orchestrator sends SIGTERM meanwhile
         os.kill(os.getpid(), signal.SIGTERM)
@@ -345,13 +367,8 @@ def test_serve_ray_stopped_while_its_replicas_start_cleans_up_and_exits_0(monkey
         raise AssertionError("SIGTERM during start-up was left to the default handler")
 
     fake.run = loading
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGTERM, unhandled)
-    try:
-        assert cli_main(["serve", "--ray", "--device", "cpu", "--port", "30299"]) == 0
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    assert cli_main(["serve", "--ray", "--device", "cpu", "--port", "30299"]) == 0
     assert "serve.run returned" not in fake.calls
     assert fake.calls[-3:] == ["serve.delete", "serve.shutdown", "shutdown"]
     assert "stopped while starting" in capsys.readouterr().out
@@ -392,13 +409,29 @@ def test_serve_run_with_the_builder_gives_its_local_cluster_the_openai_shaped_pr
     from dicache.server.ray_serve import app_builder
 
     assert not ray.is_initialized()
-    monkeypatch.setenv(CALLBACK_ENV, "")  # recorded, so that the variable is restored (or removed) after
-    monkeypatch.delenv(CALLBACK_ENV)
-    app_builder({"replicas": "2", "device": "cpu"})
-    assert os.environ[CALLBACK_ENV] == CALLBACK_PATH
+    _unset_local_cluster_env(monkeypatch)
+    names = (CALLBACK_ENV, WORKER_NICENESS_ENV, "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
+    app_builder({"replicas": "2", "device": "cpu", "proxy_start_timeout": "60"})
+    assert [os.environ[name] for name in names] == [CALLBACK_PATH, "0", "20.0"]  # and Ray's workers at our priority
     monkeypatch.setenv(CALLBACK_ENV, "mine:callback")
     app_builder({"device": "cpu"})
     assert os.environ[CALLBACK_ENV] == "mine:callback"
+
+
+def test_serve_ray_starts_its_local_cluster_with_the_proxy_settings_and_workers_at_its_priority(fake_serve):
+    """Ray runs its workers at nice 15 by default: next to any busy process, Serve's proxy and the replicas got a
+    few per cent of a core and did not start in time."""
+    from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
+
+    fake = fake_serve
+    names = (CALLBACK_ENV, WORKER_NICENESS_ENV, "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
+    seen = {}
+    fake.start = lambda **kw: seen.update({name: os.environ.get(name) for name in names})
+    fake.run = lambda *a, **kw: os.kill(os.getpid(), __import__("signal").SIGTERM)  # started: now stop
+    assert cli_main(["serve", "--ray", "--device", "cpu", "--port", "30299", "--proxy-start-timeout", "45"]) == 0
+    assert seen == dict(zip(names, [CALLBACK_PATH, "0", "15.0"]))
+    env = fake.started["controller_options"]["runtime_env"]["env_vars"]  # and on a cluster of its own
+    assert env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "15.0"
 
 
 def test_serve_help_lists_the_ray_options(capsys):

@@ -269,7 +269,6 @@ def run_ray(args: argparse.Namespace) -> int:
         from ..server.ray_drain import begin_drain, start_board, wait_drained
         from ..server.ray_drain import board_name as drain_board_name
         from ..server.ray_metrics import NAMESPACE, board_name
-        from ..server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
     except ModuleNotFoundError as exc:
         raise DicacheError(f"dicache serve --ray needs the ray extra: pip install 'dicache[ray]' ({exc})") from None
     from ..profiles import cache_config as read_cache_config
@@ -282,16 +281,17 @@ def run_ray(args: argparse.Namespace) -> int:
     if profile:
         print(profile, flush=True)
     spec = replica_spec_from_args(args, cache_config)
-    ray_serve.deployment_options(spec, serve_options_from_args(args, spec, cluster_gpus=0))  # check before starting
+    checked = serve_options_from_args(args, spec, cluster_gpus=0)
+    ray_serve.deployment_options(spec, checked)  # check before starting
     for warning in ray_warnings(args, spec.settings):
         logging.getLogger("dicache.server").warning(warning)
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port={args.port} is invalid: must be between 1 and 65535")
 
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
-    if address is None:  # a local cluster inherits this environment: its proxy answers Serve's errors our way
-        os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address is None:  # a local cluster inherits this environment (proxy errors and timeouts, workers' priority)
+        for name, value in {**ray_serve.local_cluster_environment(checked), "RAY_USAGE_STATS_ENABLED": "0"}.items():
+            os.environ.setdefault(name, value)
     if address is None:
         context = ray.init(include_dashboard=False, logging_level=logging.WARNING)
     else:

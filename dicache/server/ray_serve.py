@@ -18,7 +18,8 @@ middleware and the error contract are the single-process server's. What Ray adds
   `--replica-health-timeout` s three times in a row, or whose model group lost a rank, is replaced;
 - start-up on a busy node: Serve's HTTP proxy gets `--proxy-start-timeout` s to start and its health checks
   `--proxy-health-timeout` s (`proxy_environment`: Serve's controller reads them from its environment), and
-  `dicache serve --ray` waits `--replica-start-timeout` s for the replicas;
+  `dicache serve --ray` waits `--replica-start-timeout` s for the replicas; a local cluster runs Ray's workers at
+  the starting process's priority (`local_cluster_environment`);
 - drain: under `dicache serve --ray`, SIGTERM drains every replica through its app's own `Drain` (503 + Retry-After
   for new requests and `/health`, `--drain-timeout` for accepted generations) before the application is deleted
   (`ray_drain`).
@@ -54,6 +55,9 @@ PROXY_CHECKS = 3
 restarts it (Ray 2.60: `PROXY_HEALTH_CHECK_UNHEALTHY_THRESHOLD`, not configurable)."""
 PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
 PROXY_HEALTH_ENV = "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
+"""Ray's setting for how much its worker processes (Serve's controller and proxy, the replicas) lower their own
+priority: 15 by default, under which any other busy process on the node takes nearly all the CPU from them."""
 
 
 @dataclass(frozen=True)
@@ -121,8 +125,8 @@ class RayServeOptions(Options):
     `max_replicas` None: a fixed `replicas`. Else Serve autoscales between `min_replicas` and `max_replicas`
     (starting at `replicas`), aiming at `target_ongoing_requests` per replica (None: the replica's `workers`).
     `gpus_per_replica` counts every rank of a tp × ulysses replica: it must then be 0 (CPU) or tp × ulysses.
-    The timeouts (seconds) hold on a 2-core node with every core busy, where Ray's own defaults (a proxy that must
-    start within 3 × 5 s, health answers within 10 s for the proxy and 30 s for a replica) fail.
+    The timeouts (seconds) hold on a 2-core node with every core busy, where Ray's own (a proxy must start within
+    3 × 5 s; health answers within 10 s for the proxy, 30 s for a replica) were missed.
     """
 
     label: ClassVar[str] = "{flag}"
@@ -206,12 +210,21 @@ class RayServeOptions(Options):
 
 def proxy_environment(options: RayServeOptions) -> dict[str, str]:
     """The environment variables through which Serve's controller times its HTTP proxy (read once, when the
-    controller process imports Ray Serve): each of the `PROXY_CHECKS` readiness checks in a row gets a third of
-    `proxy_start_timeout_s` / `PROXY_CHECKS`, each health check `proxy_health_timeout_s`."""
+    controller process imports Ray Serve): each of the `PROXY_CHECKS` readiness checks in a row gets
+    `proxy_start_timeout_s / PROXY_CHECKS` seconds, each health check `proxy_health_timeout_s`."""
     return {
         PROXY_READY_ENV: repr(options.proxy_start_timeout_s / PROXY_CHECKS),
         PROXY_HEALTH_ENV: repr(options.proxy_health_timeout_s),
     }
+
+
+def local_cluster_environment(options: RayServeOptions) -> dict[str, str]:
+    """The environment a local Ray cluster started for dicache must inherit from the process that starts it: Serve's
+    errors in the OpenAI shape (`ray_proxy`), the proxy's timeouts (`proxy_environment`), and Ray's workers at that
+    process's own priority (not 15 lower), so that a busy node shares its CPU with them fairly."""
+    from .ray_proxy import CALLBACK_ENV, CALLBACK_PATH
+
+    return {CALLBACK_ENV: CALLBACK_PATH, WORKER_NICENESS_ENV: "0", **proxy_environment(options)}
 
 
 def gpus_per_rank(spec: ReplicaSpec, options: RayServeOptions) -> float:
@@ -409,21 +422,19 @@ def app_builder(args: dict[str, Any]) -> Any:
     `args` are `dicache serve` options without the dashes (see `args_to_argv`); cache settings are read here from
     `SGLANG_CACHE_DIT_*` over `profile`, once, and sent to every replica. A bad option fails the deployment with
     the same message as the command line. Called before Ray is initialized (`serve run` with an import path, which
-    then starts a local cluster), it sets `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` for that cluster's proxy
-    (`ray_proxy`) and the proxy's timeouts (`proxy_environment`), unless the environment has them; elsewhere the
+    then starts a local cluster), it sets that cluster's environment (`local_cluster_environment`: the proxy's
+    error middleware and timeouts, the workers' priority), except what the environment already sets; elsewhere the
     cluster's environment must set them.
     """
     import ray
 
     from ..commands.serve_ray import parse_serve_argv, replica_spec_from_args, serve_options_from_args
     from ..profiles import cache_config as read_cache_config
-    from .ray_proxy import CALLBACK_ENV, CALLBACK_PATH
 
     parsed = parse_serve_argv(args_to_argv(dict(args or {})))
     spec = replica_spec_from_args(parsed, read_cache_config(parsed.profile))
     options = serve_options_from_args(parsed, spec)
-    if not ray.is_initialized():  # `serve run <module>:app_builder` builds first, then starts a local cluster that
-        # inherits this: its proxy answers Serve's errors our way, and has our timeouts
-        for name, value in {CALLBACK_ENV: CALLBACK_PATH, **proxy_environment(options)}.items():
+    if not ray.is_initialized():  # `serve run <module>:app_builder` builds first, then starts a local cluster
+        for name, value in local_cluster_environment(options).items():
             os.environ.setdefault(name, value)
     return build_application(spec, options)
