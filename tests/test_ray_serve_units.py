@@ -441,6 +441,13 @@ def test_serve_help_lists_the_ray_options(capsys):
     for flag in ("--ray", "--replicas", "--min-replicas", "--max-replicas", "--target-ongoing-requests"):
         assert flag in text
     assert "--gpus-per-replica" in text and "--ray-address" in text
+    for flag in (
+        "--proxy-start-timeout",
+        "--proxy-health-timeout",
+        "--replica-health-timeout",
+        "--replica-start-timeout",
+    ):
+        assert flag in text
 
 
 def test_without_ray_the_single_process_server_works_and_serve_ray_says_what_to_install():
