@@ -14,7 +14,12 @@ middleware and the error contract are the single-process server's. What Ray adds
 - `X-Dicache-Replica: <replica id>` on every answer says which replica served it;
 - `/metrics` is aggregated across replicas: one scrape returns every live replica's series, labelled
   `replica="<id>"` (`ray_metrics`);
-- health: Serve calls `check_health` every 10 s; a replica whose model group lost a rank is replaced;
+- health: Serve calls `check_health` every `--replica-health-period` s; a replica that does not answer within
+  `--replica-health-timeout` s three times in a row, or whose model group lost a rank, is replaced;
+- start-up on a busy node: Serve's HTTP proxy gets `--proxy-start-timeout` s to start and its health checks
+  `--proxy-health-timeout` s (`proxy_environment`: Serve's controller reads them from its environment), and
+  `dicache serve --ray` waits `--replica-start-timeout` s for the replicas; a local cluster runs Ray's workers at
+  the starting process's priority (`local_cluster_environment`);
 - drain: under `dicache serve --ray`, SIGTERM drains every replica through its app's own `Drain` (503 + Retry-After
   for new requests and `/health`, `--drain-timeout` for accepted generations) before the application is deleted
   (`ray_drain`).
@@ -49,6 +54,14 @@ DEPLOYMENT_NAME = "DicacheServer"
 REPLICA_HEADER = "x-dicache-replica"
 SHUTDOWN_MARGIN_S = 10.0
 """Seconds Serve waits for a stopping replica beyond the longest request (`request_timeout_s`) or its drain."""
+PROXY_CHECKS = 3
+"""Failed readiness or health checks in a row after which Serve's controller gives up on its HTTP proxy and
+restarts it (Ray 2.60: `PROXY_HEALTH_CHECK_UNHEALTHY_THRESHOLD`, not configurable)."""
+PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_HEALTH_ENV = "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
+"""Ray's setting for how much its worker processes (Serve's controller and proxy, the replicas) lower their own
+priority: 15 by default, under which any other busy process on the node takes nearly all the CPU from them."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +129,8 @@ class RayServeOptions(Options):
     `max_replicas` None: a fixed `replicas`. Else Serve autoscales between `min_replicas` and `max_replicas`
     (starting at `replicas`), aiming at `target_ongoing_requests` per replica (None: the replica's `workers`).
     `gpus_per_replica` counts every rank of a tp × ulysses replica: it must then be 0 (CPU) or tp × ulysses.
+    The timeouts (seconds) hold on a 2-core node with every core busy, where Ray's own (a proxy must start within
+    3 × 5 s; health answers within 10 s for the proxy, 30 s for a replica) were missed.
     """
 
     label: ClassVar[str] = "{flag}"
@@ -143,6 +158,39 @@ class RayServeOptions(Options):
         default_text="0 with --device cpu, else 1 per rank if the cluster has GPUs, else 0",
         help="GPUs each replica reserves, fractions allowed; with --tp-size × --ulysses-degree = N it must be N",
     )
+    proxy_start_timeout_s: float = option(
+        90.0,
+        flag="--proxy-start-timeout",
+        gt=0,
+        unit="seconds",
+        help="seconds Serve's HTTP proxy has to start (a process that imports Ray) before Serve gives up on it; "
+        "Ray alone allows 15",
+    )
+    proxy_health_timeout_s: float = option(
+        30.0,
+        flag="--proxy-health-timeout",
+        gt=0,
+        unit="seconds",
+        help="seconds Serve's running HTTP proxy has to answer a health check, every 10 s; 3 missed in a row "
+        "restart it; Ray alone allows 10",
+    )
+    replica_health_period_s: float = option(
+        10.0, flag="--replica-health-period", gt=0, unit="seconds", help="seconds between health checks of a replica"
+    )
+    replica_health_timeout_s: float = option(
+        60.0,
+        flag="--replica-health-timeout",
+        gt=0,
+        unit="seconds",
+        help="seconds a replica has to answer a health check; 3 missed in a row replace it; Ray alone allows 30",
+    )
+    replica_start_timeout_s: float = option(
+        900.0,
+        flag="--replica-start-timeout",
+        gt=0,
+        unit="seconds",
+        help="seconds dicache serve --ray waits for every replica to load its model and start, then exits 1",
+    )
 
     @model_validator(mode="after")
     def _check_autoscaling(self) -> RayServeOptions:
@@ -162,6 +210,25 @@ class RayServeOptions(Options):
     @property
     def autoscaling(self) -> bool:
         return self.max_replicas is not None
+
+
+def proxy_environment(options: RayServeOptions) -> dict[str, str]:
+    """The environment variables through which Serve's controller times its HTTP proxy (read once, when the
+    controller process imports Ray Serve): each of the `PROXY_CHECKS` readiness checks in a row gets
+    `proxy_start_timeout_s / PROXY_CHECKS` seconds, each health check `proxy_health_timeout_s`."""
+    return {
+        PROXY_READY_ENV: repr(options.proxy_start_timeout_s / PROXY_CHECKS),
+        PROXY_HEALTH_ENV: repr(options.proxy_health_timeout_s),
+    }
+
+
+def local_cluster_environment(options: RayServeOptions) -> dict[str, str]:
+    """The environment a local Ray cluster started for dicache must inherit from the process that starts it: Serve's
+    errors in the OpenAI shape (`ray_proxy`), the proxy's timeouts (`proxy_environment`), and Ray's workers at that
+    process's own priority (not 15 lower), so that a busy node shares its CPU with them fairly."""
+    from .ray_proxy import CALLBACK_ENV, CALLBACK_PATH
+
+    return {CALLBACK_ENV: CALLBACK_PATH, WORKER_NICENESS_ENV: "0", **proxy_environment(options)}
 
 
 def gpus_per_rank(spec: ReplicaSpec, options: RayServeOptions) -> float:
@@ -225,6 +292,8 @@ def deployment_options(spec: ReplicaSpec, options: RayServeOptions) -> dict[str,
         "graceful_shutdown_timeout_s": max(settings.request_timeout_s, settings.drain_grace_s + ANSWER_TIMEOUT_S)
         + SHUTDOWN_MARGIN_S,
         "graceful_shutdown_wait_loop_s": 1.0,
+        "health_check_period_s": options.replica_health_period_s,
+        "health_check_timeout_s": options.replica_health_timeout_s,
     }
     if spec.world_size > 1:
         from .ray_group import placement_bundles
@@ -401,14 +470,14 @@ def app_builder(args: dict[str, Any]) -> Any:
     `args` are `dicache serve` options without the dashes, checked against their declarations
     (`replica_from_options`); cache settings are read here from `SGLANG_CACHE_DIT_*` over `profile`, once, and sent
     to every replica. Called before Ray is initialized (`serve run` with an import path, which then starts a local
-    cluster), it sets `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` for that cluster's proxy (`ray_proxy`); elsewhere
-    the cluster's environment must set it.
+    cluster), it sets that cluster's environment (`local_cluster_environment`: the proxy's error middleware and
+    timeouts, the workers' priority), except what the environment already sets; elsewhere the cluster's environment
+    must set them.
     """
     import ray
 
-    from .ray_proxy import CALLBACK_ENV, CALLBACK_PATH
-
-    if not ray.is_initialized():  # `serve run <module>:app_builder` builds first, then starts a local cluster that
-        os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)  # inherits this: its proxy answers Serve's errors our way
     spec, options = replica_from_options(dict(args or {}))
+    if not ray.is_initialized():  # `serve run <module>:app_builder` builds first, then starts a local cluster
+        for name, value in local_cluster_environment(options).items():
+            os.environ.setdefault(name, value)
     return build_application(spec, options)
