@@ -57,7 +57,8 @@ import dicache.engine.stats
 for name in dicache.__all__:
     assert getattr(dicache, name) is not None, name
 assert dicache.enable is dicache.api.enable and dicache.stats is dicache.api.stats  # the function, not the module
-assert dicache.stats is not sys.modules["dicache.engine.stats"] and RequestStats is sys.modules["dicache.engine.stats"].RequestStats
+stats_module = sys.modules["dicache.engine.stats"]
+assert dicache.stats is not stats_module and RequestStats is stats_module.RequestStats
 assert set(dicache.__all__) <= set(dir(dicache))
 ns = {}
 exec("from dicache import *", ns)
