@@ -63,7 +63,7 @@ OPTIONAL = {
 """Optional third-party dependencies (top-level module -> the extra that installs it): imported inside the function
 that needs them, so that the package works without them."""
 
-UNCOMMENTED_LAZY_ALLOWED = ("dicache/server/ray_", "dicache/commands/serve_ray.py")
+UNCOMMENTED_LAZY_ALLOWED = ("dicache/server/ray/", "dicache/commands/serve_ray.py")
 """Files whose function-level imports are not yet commented: the Ray start-up is being rewritten (issue #29)."""
 
 

@@ -46,7 +46,7 @@ serve = pytest.importorskip("ray.serve")
 from dicache.commands.serve import parse_serve_argv, settings_from_args  # noqa: E402
 from dicache.server import create_app, load_backend  # noqa: E402
 from dicache.server.background import BackgroundServer  # noqa: E402
-from dicache.server.ray_serve import (  # noqa: E402
+from dicache.server.ray.deployment import (  # noqa: E402
     APP_NAME,
     DEPLOYMENT_NAME,
     REPLICA_HEADER,

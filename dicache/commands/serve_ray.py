@@ -24,8 +24,8 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         "serve N replicas of this server behind one endpoint on a Ray cluster (needs `pip install 'dicache[ray]'`); "
         "--tp-size / --ulysses-degree then split each replica's model over that many GPUs (no torchrun)",
     )
-    from ..server.ray_options import RayDriverOptions
-    from ..server.ray_serve import RayServeOptions
+    from ..server.ray.deployment import RayServeOptions
+    from ..server.ray.options import RayDriverOptions
     from .fields import add_options
 
     add_options(group, RayDriverOptions)
@@ -103,7 +103,7 @@ def proxy_start_error(exc: BaseException, options: Any) -> StartupError:
 
 
 def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> Any:
-    from ..server.ray_serve import ReplicaSpec
+    from ..server.ray.deployment import ReplicaSpec
     from .memory import memory_flags, offload_settings
     from .serve_args import settings_from_args
     from .speed import speed_spec
@@ -134,8 +134,8 @@ def serve_options_from_args(args: argparse.Namespace, spec: Any, cluster_gpus: f
     """`RayServeOptions` from the options; `cluster_gpus` (the cluster's GPU count, when known) picks the default
     of --gpus-per-replica."""
     from ..parallel import check_degrees
-    from ..server.ray_options import default_gpus
-    from ..server.ray_serve import RayServeOptions
+    from ..server.ray.deployment import RayServeOptions
+    from ..server.ray.options import default_gpus
     from .fields import values_from_args
 
     world = args.tp_size * args.ulysses_degree
@@ -171,7 +171,7 @@ def ray_warnings(args: argparse.Namespace, settings: Any) -> list[str]:
 def start_serve(serve: Any, options: Any, http_options: dict[str, Any]) -> None:
     """Start Serve with `options`' proxy timeouts (`ray_serve.proxy_environment`) and wait until its controller
     reports the HTTP proxy healthy; a proxy that does not start is a StartupError naming --proxy-start-timeout."""
-    from ..server.ray_serve import proxy_environment
+    from ..server.ray.deployment import proxy_environment
 
     wait_s = options.proxy_start_timeout_s + PROXY_WAIT_MARGIN_S
     wait_for_proxy_up_to(wait_s)
@@ -193,7 +193,7 @@ def deploy(serve: Any, application: Any, options: Any) -> None:
     import signal
     import time
 
-    from ..server.ray_serve import APP_NAME
+    from ..server.ray.deployment import APP_NAME
 
     def on_alarm(*_: Any) -> None:
         raise _StartTimedOut
@@ -221,7 +221,7 @@ def deploy(serve: Any, application: Any, options: Any) -> None:
 
 def replica_states(serve: Any) -> str:
     """The deployment's replicas by state, from Serve's status: 'replicas: 1 RUNNING, 1 STARTING'."""
-    from ..server.ray_serve import APP_NAME, DEPLOYMENT_NAME
+    from ..server.ray.deployment import APP_NAME, DEPLOYMENT_NAME
 
     try:
         states = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states
@@ -244,10 +244,10 @@ def run_ray(args: argparse.Namespace) -> int:
         import ray
         from ray import serve
 
-        from ..server import ray_serve
-        from ..server.ray_drain import begin_drain, start_board, wait_drained
-        from ..server.ray_drain import board_name as drain_board_name
-        from ..server.ray_metrics import NAMESPACE, board_name
+        from ..server.ray import deployment as ray_serve
+        from ..server.ray.drain import begin_drain, start_board, wait_drained
+        from ..server.ray.drain import board_name as drain_board_name
+        from ..server.ray.metrics import NAMESPACE, board_name
     except ModuleNotFoundError as exc:
         raise DicacheError(f"dicache serve --ray needs the ray extra: pip install 'dicache[ray]' ({exc})") from None
     from ..settings.profiles import cache_config as read_cache_config

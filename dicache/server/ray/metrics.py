@@ -23,8 +23,8 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .metrics import ServerMetrics
-from .metrics_merge import merge_expositions
+from ..metrics import ServerMetrics
+from ..metrics_merge import merge_expositions
 
 log = logging.getLogger("dicache.server.ray")
 

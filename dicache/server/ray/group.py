@@ -57,7 +57,7 @@ def _free_port(host: str) -> int:
 def _join_and_load(spec: Any, plan: GroupPlan, rank: int) -> tuple[Any, Any]:
     """Every rank, in the same order: join the group, load and split the pipeline, enter lockstep.
     Returns (context, backend); the backend is None on ranks other than 0 once rank 0 closed."""
-    from ..parallel import init_parallel, lockstep, parallelize_pipeline
+    from ...parallel import init_parallel, lockstep, parallelize_pipeline
 
     os.environ["LOCAL_RANK"] = "0"  # Ray shows each process only its own GPU(s): index 0
     ctx = init_parallel(

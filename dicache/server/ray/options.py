@@ -13,11 +13,11 @@ paths agree). `default_gpus`: the GPUs a replica reserves when `--gpus-per-repli
 
 from __future__ import annotations
 
-from ..models.options import DeviceOptions, ModelChoice, SpeedOptions
-from ..parallel.options import ParallelOptions
-from ..settings.options import FlagOptions, option
-from ..settings.profiles import ProfileOption
-from .settings import ServerProcessOptions
+from ...models.options import DeviceOptions, ModelChoice, SpeedOptions
+from ...parallel.options import ParallelOptions
+from ...settings.options import FlagOptions, option
+from ...settings.profiles import ProfileOption
+from ..settings import ServerProcessOptions
 
 
 class ReplicaOptions(ModelChoice, DeviceOptions, SpeedOptions, ParallelOptions, ProfileOption, ServerProcessOptions):

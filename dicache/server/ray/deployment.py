@@ -40,12 +40,12 @@ from typing import Any, ClassVar
 
 from pydantic import model_validator
 
-from ..errors import ConfigError
-from ..settings.cache_config import CacheConfig
-from ..settings.options import Options, option, option_values
-from ..settings.profiles import cache_config as read_cache_config
-from .ray_options import ReplicaOptions, default_gpus
-from .settings import ANSWER_TIMEOUT_S, ConnectionLimits, ServerSettings, parse_default_size, server_settings
+from ...errors import ConfigError
+from ...settings.cache_config import CacheConfig
+from ...settings.options import Options, option, option_values
+from ...settings.profiles import cache_config as read_cache_config
+from ..settings import ANSWER_TIMEOUT_S, ConnectionLimits, ServerSettings, parse_default_size, server_settings
+from .options import ReplicaOptions, default_gpus
 
 log = logging.getLogger("dicache.server.ray")
 
@@ -94,7 +94,7 @@ class ReplicaSpec:
         return self.tp_size * self.ulysses_degree
 
     def load_backend(self, device: str | None = None) -> Any:
-        from .backend import load_backend
+        from ..backend import load_backend
 
         if self.torch_threads is not None:
             import torch
@@ -226,7 +226,7 @@ def local_cluster_environment(options: RayServeOptions) -> dict[str, str]:
     """The environment a local Ray cluster started for dicache must inherit from the process that starts it: Serve's
     errors in the OpenAI shape (`ray_proxy`), the proxy's timeouts (`proxy_environment`), and Ray's workers at that
     process's own priority (not 15 lower), so that a busy node shares its CPU with them fairly."""
-    from .ray_proxy import CALLBACK_ENV, CALLBACK_PATH
+    from .proxy import CALLBACK_ENV, CALLBACK_PATH
 
     return {CALLBACK_ENV: CALLBACK_PATH, WORKER_NICENESS_ENV: "0", **proxy_environment(options)}
 
@@ -296,7 +296,7 @@ def deployment_options(spec: ReplicaSpec, options: RayServeOptions) -> dict[str,
         "health_check_timeout_s": options.replica_health_timeout_s,
     }
     if spec.world_size > 1:
-        from .ray_group import placement_bundles
+        from .group import placement_bundles
 
         config["placement_group_bundles"] = placement_bundles(spec.world_size, options.cpus_per_replica, per_rank)
         config["placement_group_strategy"] = "STRICT_PACK"
@@ -337,14 +337,14 @@ class DicacheReplica:
     def __init__(self, spec: ReplicaSpec, gpus_per_rank: float = 0.0) -> None:
         from ray import serve
 
-        from .ray_metrics import ClusterMetrics
+        from .metrics import ClusterMetrics
 
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
         self.spec = spec
         device = spec.device or ("cuda" if gpus_per_rank else "cpu")
         if spec.world_size > 1:
-            from .ray_group import load_group_backend
+            from .group import load_group_backend
 
             self.backend = load_group_backend(
                 _with_device(spec, device), spec.tp_size, spec.ulysses_degree, gpus_per_rank
@@ -356,12 +356,12 @@ class DicacheReplica:
         log.info("replica %s (pid %d) loaded the pipeline on %s", self.replica, os.getpid(), device)
 
     def __serve_build_asgi_app__(self) -> Any:
-        from . import create_app
+        from .. import create_app
 
         background = []
         if self.spec.drain_board is not None:  # follow the driver's drain (`dicache serve --ray` on SIGTERM)
-            from .ray_drain import follow
-            from .ray_metrics import NAMESPACE
+            from .drain import follow
+            from .metrics import NAMESPACE
 
             board, replica = self.spec.drain_board, self.replica
             background.append(lambda app: follow(board, NAMESPACE, replica, app.state.drain))
@@ -431,8 +431,8 @@ def replica_from_options(
     (`BUILDER_OPTIONS`); text is converted by the field's type (`serve run ... replicas=2`). Cache settings are read
     here from `SGLANG_CACHE_DIT_*` over `profile`, once. A bad name or value is a `ConfigError` naming it."""
     # models.loading and quantization import torch, which building the application does not otherwise need
-    from ..models.loading import CheckpointError, check_load_format
-    from ..quantization import parse_quantization
+    from ...models.loading import CheckpointError, check_load_format
+    from ...quantization import parse_quantization
 
     split = option_values(args, BUILDER_OPTIONS, ConfigError)
     load = ReplicaOptions(**split[ReplicaOptions])

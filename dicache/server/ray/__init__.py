@@ -1,0 +1,1 @@
+"""`dicache serve` on Ray Serve (the optional `dicache[ray]` extra)."""
