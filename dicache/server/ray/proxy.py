@@ -17,7 +17,7 @@ the app's error contract:
 Serve's own endpoints (`/-/healthz`, `/-/routes`) are left alone. Install it on every node's proxy by setting, in the
 environment of the processes that start Ray (`ray start`, or the driver of a local cluster),
 
-    RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=dicache.server.ray_proxy:proxy_middlewares
+    RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=dicache.server.ray.proxy:proxy_middlewares
 
 (`dicache serve --ray` sets it for the local cluster it starts; the KubeRay manifest sets it in the pods). This
 module imports neither Ray nor torch.
@@ -28,10 +28,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-CALLBACK_PATH = "dicache.server.ray_proxy:proxy_middlewares"
+CALLBACK_PATH = "dicache.server.ray.proxy:proxy_middlewares"
 RETRY_AFTER_S = 1
 MAX_HELD_BODY = 16 * 1024
 """Bytes of a plain-text error body kept for the rewritten message (Serve's are one line)."""
@@ -131,6 +132,4 @@ class ServeErrorsMiddleware:
 
 def proxy_middlewares() -> list:
     """The callback Ray Serve's proxy calls (via `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`) for its middlewares."""
-    from starlette.middleware import Middleware
-
     return [Middleware(ServeErrorsMiddleware)]
