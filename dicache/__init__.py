@@ -6,7 +6,7 @@ image = pipe("a red apple").images[0]
 print(dicache.stats(pipe))      # computed / cached steps per CFG branch
 
 The API (`dicache.api`, which imports torch) and `CacheConfig` are imported on first use, so that importing a
-light submodule, e.g. `dicache.server.ray_proxy` in Ray Serve's HTTP proxy, does not import torch or the engine.
+light submodule, e.g. `dicache.server.ray.proxy` in Ray Serve's HTTP proxy, does not import torch or the engine.
 """
 
 from __future__ import annotations

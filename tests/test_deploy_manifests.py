@@ -25,14 +25,11 @@ import yaml
 kv = pytest.importorskip("kubernetes_validate")
 
 from dicache.commands.serve import parse_serve_argv, settings_from_args  # noqa: E402
-from dicache.commands.serve_ray import replica_spec_from_args, serve_options_from_args  # noqa: E402
-from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH  # noqa: E402
-from dicache.server.ray_serve import (  # noqa: E402
-    args_to_argv,
-    deployment_options,
-    proxy_environment,
-    replica_from_options,
-)
+from dicache.commands.serve_ray import args_to_argv, replica_spec_from_args, serve_options_from_args  # noqa: E402
+from dicache.server.ray.builder import replica_from_options  # noqa: E402
+from dicache.server.ray.deployment import deployment_options  # noqa: E402
+from dicache.server.ray.proxy import CALLBACK_ENV, CALLBACK_PATH  # noqa: E402
+from dicache.server.ray.startup import proxy_environment  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -45,6 +45,23 @@ def test_ray_proxy_callback_imports_neither_torch_nor_the_engine():
     assert "ray" not in modules
 
 
+def test_the_proxy_callback_path_and_its_earlier_alias_import_neither_torch_nor_ray():
+    """What Serve's proxy imports (`CALLBACK_PATH`, set by `dicache serve --ray` and the KubeRay manifest) and the
+    earlier documented `dicache.server.ray_proxy:proxy_middlewares` name the same light callback."""
+    from dicache.server.ray.proxy import CALLBACK_PATH
+
+    module, _, attr = CALLBACK_PATH.partition(":")
+    code = (
+        f"import {module}, dicache.server.ray_proxy as earlier; "
+        f"assert earlier.proxy_middlewares is {module}.{attr} and callable(earlier.proxy_middlewares)"
+    )
+    modules = _imported(_python("-X", "importtime", "-c", code).stderr)
+    assert {module, "dicache.server.ray_proxy"} <= modules
+    assert not {m for m in modules if m == "torch" or m.startswith("torch.")}
+    assert not {m for m in modules if m.startswith(ENGINE)}
+    assert "ray" not in modules
+
+
 def test_the_public_api_resolves_on_first_use():
     check = """
 import sys

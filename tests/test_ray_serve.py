@@ -46,14 +46,9 @@ serve = pytest.importorskip("ray.serve")
 from dicache.commands.serve import parse_serve_argv, settings_from_args  # noqa: E402
 from dicache.server import create_app, load_backend  # noqa: E402
 from dicache.server.background import BackgroundServer  # noqa: E402
-from dicache.server.ray_serve import (  # noqa: E402
-    APP_NAME,
-    DEPLOYMENT_NAME,
-    REPLICA_HEADER,
-    RayServeOptions,
-    ReplicaSpec,
-    build_application,
-)
+from dicache.server.ray.deployment import APP_NAME, DEPLOYMENT_NAME, REPLICA_HEADER, build_application  # noqa: E402
+from dicache.server.ray.options import RayServeOptions  # noqa: E402
+from dicache.server.ray.spec import ReplicaSpec  # noqa: E402
 from dicache.settings.cache_config import CacheConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420), pytest.mark.usefixtures("one_torch_thread")]

@@ -16,26 +16,25 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dicache.cli import main as cli_main
 from dicache.commands.serve import parse_serve_argv
-from dicache.commands.serve_ray import replica_spec_from_args, serve_options_from_args, summary, wait_for_proxy_up_to
+from dicache.commands.serve_ray import args_to_argv, replica_spec_from_args, serve_options_from_args
 from dicache.errors import ConfigError
 from dicache.server import ServerSettings
 from dicache.server.metrics import ServerMetrics
 from dicache.server.metrics_merge import merge_expositions
-from dicache.server.ray_metrics import MetricsBoard
-from dicache.server.ray_proxy import ServeErrorsMiddleware, translate
-from dicache.server.ray_serve import (
+from dicache.server.ray.builder import replica_from_options
+from dicache.server.ray.deployment import REPLICA_HEADER, ReplicaHeaderMiddleware, deployment_options
+from dicache.server.ray.metrics import MetricsBoard
+from dicache.server.ray.options import RayServeOptions
+from dicache.server.ray.proxy import ServeErrorsMiddleware, translate
+from dicache.server.ray.resources import check_fits
+from dicache.server.ray.spec import ReplicaSpec
+from dicache.server.ray.startup import (
     PROXY_CHECKS,
-    REPLICA_HEADER,
     WORKER_NICENESS_ENV,
-    RayServeOptions,
-    ReplicaHeaderMiddleware,
-    ReplicaSpec,
-    args_to_argv,
-    check_fits,
-    deployment_options,
     local_cluster_environment,
     proxy_environment,
-    replica_from_options,
+    summary,
+    wait_for_proxy_up_to,
 )
 from dicache.settings.profiles import cache_config as read_cache_config
 
@@ -243,7 +242,7 @@ class FakeServe:
         monkeypatch.setattr(serve, "status", status)
         monkeypatch.setattr(serve, "delete", lambda name: self.calls.append("serve.delete"))
         monkeypatch.setattr(serve, "shutdown", lambda: self.calls.append("serve.shutdown"))
-        monkeypatch.setattr("dicache.commands.serve_ray.wait_for_proxy_up_to", lambda seconds: None)
+        monkeypatch.setattr("dicache.server.ray.startup.wait_for_proxy_up_to", lambda seconds: None)
 
 
 def _start_failure(fake: FakeServe, capsys, *flags: str) -> str:
@@ -266,7 +265,7 @@ def test_a_proxy_that_does_not_start_in_time_is_one_line_naming_the_option(fake_
     have returned: the command waits for the controller's verdict, then fails naming --proxy-start-timeout."""
     fake = fake_serve
     fake.proxies = {"node1": "STARTING"}
-    monkeypatch.setattr("dicache.commands.serve_ray.PROXY_WAIT_MARGIN_S", 0.1)
+    monkeypatch.setattr("dicache.server.ray.startup.PROXY_WAIT_MARGIN_S", 0.1)
     line = _start_failure(fake, capsys, "--proxy-start-timeout", "1.5", "--proxy-health-timeout", "40")
     assert line == (
         "dicache serve: error: Ray Serve's HTTP proxy did not start within --proxy-start-timeout=1.5 s (after 1.6 s "
@@ -446,8 +445,8 @@ def test_serve_run_with_the_builder_gives_its_local_cluster_the_openai_shaped_pr
     """`serve run dicache.server.ray_serve:app_builder ...` builds the app before it starts a local Ray cluster: the
     builder sets the proxy callback variable that the cluster inherits, unless the environment already has one."""
     ray = pytest.importorskip("ray")
-    from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
-    from dicache.server.ray_serve import app_builder
+    from dicache.server.ray.builder import app_builder
+    from dicache.server.ray.proxy import CALLBACK_ENV, CALLBACK_PATH
 
     assert not ray.is_initialized()
     _unset_local_cluster_env(monkeypatch)
@@ -459,10 +458,18 @@ def test_serve_run_with_the_builder_gives_its_local_cluster_the_openai_shaped_pr
     assert os.environ[CALLBACK_ENV] == "mine:callback"
 
 
+def test_the_earlier_builder_path_is_the_builder():
+    """Serve configs and KubeRay manifests written for `dicache.server.ray_serve:app_builder` keep building the app."""
+    from dicache.server import ray_serve
+    from dicache.server.ray.builder import app_builder
+
+    assert ray_serve.app_builder is app_builder
+
+
 def test_serve_ray_starts_its_local_cluster_with_the_proxy_settings_and_workers_at_its_priority(fake_serve):
     """Ray runs its workers at nice 15 by default: next to any busy process, Serve's proxy and the replicas got a
     few per cent of a core and did not start in time."""
-    from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
+    from dicache.server.ray.proxy import CALLBACK_ENV, CALLBACK_PATH
 
     fake = fake_serve
     names = (CALLBACK_ENV, WORKER_NICENESS_ENV, "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
@@ -662,7 +669,7 @@ def test_replicas_get_the_speed_options_and_refuse_offload():
 
 
 def test_replica_applies_speed_options_in_order():
-    from dicache.server.ray_serve import ReplicaSpec
+    from dicache.server.ray.spec import ReplicaSpec
 
     calls = []
 
@@ -690,7 +697,7 @@ def test_replica_applies_speed_options_in_order():
 # ---------------------------------------------------------------------------------------------- drain on SIGTERM
 def test_a_replica_is_given_its_drain_before_serve_stops_it():
     """Serve's graceful shutdown of a replica waits for the longer of the longest request and the app's drain."""
-    from dicache.server import ray_serve
+    from dicache.server.ray import deployment as ray_serve
 
     spec = ReplicaSpec(settings=ServerSettings(request_timeout_s=20, drain_grace_s=60))
     config = deployment_options(spec, RayServeOptions())
@@ -698,7 +705,7 @@ def test_a_replica_is_given_its_drain_before_serve_stops_it():
 
 
 def test_drain_board_waits_for_live_replicas_until_they_are_done():
-    from dicache.server.ray_drain import DrainBoard
+    from dicache.server.ray.drain import DrainBoard
 
     now = [0.0]
     board = DrainBoard(ttl_s=3.0, clock=lambda: now[0])
@@ -738,7 +745,7 @@ class _FakeDrain:
 def test_a_replica_follows_the_board_and_keeps_serving_without_one(monkeypatch):
     """`follow` starts the app's drain when the board says so; without a board it just retries, never raising."""
     ray = pytest.importorskip("ray")
-    from dicache.server import ray_drain
+    from dicache.server.ray import drain as ray_drain
 
     board = ray_drain.DrainBoard()
 
