@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except DicacheError as exc:
         print(f"dicache {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_status
 
 
 if __name__ == "__main__":

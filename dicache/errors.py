@@ -4,7 +4,9 @@ from __future__ import annotations
 
 
 class DicacheError(Exception):
-    """Base class of the errors dicache raises on bad input."""
+    """Base class of the errors dicache raises on bad input (the command line exits with `exit_status`)."""
+
+    exit_status = 2
 
 
 class ConfigError(DicacheError, ValueError):
@@ -31,3 +33,10 @@ class MemoryBudgetError(ConfigError):
 class BlockFormError(DicacheError, ValueError):
     """A block form that does not fit the model: a bad `form=` value, or a form the first transformer call shows to
     be wrong (names the block, the form expected, what the block returned and the `form=` to pass)."""
+
+
+class StartupError(DicacheError, RuntimeError):
+    """A server that could not start although its options were valid (e.g. a timeout on a busy machine): the
+    message says what failed and which option to change; the command line exits 1."""
+
+    exit_status = 1

@@ -11,7 +11,7 @@ from dicache.commands.fields import argument
 from dicache.commands.serve import parse_serve_argv
 from dicache.commands.sweep import GRID_AXES
 from dicache.errors import ConfigError
-from dicache.server.ray_options import ReplicaOptions
+from dicache.server.ray.options import ReplicaOptions
 from dicache.settings.options import Options
 
 

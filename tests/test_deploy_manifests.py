@@ -25,9 +25,11 @@ import yaml
 kv = pytest.importorskip("kubernetes_validate")
 
 from dicache.commands.serve import parse_serve_argv, settings_from_args  # noqa: E402
-from dicache.commands.serve_ray import replica_spec_from_args, serve_options_from_args  # noqa: E402
-from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH  # noqa: E402
-from dicache.server.ray_serve import args_to_argv, deployment_options, replica_from_options  # noqa: E402
+from dicache.commands.serve_ray import args_to_argv, replica_spec_from_args, serve_options_from_args  # noqa: E402
+from dicache.server.ray.builder import replica_from_options  # noqa: E402
+from dicache.server.ray.deployment import deployment_options  # noqa: E402
+from dicache.server.ray.proxy import CALLBACK_ENV, CALLBACK_PATH  # noqa: E402
+from dicache.server.ray.startup import proxy_environment  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -160,6 +162,10 @@ def test_rayservice_serve_config_builds_with_the_dicache_serve_parser():
             env = {e["name"]: e.get("value") for e in container.get("env", [])}
             assert env[CALLBACK_ENV] == CALLBACK_PATH
             assert importlib.import_module(CALLBACK_PATH.split(":")[0])
+    (head_container,) = head["spec"]["containers"]
+    head_env = {e["name"]: e.get("value") for e in head_container["env"]}
+    for name, value in proxy_environment(options).items():  # the proxy's timeouts, where Serve's controller runs
+        assert float(head_env[name]) == float(value), name
 
 
 def _serving_containers() -> dict[str, dict]:

@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dicache.sweep",),
     ("dicache.tuning",),
     ("dicache.server",),
+    ("dicache.server.ray", "dicache.server.ray_serve", "dicache.server.ray_proxy"),
     ("dicache.commands", "dicache.cli"),
 )
 """Units of the package, lowest layer first. A unit is a module or a package (with everything under it, unless a
@@ -62,9 +63,6 @@ OPTIONAL = {
 }
 """Optional third-party dependencies (top-level module -> the extra that installs it): imported inside the function
 that needs them, so that the package works without them."""
-
-UNCOMMENTED_LAZY_ALLOWED = ("dicache/server/ray_", "dicache/commands/serve_ray.py")
-"""Files whose function-level imports are not yet commented: the Ray start-up is being rewritten (issue #29)."""
 
 
 @dataclass(frozen=True)
@@ -279,7 +277,7 @@ def test_every_lazy_import_says_what_it_waits_for():
     it imports an optional dependency, whose name says it."""
     silent = []
     for file, line, name in LAZY:
-        if name.split(".")[0] in OPTIONAL or file.startswith(UNCOMMENTED_LAZY_ALLOWED):
+        if name.split(".")[0] in OPTIONAL:
             continue
         lines = (ROOT / file).read_text().splitlines()
         at = line - 1

@@ -46,14 +46,9 @@ serve = pytest.importorskip("ray.serve")
 from dicache.commands.serve import parse_serve_argv, settings_from_args  # noqa: E402
 from dicache.server import create_app, load_backend  # noqa: E402
 from dicache.server.background import BackgroundServer  # noqa: E402
-from dicache.server.ray_serve import (  # noqa: E402
-    APP_NAME,
-    DEPLOYMENT_NAME,
-    REPLICA_HEADER,
-    RayServeOptions,
-    ReplicaSpec,
-    build_application,
-)
+from dicache.server.ray.deployment import APP_NAME, DEPLOYMENT_NAME, REPLICA_HEADER, build_application  # noqa: E402
+from dicache.server.ray.options import RayServeOptions  # noqa: E402
+from dicache.server.ray.spec import ReplicaSpec  # noqa: E402
 from dicache.settings.cache_config import CacheConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420), pytest.mark.usefixtures("one_torch_thread")]
@@ -377,3 +372,56 @@ def test_sigterm_drains_every_replica_like_the_single_process_server(model_sourc
             assert time.monotonic() - hurried < 60  # not the 600 s grace period
     finally:
         cmd.stop()
+
+
+# ---------------------------------------------------------------------------------------------- a busy machine
+@pytest.fixture
+def every_core_busy():
+    """One busy-loop process per core for the test's duration (a node also loading weights, a noisy neighbour)."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield len(loops)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def test_serve_ray_starts_and_serves_with_every_core_busy(model_source, tmp_path, every_core_busy):
+    """Last, as the other commands (one cluster at a time). With Ray's own timeouts the command failed here: Serve
+    gave its proxy 3 × 5 s to start, and the proxy's start imported torch through `dicache`."""
+    port = _free_port()
+    cmd = Command(_command_args(model_source, port, "--replicas", "1"), tmp_path / "serve.log", _command_env())
+    try:
+        cmd.wait_for(r"dicache on Ray Serve: 1 replica\(s\) at ", START_TIMEOUT)
+        answer = _post(f"http://127.0.0.1:{port}", dict(BODIES["turbo"], num_inference_steps=2))
+        assert answer.status_code == 200, answer.text[:300]
+        assert answer.json()["data"][0]["b64_json"] and answer.headers[REPLICA_HEADER]
+        assert cmd.stop() == 0, cmd.output()[-4000:]
+    finally:
+        cmd.stop()
+
+
+def test_a_start_up_timeout_is_one_line_naming_the_option_with_exit_status_1(model_source, tmp_path):
+    """A proxy given less time than any process needs to start: Serve's controller gives up on it, and the command
+    says so in one line (no traceback) and exits 1."""
+    cmd = Command(
+        _command_args(model_source, _free_port(), "--replicas", "1", "--proxy-start-timeout", "0.03"),
+        tmp_path / "serve.log",
+        _command_env(),
+    )
+    try:
+        assert cmd.proc.wait(START_TIMEOUT) == 1, cmd.output()[-4000:]
+    finally:
+        cmd.stop()
+    output = cmd.output()
+    # the command's own output has no traceback (Ray's worker logs, forwarded with a "(ServeController pid=...)"
+    # prefix, may show one from its controller, as they may show its warnings)
+    assert not [line for line in output.splitlines() if line.startswith(("Traceback", "  File "))], output[-4000:]
+    errors = [line for line in output.splitlines() if line.startswith("dicache serve: error:")]
+    assert len(errors) == 1, output[-4000:]
+    assert errors[0].startswith(
+        "dicache serve: error: Ray Serve's HTTP proxy did not start within --proxy-start-timeout=0.03 s ("
+    ), errors
+    assert errors[0].endswith("on a busy machine, raise --proxy-start-timeout"), errors
+    assert "dicache on Ray Serve" not in output

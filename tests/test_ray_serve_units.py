@@ -16,22 +16,25 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dicache.cli import main as cli_main
 from dicache.commands.serve import parse_serve_argv
-from dicache.commands.serve_ray import replica_spec_from_args, serve_options_from_args
+from dicache.commands.serve_ray import args_to_argv, replica_spec_from_args, serve_options_from_args
 from dicache.errors import ConfigError
 from dicache.server import ServerSettings
 from dicache.server.metrics import ServerMetrics
 from dicache.server.metrics_merge import merge_expositions
-from dicache.server.ray_metrics import MetricsBoard
-from dicache.server.ray_proxy import ServeErrorsMiddleware, translate
-from dicache.server.ray_serve import (
-    REPLICA_HEADER,
-    RayServeOptions,
-    ReplicaHeaderMiddleware,
-    ReplicaSpec,
-    args_to_argv,
-    check_fits,
-    deployment_options,
-    replica_from_options,
+from dicache.server.ray.builder import replica_from_options
+from dicache.server.ray.deployment import REPLICA_HEADER, ReplicaHeaderMiddleware, deployment_options
+from dicache.server.ray.metrics import MetricsBoard
+from dicache.server.ray.options import RayServeOptions
+from dicache.server.ray.proxy import ServeErrorsMiddleware, translate
+from dicache.server.ray.resources import check_fits
+from dicache.server.ray.spec import ReplicaSpec
+from dicache.server.ray.startup import (
+    PROXY_CHECKS,
+    WORKER_NICENESS_ENV,
+    local_cluster_environment,
+    proxy_environment,
+    summary,
+    wait_for_proxy_up_to,
 )
 from dicache.settings.profiles import cache_config as read_cache_config
 
@@ -49,6 +52,9 @@ from dicache.settings.profiles import cache_config as read_cache_config
         (dict(max_replicas=2, target_ongoing_requests=0), "--target-ongoing-requests=0 is invalid"),
         (dict(cpus_per_replica=float("nan")), "--cpus-per-replica=nan is invalid: must be a finite number > 0"),
         (dict(gpus_per_replica=-1), "--gpus-per-replica=-1 is invalid: must be a finite number >= 0"),
+        (dict(proxy_start_timeout_s=0.0), "--proxy-start-timeout=0.0 is invalid: must be a finite number > 0"),
+        (dict(replica_health_timeout_s=float("inf")), "--replica-health-timeout=inf is invalid: must be a finite"),
+        (dict(replica_start_timeout_s=-1.0), "--replica-start-timeout=-1.0 is invalid: must be a finite number > 0"),
     ],
 )
 def test_bad_options_name_the_flag_and_the_bound(kwargs, message):
@@ -64,6 +70,52 @@ def test_fixed_replicas_deployment():
     assert config["max_ongoing_requests"] == 7 and config["max_queued_requests"] == 5  # workers + queue; queue
     assert config["graceful_shutdown_timeout_s"] == 310  # the longest request, plus a margin
     assert "placement_group_bundles" not in config
+
+
+def test_health_and_start_up_timeouts_come_from_the_options():
+    """The replicas' health checks go into the deployment; the proxy's timeouts into the environment of Serve's
+    controller, under the names the installed Ray reads (checked in a fresh interpreter)."""
+    defaults = deployment_options(ReplicaSpec(), RayServeOptions())
+    assert (defaults["health_check_period_s"], defaults["health_check_timeout_s"]) == (10.0, 60.0)
+    args = parse_serve_argv(["--ray", "--replica-health-period", "5", "--replica-health-timeout", "120"])
+    config = deployment_options(ReplicaSpec(), serve_options_from_args(args, replica_spec_from_args(args, None)))
+    assert (config["health_check_period_s"], config["health_check_timeout_s"]) == (5.0, 120.0)
+    options = RayServeOptions(proxy_start_timeout_s=45.0, proxy_health_timeout_s=20.0)
+    env = proxy_environment(options)
+    assert env == {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "15.0", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "20.0"}
+    pytest.importorskip("ray")
+    code = (
+        "from ray.serve._private import constants as c; "
+        "print(c.PROXY_READY_CHECK_TIMEOUT_S, c.PROXY_HEALTH_CHECK_TIMEOUT_S, c.PROXY_HEALTH_CHECK_UNHEALTHY_THRESHOLD)"
+    )
+    read = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+    assert read.stdout.split() == ["15.0", "20.0", str(PROXY_CHECKS)], read.stderr[-2000:]
+
+
+def test_readme_states_the_timeouts_as_declared():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    timeouts = [name for name in RayServeOptions.model_fields if name.endswith(("_timeout_s", "_period_s"))]
+    assert len(timeouts) == 5
+    for name in timeouts:  # the README's table of them: | `--flag` | default [Ray's own] | ...
+        field = RayServeOptions.model_fields[name]
+        assert f"| `{field.json_schema_extra['flag']}` | {field.default:g} [" in readme, name
+
+
+def test_the_driver_waits_for_the_proxy_as_long_as_the_option_says():
+    """Ray 2.60's `serve.start` / `serve.run` wait a fixed 60 s for the proxy, read from these module constants."""
+    pytest.importorskip("ray")
+    import importlib
+
+    modules = [importlib.import_module(f"ray.serve._private.{name}") for name in ("api", "client")]
+    saved = [module.HTTP_PROXY_TIMEOUT for module in modules]
+    try:
+        wait_for_proxy_up_to(100.0)
+        assert [module.HTTP_PROXY_TIMEOUT for module in modules] == [100.0, 100.0]
+    finally:
+        for module, value in zip(modules, saved):
+            module.HTTP_PROXY_TIMEOUT = value
 
 
 def test_autoscaling_deployment_and_its_default_target():
@@ -124,73 +176,197 @@ def test_serve_ray_warns_like_the_single_process_server_and_about_ignored_connec
     assert ray_warnings(quiet, replica_spec_from_args(quiet, None).settings) == []
 
 
-def test_serve_ray_refuses_gpus_a_local_cluster_lacks_before_deploying(monkeypatch, capsys, caplog):
+LOCAL_CLUSTER_ENV = (*local_cluster_environment(RayServeOptions()), "RAY_USAGE_STATS_ENABLED")
+
+
+def _unset_local_cluster_env(monkeypatch) -> None:
+    """Remove what `dicache serve --ray` / `app_builder` set for a local cluster, and have it removed (or restored)
+    after the test: a value left in this process's environment would reach the commands the live tests start."""
+    for name in LOCAL_CLUSTER_ENV:
+        monkeypatch.setenv(name, "")  # recorded, so that the variable is restored (or removed) after
+        monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def fake_serve(monkeypatch):
+    """A `FakeServe`; the signal handlers that `dicache serve --ray` installs are put back after the test."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    try:
+        yield FakeServe(monkeypatch)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+class FakeServe:
+    """Ray and Serve for `dicache serve --ray` without a cluster: records the calls; `proxies` / `replicas` are what
+    `serve.status()` reports; `start` / `run` replace `serve.start` / `serve.run`."""
+
+    def __init__(self, monkeypatch) -> None:
+        import types
+
+        ray = pytest.importorskip("ray")
+        from ray import serve
+
+        self.calls: list[str] = []
+        self.started: dict = {}
+        self.proxies, self.replicas = {"node1": "HEALTHY"}, {"RUNNING": 1}
+        self.start = lambda **kw: None
+        self.run = lambda *a, **kw: None
+        context = types.SimpleNamespace(address_info={"gcs_address": "local"})
+
+        def status():
+            deployment = types.SimpleNamespace(replica_states=dict(self.replicas))
+            app = types.SimpleNamespace(deployments={"DicacheServer": deployment})
+            return types.SimpleNamespace(proxies=dict(self.proxies), applications={"dicache": app})
+
+        def start(**kwargs):
+            self.calls.append("serve.start")
+            self.started = kwargs
+            self.start(**kwargs)
+
+        def run(*args, **kwargs):
+            self.calls.append("serve.run")
+            self.run(*args, **kwargs)
+
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        _unset_local_cluster_env(monkeypatch)
+        monkeypatch.setattr(ray, "init", lambda **kw: self.calls.append("init") or context)
+        monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+        monkeypatch.setattr(ray, "shutdown", lambda: self.calls.append("shutdown"))
+        monkeypatch.setattr(ray, "get_actor", lambda *a, **kw: (_ for _ in ()).throw(ValueError("no metrics board")))
+        monkeypatch.setattr(serve, "start", start)
+        monkeypatch.setattr(serve, "run", run)
+        monkeypatch.setattr(serve, "status", status)
+        monkeypatch.setattr(serve, "delete", lambda name: self.calls.append("serve.delete"))
+        monkeypatch.setattr(serve, "shutdown", lambda: self.calls.append("serve.shutdown"))
+        monkeypatch.setattr("dicache.server.ray.startup.wait_for_proxy_up_to", lambda seconds: None)
+
+
+def _start_failure(fake: FakeServe, capsys, *flags: str) -> str:
+    """Run `dicache serve --ray` against `fake`: it must fail with exit status 1 and one line on stderr, clean up,
+    and give back the SIGALRM handler and timer it borrowed (here pytest-timeout's); returns the line."""
+    import signal
+
+    handler, timer = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)[0]
+    assert cli_main(["serve", "--ray", "--device", "cpu", "--port", "30299", *flags]) == 1
+    assert signal.getsignal(signal.SIGALRM) == handler
+    assert (signal.getitimer(signal.ITIMER_REAL)[0] > 0) == (timer > 0)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert fake.calls[-3:] == ["serve.delete", "serve.shutdown", "shutdown"]
+    return err.strip()
+
+
+def test_a_proxy_that_does_not_start_in_time_is_one_line_naming_the_option(fake_serve, monkeypatch, capsys):
+    """Serve's controller keeps restarting a proxy that missed its readiness checks, while `serve.start` may already
+    have returned: the command waits for the controller's verdict, then fails naming --proxy-start-timeout."""
+    fake = fake_serve
+    fake.proxies = {"node1": "STARTING"}
+    monkeypatch.setattr("dicache.server.ray.startup.PROXY_WAIT_MARGIN_S", 0.1)
+    line = _start_failure(fake, capsys, "--proxy-start-timeout", "1.5", "--proxy-health-timeout", "40")
+    assert line == (
+        "dicache serve: error: Ray Serve's HTTP proxy did not start within --proxy-start-timeout=1.5 s (after 1.6 s "
+        "a proxy is STARTING); on a busy machine, raise --proxy-start-timeout"
+    )
+    assert "serve.run" not in fake.calls
+    env = fake.started["controller_options"]["runtime_env"]["env_vars"]  # 3 readiness checks of 0.5 s
+    assert env == {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "0.5", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "40.0"}
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (  # the proxy raised: its port is taken
+            type("RayTaskError", (Exception,), {"cause": RuntimeError("Failed to bind to address '0.0.0.0:30299'.")}),
+            "Ray Serve's HTTP proxy failed to start: Failed to bind to address '0.0.0.0:30299'.",
+        ),
+        (  # Serve's controller gave up on the proxy before it answered the driver
+            lambda: RuntimeError("The actor died unexpectedly.\n\tclass_name: ProxyActor\nkilled by `ray.kill`."),
+            "did not start within --proxy-start-timeout=90 s (The actor died unexpectedly. ... killed by `ray.kill`.)",
+        ),
+    ],
+)
+def test_serve_start_errors_are_one_line(fake_serve, capsys, error, expected):
+    fake = fake_serve
+
+    def failing(**kwargs):
+        raise error()
+
+    fake.start = failing
+    assert expected in _start_failure(fake, capsys)
+
+
+def test_replicas_that_do_not_start_in_time_are_one_line_naming_the_option(fake_serve, capsys):
+    fake = fake_serve
+    fake.replicas = {"STARTING": 1, "RUNNING": 1}
+
+    def loading(*args, **kwargs):  # serve.run waits for replicas that take longer than the option allows
+        for _ in range(100):
+            time.sleep(0.05)
+        fake.calls.append("serve.run returned")
+
+    fake.run = loading
+    line = _start_failure(fake, capsys, "--replica-start-timeout", "0.5")
+    assert line == (
+        "dicache serve: error: Ray Serve's replicas did not start within --replica-start-timeout=0.5 s (replicas: "
+        "1 RUNNING, 1 STARTING); on a slow or busy machine, raise --replica-start-timeout"
+    )
+    assert "serve.run returned" not in fake.calls
+
+
+def test_a_replica_that_fails_to_start_is_one_line(fake_serve, capsys):
+    fake = fake_serve
+
+    def failing(*args, **kwargs):
+        raise RuntimeError(
+            "Deploying application dicache failed: replica constructor raised\nTraceback (most recent call last):\n"
+            '  File "x.py", line 1\nOSError: no checkpoint at /models/krea2'
+        )
+
+    fake.run = failing
+    line = _start_failure(fake, capsys)
+    assert line == (
+        "dicache serve: error: Ray Serve could not start the replicas: Deploying application dicache failed: replica "
+        "constructor raised ... OSError: no checkpoint at /models/krea2"
+    )
+    assert summary(RuntimeError("x" * 400)) == "x" * 297 + "..."
+
+
+def test_serve_ray_refuses_gpus_a_local_cluster_lacks_before_deploying(fake_serve, capsys, caplog):
     """On a machine without GPUs, --gpus-per-replica / --tp-size with GPUs is a usage error once the local
     cluster shows its resources, instead of a deployment that waits forever for GPUs."""
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    calls = []
-
-    class Context:
-        address_info = {"gcs_address": "local"}
-
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(ray, "init", lambda **kw: calls.append("init") or Context())
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
-    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
-    monkeypatch.setattr(ray, "get_actor", lambda *a, **kw: (_ for _ in ()).throw(ValueError("no metrics board")))
-    monkeypatch.setattr(serve, "start", lambda **kw: calls.append("serve.start"))
-    monkeypatch.setattr(serve, "run", lambda *a, **kw: calls.append("serve.run"))
-    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    fake = fake_serve
     argv = ["serve", "--ray", "--device", "cuda", "--tp-size", "2", "--port", "30299", "--host", "0.0.0.0"]
     assert cli_main(argv) == 2
     assert "--host 0.0.0.0 is reachable from other machines and no API key is set" in caplog.text
     assert "--replicas=1 × 2 GPU(s) per replica" in capsys.readouterr().err
-    assert "serve.start" not in calls and "serve.run" not in calls and calls[-1] == "shutdown"
+    assert "serve.start" not in fake.calls and "serve.run" not in fake.calls and fake.calls[-1] == "shutdown"
 
 
-def test_serve_ray_stopped_while_its_replicas_start_cleans_up_and_exits_0(monkeypatch, capsys):
+def test_serve_ray_stopped_while_its_replicas_start_cleans_up_and_exits_0(fake_serve, capsys):
     """SIGTERM while `serve.run` waits for the replicas to load (minutes with big weights): the start-up stops, the
     cluster is shut down and the command exits 0 (Ray's own handler used to abort the process, status 134)."""
     import signal
 
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    calls = []
-
-    class Context:
-        address_info = {"gcs_address": "local"}
+    fake = fake_serve
 
     def loading(*args, **kwargs):  # a deployment that takes its time; the orchestrator sends SIGTERM meanwhile
-        calls.append("serve.run")
         os.kill(os.getpid(), signal.SIGTERM)
         for _ in range(100):
             time.sleep(0.05)
-        calls.append("serve.run returned")
+        fake.calls.append("serve.run returned")
 
     def unhandled(*_):
         raise AssertionError("SIGTERM during start-up was left to the default handler")
 
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(ray, "init", lambda **kw: Context())
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
-    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
-    monkeypatch.setattr(ray, "get_actor", lambda *a, **kw: (_ for _ in ()).throw(ValueError("no metrics board")))
-    monkeypatch.setattr(serve, "start", lambda **kw: calls.append("serve.start"))
-    monkeypatch.setattr(serve, "run", loading)
-    monkeypatch.setattr(serve, "delete", lambda name: calls.append("serve.delete"))
-    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    fake.run = loading
     signal.signal(signal.SIGTERM, unhandled)
-    try:
-        assert cli_main(["serve", "--ray", "--device", "cpu", "--port", "30299"]) == 0
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-    assert "serve.run returned" not in calls
-    assert calls[-3:] == ["serve.delete", "serve.shutdown", "shutdown"]
+    assert cli_main(["serve", "--ray", "--device", "cpu", "--port", "30299"]) == 0
+    assert "serve.run returned" not in fake.calls
+    assert fake.calls[-3:] == ["serve.delete", "serve.shutdown", "shutdown"]
     assert "stopped while starting" in capsys.readouterr().out
 
 
@@ -269,17 +445,41 @@ def test_serve_run_with_the_builder_gives_its_local_cluster_the_openai_shaped_pr
     """`serve run dicache.server.ray_serve:app_builder ...` builds the app before it starts a local Ray cluster: the
     builder sets the proxy callback variable that the cluster inherits, unless the environment already has one."""
     ray = pytest.importorskip("ray")
-    from dicache.server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
-    from dicache.server.ray_serve import app_builder
+    from dicache.server.ray.builder import app_builder
+    from dicache.server.ray.proxy import CALLBACK_ENV, CALLBACK_PATH
 
     assert not ray.is_initialized()
-    monkeypatch.setenv(CALLBACK_ENV, "")  # recorded, so that the variable is restored (or removed) after
-    monkeypatch.delenv(CALLBACK_ENV)
-    app_builder({"replicas": "2", "device": "cpu"})
-    assert os.environ[CALLBACK_ENV] == CALLBACK_PATH
+    _unset_local_cluster_env(monkeypatch)
+    names = (CALLBACK_ENV, WORKER_NICENESS_ENV, "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
+    app_builder({"replicas": "2", "device": "cpu", "proxy_start_timeout": "60"})
+    assert [os.environ[name] for name in names] == [CALLBACK_PATH, "0", "20.0"]  # and Ray's workers at our priority
     monkeypatch.setenv(CALLBACK_ENV, "mine:callback")
     app_builder({"device": "cpu"})
     assert os.environ[CALLBACK_ENV] == "mine:callback"
+
+
+def test_the_earlier_builder_path_is_the_builder():
+    """Serve configs and KubeRay manifests written for `dicache.server.ray_serve:app_builder` keep building the app."""
+    from dicache.server import ray_serve
+    from dicache.server.ray.builder import app_builder
+
+    assert ray_serve.app_builder is app_builder
+
+
+def test_serve_ray_starts_its_local_cluster_with_the_proxy_settings_and_workers_at_its_priority(fake_serve):
+    """Ray runs its workers at nice 15 by default: next to any busy process, Serve's proxy and the replicas got a
+    few per cent of a core and did not start in time."""
+    from dicache.server.ray.proxy import CALLBACK_ENV, CALLBACK_PATH
+
+    fake = fake_serve
+    names = (CALLBACK_ENV, WORKER_NICENESS_ENV, "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
+    seen = {}
+    fake.start = lambda **kw: seen.update({name: os.environ.get(name) for name in names})
+    fake.run = lambda *a, **kw: os.kill(os.getpid(), __import__("signal").SIGTERM)  # started: now stop
+    assert cli_main(["serve", "--ray", "--device", "cpu", "--port", "30299", "--proxy-start-timeout", "45"]) == 0
+    assert seen == dict(zip(names, [CALLBACK_PATH, "0", "15.0"]))
+    env = fake.started["controller_options"]["runtime_env"]["env_vars"]  # and on a cluster of its own
+    assert env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "15.0"
 
 
 def test_serve_help_lists_the_ray_options(capsys):
@@ -289,6 +489,13 @@ def test_serve_help_lists_the_ray_options(capsys):
     for flag in ("--ray", "--replicas", "--min-replicas", "--max-replicas", "--target-ongoing-requests"):
         assert flag in text
     assert "--gpus-per-replica" in text and "--ray-address" in text
+    for flag in (
+        "--proxy-start-timeout",
+        "--proxy-health-timeout",
+        "--replica-health-timeout",
+        "--replica-start-timeout",
+    ):
+        assert flag in text
 
 
 def test_without_ray_the_single_process_server_works_and_serve_ray_says_what_to_install():
@@ -462,7 +669,7 @@ def test_replicas_get_the_speed_options_and_refuse_offload():
 
 
 def test_replica_applies_speed_options_in_order():
-    from dicache.server.ray_serve import ReplicaSpec
+    from dicache.server.ray.spec import ReplicaSpec
 
     calls = []
 
@@ -490,7 +697,7 @@ def test_replica_applies_speed_options_in_order():
 # ---------------------------------------------------------------------------------------------- drain on SIGTERM
 def test_a_replica_is_given_its_drain_before_serve_stops_it():
     """Serve's graceful shutdown of a replica waits for the longer of the longest request and the app's drain."""
-    from dicache.server import ray_serve
+    from dicache.server.ray import deployment as ray_serve
 
     spec = ReplicaSpec(settings=ServerSettings(request_timeout_s=20, drain_grace_s=60))
     config = deployment_options(spec, RayServeOptions())
@@ -498,7 +705,7 @@ def test_a_replica_is_given_its_drain_before_serve_stops_it():
 
 
 def test_drain_board_waits_for_live_replicas_until_they_are_done():
-    from dicache.server.ray_drain import DrainBoard
+    from dicache.server.ray.drain import DrainBoard
 
     now = [0.0]
     board = DrainBoard(ttl_s=3.0, clock=lambda: now[0])
@@ -538,7 +745,7 @@ class _FakeDrain:
 def test_a_replica_follows_the_board_and_keeps_serving_without_one(monkeypatch):
     """`follow` starts the app's drain when the board says so; without a board it just retries, never raising."""
     ray = pytest.importorskip("ray")
-    from dicache.server import ray_drain
+    from dicache.server.ray import drain as ray_drain
 
     board = ray_drain.DrainBoard()
 

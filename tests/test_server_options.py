@@ -11,7 +11,7 @@ from dicache.commands.fields import flagged
 from dicache.commands.serve import limits_from_args, parse_serve_argv, settings_from_args
 from dicache.commands.serve_ray import replica_spec_from_args, serve_options_from_args
 from dicache.errors import ConfigError
-from dicache.server.ray_serve import RayServeOptions
+from dicache.server.ray.options import RayServeOptions
 from dicache.server.settings import ConnectionLimits, ServerSettings
 
 MODELS = (ServerSettings, ConnectionLimits, RayServeOptions)

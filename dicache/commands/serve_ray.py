@@ -1,19 +1,30 @@
-"""`dicache serve --ray`: the same server as N Ray Serve replicas behind one endpoint (`dicache.server.ray_serve`).
+"""`dicache serve --ray`: the same server as N Ray Serve replicas behind one endpoint (`dicache.server.ray`).
 
-Without `--ray-address` it starts a local Ray cluster; with one (or RAY_ADDRESS) it deploys onto that cluster. It
-then runs until SIGINT / SIGTERM, which drains every replica as the single-process server drains (`ray_drain`: new
-requests and `/health` get 503 + Retry-After, accepted generations get `--drain-timeout` seconds, the rest get 503;
-a second signal ends the grace period at once, a third stops waiting), then deletes the application. A signal while
-the replicas are still starting stops the start-up. Either way it exits 0.
-Nothing here imports Ray unless `--ray` is given.
+This module reads the command line: the Ray options (`add_ray_arguments`, from their declarations), the replica
+they describe (`replica_spec_from_args`), the deployment's options (`serve_options_from_args`) and what to warn
+about; then the driver (`dicache.server.ray.driver.serve_on_ray`) starts the replicas, serves until SIGINT /
+SIGTERM, drains them and exits 0. A start-up that fails (Serve's HTTP proxy not up within --proxy-start-timeout,
+replicas not up within --replica-start-timeout, a replica that cannot load) is one line saying what failed and which
+option to raise, with exit status 1 (`StartupError`). Nothing here imports Ray unless `--ray` is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from ..errors import ConfigError, DicacheError
+from ..parallel import check_degrees
+from ..server.ray.options import RayDriverOptions, RayServeOptions, serve_options
+from ..server.ray.spec import ReplicaSpec
+from ..server.settings import ConnectionLimits, ServerSettings
+from ..settings.profiles import cache_config as read_cache_config
+from ..settings.profiles import describe_profile
+from .fields import add_options, values_from_args
+from .memory import memory_flags, offload_settings
+from .serve_args import limits_from_args, settings_from_args
+from .speed import speed_spec, text_encoder_quantization
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,29 +33,11 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         "serve N replicas of this server behind one endpoint on a Ray cluster (needs `pip install 'dicache[ray]'`); "
         "--tp-size / --ulysses-degree then split each replica's model over that many GPUs (no torchrun)",
     )
-    from ..server.ray_options import RayDriverOptions
-    from ..server.ray_serve import RayServeOptions
-    from .fields import add_options
-
     add_options(group, RayDriverOptions)
     add_options(group, RayServeOptions, checked=False)  # the options' own messages name the flag and the bound
 
 
-DRAIN_MARGIN_S = 3.0
-"""Seconds the driver waits for the replicas' drains beyond `--drain-timeout` + their answer timeout."""
-
-
-class _StoppedStarting(BaseException):
-    """SIGINT / SIGTERM while the application was being deployed (a BaseException, so that no handler in Ray's code
-    path mistakes it for a failure)."""
-
-
-def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> Any:
-    from ..server.ray_serve import ReplicaSpec
-    from .memory import memory_flags, offload_settings
-    from .serve_args import settings_from_args
-    from .speed import speed_spec, text_encoder_quantization
-
+def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> ReplicaSpec:
     if offload_settings(args).any:
         raise ConfigError(
             f"dicache serve --ray: the memory options ({', '.join(memory_flags())}) are not supported on Ray "
@@ -72,28 +65,39 @@ def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> Any:
     )
 
 
-def serve_options_from_args(args: argparse.Namespace, spec: Any, cluster_gpus: float | None = None) -> Any:
+def serve_options_from_args(
+    args: argparse.Namespace, spec: ReplicaSpec, cluster_gpus: float | None = None
+) -> RayServeOptions:
     """`RayServeOptions` from the options; `cluster_gpus` (the cluster's GPU count, when known) picks the default
     of --gpus-per-replica."""
-    from ..parallel import check_degrees
-    from ..server.ray_options import default_gpus
-    from ..server.ray_serve import RayServeOptions
-    from .fields import values_from_args
-
-    world = args.tp_size * args.ulysses_degree
-    check_degrees(world, args.tp_size, args.ulysses_degree)  # each an integer >= 1
-    gpus = args.gpus_per_replica
-    if gpus is None:
-        gpus = default_gpus(spec.device, world, cluster_gpus)
-    return RayServeOptions(**{**values_from_args(args, RayServeOptions), "gpus_per_replica": gpus})
+    check_degrees(args.tp_size * args.ulysses_degree, args.tp_size, args.ulysses_degree)  # each an integer >= 1
+    return serve_options(values_from_args(args, RayServeOptions), spec, cluster_gpus)
 
 
-def ray_warnings(args: argparse.Namespace, settings: Any) -> list[str]:
+def args_to_argv(args: dict[str, Any]) -> list[str]:
+    """Serve builder args -> the `dicache serve` command line that means the same: `{"max_queue": 8, "ray": True}`
+    -> `["--max-queue", "8", "--ray"]` (the builder itself takes them as declared options, `replica_from_options`).
+
+    True is a bare flag, False / None leave the option out, a list repeats the option's values.
+    """
+    argv: list[str] = []
+    for key, value in args.items():
+        flag = "--" + str(key).replace("_", "-").lstrip("-")
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def ray_warnings(args: argparse.Namespace, settings: ServerSettings) -> list[str]:
     """What `dicache serve --ray` warns about at start: a reachable address without an API key (as the single-process
     server does), and connection options that only the single-process server (uvicorn) applies."""
-    from ..server.runner import exposure_warnings
-    from ..server.settings import ConnectionLimits
-    from .serve_args import limits_from_args
+    from ..server.runner import exposure_warnings  # the serve extra: the runner imports uvicorn
 
     warnings = exposure_warnings(args.host, settings)
     given, default = limits_from_args(args), ConnectionLimits()
@@ -111,27 +115,10 @@ def ray_warnings(args: argparse.Namespace, settings: Any) -> list[str]:
 
 
 def run_ray(args: argparse.Namespace) -> int:
-    import contextlib
-    import dataclasses
-    import logging
-    import os
-    import signal
-    import threading
-
-    try:
-        import ray
-        from ray import serve
-
-        from ..server import ray_serve
-        from ..server.ray_drain import begin_drain, start_board, wait_drained
-        from ..server.ray_drain import board_name as drain_board_name
-        from ..server.ray_metrics import NAMESPACE, board_name
-        from ..server.ray_proxy import CALLBACK_ENV, CALLBACK_PATH
+    try:  # the ray extra: the driver imports Ray and Serve
+        from ..server.ray.driver import serve_on_ray
     except ModuleNotFoundError as exc:
         raise DicacheError(f"dicache serve --ray needs the ray extra: pip install 'dicache[ray]' ({exc})") from None
-    from ..settings.profiles import cache_config as read_cache_config
-    from ..settings.profiles import describe_profile
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cache_config = read_cache_config(args.profile)
     print(cache_config.describe(), flush=True)
@@ -139,100 +126,7 @@ def run_ray(args: argparse.Namespace) -> int:
     if profile:
         print(profile, flush=True)
     spec = replica_spec_from_args(args, cache_config)
-    ray_serve.deployment_options(spec, serve_options_from_args(args, spec, cluster_gpus=0))  # check before starting
+    serve_options_from_args(args, spec, cluster_gpus=0)  # the degrees and the options, before any warning
     for warning in ray_warnings(args, spec.settings):
         logging.getLogger("dicache.server").warning(warning)
-    if not 1 <= args.port <= 65535:
-        raise ConfigError(f"--port={args.port} is invalid: must be between 1 and 65535")
-
-    address = args.ray_address or os.environ.get("RAY_ADDRESS")
-    if address is None:  # a local cluster inherits this environment: its proxy answers Serve's errors our way
-        os.environ.setdefault(CALLBACK_ENV, CALLBACK_PATH)
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if address is None:
-        context = ray.init(include_dashboard=False, logging_level=logging.WARNING)
-    else:
-        context = ray.init(address=address, logging_level=logging.WARNING)
-    print(f"Ray cluster at {context.address_info.get('gcs_address') or address}", flush=True)
-    stop, starting, signals = threading.Event(), [True], [0]
-
-    def on_signal(*_: Any) -> None:
-        signals[0] += 1
-        stop.set()
-        if starting[0]:  # abort the deployment in progress (serve.run waits for every replica to load)
-            starting[0] = False
-            raise _StoppedStarting
-
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before Serve starts: Ray's own handler would abort the process
-        signal.signal(sig, on_signal)
-    try:
-        try:
-            options = serve_options_from_args(args, spec, cluster_gpus=ray.cluster_resources().get("GPU", 0))
-            if address is None:  # a local cluster cannot grow: refuse replicas it cannot place, before deploying
-                ray_serve.check_fits(spec, options, ray.cluster_resources(), "the local Ray cluster")
-            serve.start(
-                http_options={
-                    "host": args.host,
-                    "port": args.port,
-                    # backstop for time spent in Serve's own queue; the app's own timeout answers first
-                    "request_timeout_s": spec.settings.request_timeout_s + ray_serve.SHUTDOWN_MARGIN_S,
-                }
-            )
-            board = start_board(drain_board_name(ray_serve.APP_NAME), NAMESPACE)
-            if board is not None:  # else the replicas do not drain first: Serve's own graceful shutdown only
-                spec = dataclasses.replace(spec, drain_board=drain_board_name(ray_serve.APP_NAME))
-            serve.run(
-                ray_serve.build_application(spec, options), name=ray_serve.APP_NAME, route_prefix="/", blocking=False
-            )
-            starting[0] = False
-        except _StoppedStarting:
-            print("stopped while starting: removing the deployment", flush=True)
-            with contextlib.suppress(Exception):  # nothing deployed yet, or Serve not started
-                serve.delete(ray_serve.APP_NAME)
-            return 0
-        what = (
-            f"{options.replicas} replica(s)"
-            if not options.autoscaling
-            else f"{options.replicas} replica(s), autoscaling {options.min_replicas or 1}..{options.max_replicas}"
-        )
-        print(f"dicache on Ray Serve: {what} at http://{args.host}:{args.port} (Ctrl-C or SIGTERM stops)", flush=True)
-        while not stop.wait(1.0):
-            pass
-        print("stopping: every replica finishes its requests first", flush=True)
-        grace, log = spec.settings.drain_grace_s, logging.getLogger("dicache.server")
-        try:
-            if board is not None:
-                unaware = begin_drain(board)
-                if unaware:
-                    log.warning("drain: replica(s) %s not reached (dead or busy)", unaware)
-                print(
-                    f"draining: every replica answers new requests 503; accepted generations have {grace:g} s "
-                    "(signal again to stop them now, a third time to stop waiting)",
-                    flush=True,
-                )
-            pending = (
-                {}
-                if board is None
-                else wait_drained(
-                    board,
-                    grace + ray_serve.ANSWER_TIMEOUT_S + DRAIN_MARGIN_S,
-                    hurry=lambda: signals[0] >= 2,
-                    stop=lambda: signals[0] >= 3,
-                )
-            )
-        except Exception as exc:  # the board died: Serve's own graceful shutdown still finishes the requests
-            log.warning("drain: the drain board failed (%s)", exc)
-            pending = {"?": 0}
-        if pending:
-            log.warning("drain: replica(s) %s not drained in time", sorted(pending))
-        elif board is not None:
-            print("drained: every replica answered its requests", flush=True)
-        serve.delete(ray_serve.APP_NAME)
-    finally:
-        for name in (board_name(ray_serve.APP_NAME), drain_board_name(ray_serve.APP_NAME)):
-            with contextlib.suppress(ValueError):  # ValueError: not created (no replica got that far, or no deploy)
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE))
-        if address is None:
-            serve.shutdown()
-        ray.shutdown()
-    return 0
+    return serve_on_ray(spec, values_from_args(args, RayServeOptions), args.host, args.port, args.ray_address)

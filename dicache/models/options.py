@@ -1,5 +1,5 @@
 """The options that say which model to load, how, and how to sample it, declared once for every command and for the
-Ray Serve builder (`dicache.server.ray_options.ReplicaOptions` is made of them): `ModelChoice`, `DeviceOptions`,
+Ray Serve builder (`dicache.server.ray.options.ReplicaOptions` is made of them): `ModelChoice`, `DeviceOptions`,
 `SpeedOptions`, `SamplingOptions`. Each field carries its command-line flag, help and bounds
 (`dicache.settings.options.option`); the commands derive their options from them (`dicache.commands.fields`).
 """

@@ -11,10 +11,10 @@ between blocks), `jobs` (bounded queue + worker threads), `metrics` (Prometheus)
 (uvicorn with connection limits and SIGTERM -> drain -> exit 0), `background` (the runner on loopback in a thread,
 for tests and benchmarks).
 
-On Ray Serve (the optional `dicache[ray]` extra; nothing here imports Ray otherwise): `ray_serve` (replicas of this
-app, the `serve run` / KubeRay application builder), `ray_group` (a replica split over tp × ulysses processes),
-`ray_metrics` + `metrics_merge` (`/metrics` aggregated across replicas), `ray_proxy` (Serve's own errors in the
-OpenAI shape), `ray_drain` (SIGTERM drains every replica before the application is deleted).
+On Ray Serve (the optional `dicache[ray]` extra; nothing outside it imports Ray): the `ray` package (replicas of
+this app, the `serve run` / KubeRay application builder, the driver of `dicache serve --ray`; its docstring maps its
+modules), with `metrics_merge` (`/metrics` aggregated across replicas). `ray_serve` and `ray_proxy` are the earlier
+import paths of its builder and of Serve's proxy callback, kept as aliases.
 """
 
 from __future__ import annotations

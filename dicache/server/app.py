@@ -105,7 +105,7 @@ def create_app(
     """The app; its queue starts with the app's lifespan and drains (`app.state.drain`) on shutdown.
 
     `background`: coroutine functions of the app run as tasks for its lifetime (started once the queue runs,
-    cancelled at shutdown before the drain), e.g. a Ray replica following its driver's drain (`ray_drain.follow`)."""
+    cancelled at shutdown before the drain), e.g. a Ray replica following its driver's drain (`ray.drain.follow`)."""
     settings = settings or ServerSettings()
     metrics = metrics or ServerMetrics()
     metrics.set_model_info(model_info(backend, settings))

@@ -1,6 +1,6 @@
 """`merge_expositions`: the Prometheus text of several server processes as one exposition, a label per process.
 
-Used by the Ray Serve deployment to answer `/metrics` for every replica at once (`ray_metrics`). Each family keeps
+Used by the Ray Serve deployment to answer `/metrics` for every replica at once (`ray.metrics`). Each family keeps
 its name, type and help; every sample gains `replica="<id>"` (a label the sample already had under that name is
 replaced). Families are listed in order of first appearance; a family's samples keep their process order.
 """

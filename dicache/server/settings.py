@@ -191,7 +191,7 @@ def server_settings(values: Mapping[str, Any], api_key: str | None, environ: Map
 
 class ServerProcessOptions(FlagOptions):
     """What a server process sets up beside its model and its limits: `dicache serve`, and each Ray Serve replica
-    (`dicache.server.ray_options.ReplicaOptions`). `default_size` is "WxH" text (`parse_default_size`, which the
+    (`dicache.server.ray.options.ReplicaOptions`). `default_size` is "WxH" text (`parse_default_size`, which the
     command line applies while parsing)."""
 
     default_size: str | None = option(

@@ -20,6 +20,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from ...parallel import init_parallel, lockstep, parallelize_pipeline
+
 INIT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -57,8 +59,6 @@ def _free_port(host: str) -> int:
 def _join_and_load(spec: Any, plan: GroupPlan, rank: int) -> tuple[Any, Any]:
     """Every rank, in the same order: join the group, load and split the pipeline, enter lockstep.
     Returns (context, backend); the backend is None on ranks other than 0 once rank 0 closed."""
-    from ..parallel import init_parallel, lockstep, parallelize_pipeline
-
     os.environ["LOCAL_RANK"] = "0"  # Ray shows each process only its own GPU(s): index 0
     ctx = init_parallel(
         plan.tp_size,
@@ -101,14 +101,14 @@ class GroupBackend:
 
     def check(self) -> None:
         """Raise if a rank worker has ended (the group can no longer generate)."""
-        import ray
+        import ray  # the ray extra: `placement_bundles` is plain Python
 
         done, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
         if done:
             raise RuntimeError(f"{len(done)} of this replica's {len(self._runs)} model rank worker(s) ended")
 
     def close(self) -> None:
-        import ray
+        import ray  # the ray extra: `placement_bundles` is plain Python
 
         try:
             self._backend.close()  # releases the other ranks
@@ -121,7 +121,7 @@ class GroupBackend:
 
 def load_group_backend(spec: Any, tp_size: int, ulysses_degree: int, gpus_per_rank: float) -> GroupBackend:
     """In the replica (rank 0, inside its placement group): start the other ranks and load the split pipeline."""
-    import ray
+    import ray  # the ray extra: `placement_bundles` is plain Python
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     host = ray.util.get_node_ip_address()

@@ -23,8 +23,8 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .metrics import ServerMetrics
-from .metrics_merge import merge_expositions
+from ..metrics import ServerMetrics
+from ..metrics_merge import merge_expositions
 
 log = logging.getLogger("dicache.server.ray")
 
@@ -95,7 +95,7 @@ class ClusterMetrics(ServerMetrics):
 
     # ------------------------------------------------------------------ exchange with the board (needs Ray)
     def _get_board(self):
-        import ray
+        import ray  # the ray extra: `MetricsBoard` and `render` are plain Python
 
         if self._board is None:
             actor = ray.remote(num_cpus=0, max_restarts=-1)(MetricsBoard)
@@ -106,7 +106,7 @@ class ClusterMetrics(ServerMetrics):
 
     def sync(self) -> None:
         """Post this replica's figures and fetch the others' (one round trip to the board)."""
-        import ray
+        import ray  # the ray extra: `MetricsBoard` and `render` are plain Python
 
         try:
             others = ray.get(
@@ -130,7 +130,7 @@ class ClusterMetrics(ServerMetrics):
             self._thread.start()
 
     def stop(self) -> None:
-        import ray
+        import ray  # the ray extra: `MetricsBoard` and `render` are plain Python
 
         self._stop.set()
         if self._thread is not None:

@@ -70,7 +70,7 @@ class DrainBoard:
 def start_board(name: str, namespace: str) -> Any:
     """Driver side: the `DrainBoard` actor (owned by the calling driver, so it goes with it), or None (logged) when
     it cannot be created."""
-    import ray
+    import ray  # the ray extra: `DrainBoard` itself is plain Python
 
     try:
         return ray.remote(DrainBoard).options(name=name, namespace=namespace, num_cpus=0, get_if_exists=True).remote()
@@ -82,7 +82,7 @@ def start_board(name: str, namespace: str) -> Any:
 async def follow(name: str, namespace: str, replica: str, drain: Any) -> None:
     """Replica side, on the app's event loop until cancelled: report to the board `name` every `POLL_S` and start
     `drain` (the app's `Drain`) once the board says so. Never raises; an unreachable board is retried."""
-    import ray
+    import ray  # the ray extra: `DrainBoard` itself is plain Python
 
     board, warned, task = None, False, None
     while True:
@@ -112,7 +112,7 @@ async def follow(name: str, namespace: str, replica: str, drain: Any) -> None:
 def begin_drain(board: Any, timeout_s: float = REPORT_TTL_S) -> list[str]:
     """Driver side: begin the drain on the board (a Ray actor handle) and wait, at most `timeout_s`, until every live
     replica reports that its drain began (it refuses new requests). Returns the replicas not draining in time."""
-    import ray
+    import ray  # the ray extra: `DrainBoard` itself is plain Python
 
     ray.get(board.begin.remote(), timeout=CALL_TIMEOUT_S)
     deadline = time.monotonic() + timeout_s
@@ -127,7 +127,7 @@ def wait_drained(board: Any, deadline_s: float, hurry: Callable[[], bool], stop:
     """Driver side, after `begin_drain`: wait until no replica is pending, at most `deadline_s` seconds; `hurry()`
     true -> tell the replicas to end their grace period; `stop()` true -> give up waiting. Returns the replicas
     still pending (empty after a clean drain)."""
-    import ray
+    import ray  # the ray extra: `DrainBoard` itself is plain Python
 
     start, hurried = time.monotonic(), False
     pending: dict = {}

@@ -1,0 +1,72 @@
+"""`ReplicaSpec`: what every Ray Serve replica loads and serves, built once where the application is built (from the
+command line, `dicache.commands.serve_ray`, or from the builder's declared options, `builder.replica_from_options`)
+and sent to the replicas by pickling."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...settings.cache_config import CacheConfig
+from ..settings import ServerSettings
+
+log = logging.getLogger("dicache.server.ray")
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica loads and serves.
+
+    `cache_config` None: each replica reads `SGLANG_CACHE_DIT_*` over `profile` from its own environment.
+    `device` None: cuda when the replica has GPUs, else cpu.
+    """
+
+    settings: ServerSettings = field(default_factory=ServerSettings)
+    model: str | None = None
+    variant: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    default_size: tuple[int, int] | None = None
+    cache_config: CacheConfig | None = None
+    profile: str | None = None
+    torch_threads: int | None = None
+    tp_size: int = 1
+    ulysses_degree: int = 1
+    metrics_period_s: float = 2.0
+    load_format: str = "auto"
+    quantization: Any = None  # a validated `QuantizationSpec` (`--quantization fp8`) or None
+    compile: bool = False
+    drain_board: str | None = None  # the driver's `drain.DrainBoard` actor; None: no driver to follow
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.ulysses_degree
+
+    def load_backend(self, device: str | None = None) -> Any:
+        from ..backend import load_backend  # the serve extra (fastapi), which parsing the command line does not need
+
+        if self.torch_threads is not None:
+            torch.set_num_threads(self.torch_threads)
+        return load_backend(
+            self.model,
+            self.variant,
+            dtype=self.dtype,
+            device=device or self.device,
+            cache_config=self.cache_config,
+            profile=None if self.cache_config is not None else self.profile,
+            default_size=self.default_size,
+            load_format=self.load_format,
+        )
+
+    def apply_speed(self, backend: Any) -> Any:
+        """`--quantization` then `--compile` on a loaded (and, for a group, split) backend, as `dicache serve` does;
+        with `--compile` the replica warms up before it reports healthy. Returns the backend."""
+        if self.quantization is not None:
+            backend.pipe.quantize(self.quantization)
+        if self.compile:
+            backend.pipe.compile()
+            log.info("replica warm-up (compile): %s", backend.warm_up())
+        return backend
