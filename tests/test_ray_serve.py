@@ -344,8 +344,9 @@ def test_sigterm_drains_every_replica_like_the_single_process_server(model_sourc
         with ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(_post, url, dict(long, seed=300 + i), 90.0) for i in range(12)]
 
-            def both_generating() -> bool:
-                return sorted(_replica_samples(url, "dicache_generations_running").values()) == [1.0, 1.0]
+            def both_generating() -> bool:  # each replica runs up to --workers (2) generations at once
+                running = _replica_samples(url, "dicache_generations_running").values()
+                return len(running) == 2 and min(running) >= 1.0
 
             wait_until(both_generating, timeout=60, what="both replicas to be generating")
             cmd.proc.send_signal(signal.SIGTERM)
