@@ -15,6 +15,7 @@ from tiny_families import (
     SETTINGS,
     STEPS,
     Case,
+    cache_dit_layout,
     cache_dit_psnr,
     flux,
     flux_controlnet,
@@ -58,6 +59,7 @@ CACHE_DIT_PSNR = {
     "LTX-Video": 50.500,
     "CogView3-Plus": 52.319,
     "Krea-2": 61.173,
+    "AuraFlow": 81.968,
 }
 """cache-dit 1.5.3's PSNR (dB) on each case with SETTINGS, recorded by `benchmarks/bench_families.py` for runs
 without cache-dit (the `bench` extra)."""
@@ -85,16 +87,17 @@ def test_family_caches_like_cache_dit_and_caching_nothing_is_bitwise(family):
     assert find_family(pipe.transformer).name == family
     plain = generate(pipe, kwargs)
 
-    dicache.enable(pipe, SETTINGS)  # the default layout: a transformer's lists are one stack
+    dicache.enable(pipe, case.settings)  # the default layout: a transformer's lists are one stack
     joined = generate(pipe, kwargs)
     stats = dicache.stats(pipe)
     assert stats.cached_calls > 0 and not torch.equal(joined, plain)
     ours = psnr(plain, joined)
-    if case.cache_dit_lists == "separate":  # cache-dit caches each block list on its own: compare that layout
-        dicache.enable(pipe, SETTINGS, lists="separate")
-        separate = generate(pipe, kwargs)
+    layout = cache_dit_layout(case)
+    if layout:  # cache-dit caches the block lists otherwise (each on its own, or only some): compare that layout
+        dicache.enable(pipe, case.settings, **layout)
+        other = generate(pipe, kwargs)
         assert dicache.stats(pipe).cached_calls > 0
-        ours = psnr(plain, separate)
+        ours = psnr(plain, other)
 
     dicache.enable(pipe, {"policy": "never"})
     assert torch.equal(generate(pipe, kwargs), plain)

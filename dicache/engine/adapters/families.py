@@ -175,6 +175,14 @@ FAMILIES: tuple[Family, ...] = (
         ("Krea2Pipeline",),
         SEPARATE,
     ),
+    Family(
+        "AuraFlow",
+        ("AuraFlowTransformer2DModel",),
+        (("joint_transformer_blocks", HE_TO_EH), ("single_transformer_blocks", H_TO_H)),
+        ("AuraFlowPipeline",),
+        BATCHED,
+        cache_dit="cache-dit caches the single-stream list only (the MMDiT blocks run on every step)",
+    ),
 )
 
 
