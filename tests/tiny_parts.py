@@ -115,8 +115,6 @@ def cache_dit_psnr(case: Case, pipe: Any, kwargs: dict, plain: torch.Tensor) -> 
     return psnr(plain, out), cached
 
 
-
-
 def cache_dit_layout(case: Case) -> dict:
     """The `dicache.enable` arguments that cache the lists as cache-dit's adapter does ({}: the default layout)."""
     if case.cache_dit_form is not None:
