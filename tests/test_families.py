@@ -60,6 +60,9 @@ CACHE_DIT_PSNR = {
     "CogView3-Plus": 52.319,
     "Krea-2": 61.173,
     "AuraFlow": 81.968,
+    "Z-Image": 40.384,
+    "HunyuanImage 2.1": 37.587,
+    "Ovis-Image": 63.642,
 }
 """cache-dit 1.5.3's PSNR (dB) on each case with SETTINGS, recorded by `benchmarks/bench_families.py` for runs
 without cache-dit (the `bench` extra)."""

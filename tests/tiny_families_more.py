@@ -5,7 +5,7 @@ embeddings instead of text encoders, 8 steps, decoded output in `[0, 1]`."""
 from __future__ import annotations
 
 import torch
-from tiny_parts import SETTINGS, Case, common_kwargs, finish, kl_vae, randn
+from tiny_parts import SETTINGS, Case, common_kwargs, finish, kl_vae, randn, small_kl_vae
 
 
 def auraflow():
@@ -27,15 +27,12 @@ def auraflow():
         out_channels=4,
         pos_embed_max_size=256,
     )
-    vae = kl_vae(
-        4,
-        block_out_channels=(4, 4),
-        norm_num_groups=2,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-    )
     pipe = AuraFlowPipeline(
-        tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler()
+        tokenizer=None,
+        text_encoder=None,
+        vae=small_kl_vae(4),
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
     )
     mask = torch.ones(1, 8, dtype=torch.long)
     kwargs = common_kwargs(
@@ -44,6 +41,155 @@ def auraflow():
         negative_prompt_embeds=randn(1, 8, 32, seed=2),
         negative_prompt_attention_mask=mask,
         guidance_scale=5.0,
+        height=16,
+        width=16,
+    )
+    return finish(pipe), kwargs
+
+
+def zimage():
+    """Z-Image: refiners, then one single-stream list over the joined text and image; batched CFG (a list of
+    latents per call), 32 px (a ×2 VAE)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+
+    torch.manual_seed(0)
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=4,
+        dim=32,
+        n_layers=4,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        norm_eps=1e-5,
+        qk_norm=True,
+        cap_feat_dim=16,
+        rope_theta=256.0,
+        t_scale=1000.0,
+        axes_dims=[8, 4, 4],
+        axes_lens=[256, 32, 32],
+    )
+    with torch.no_grad():  # drawn with torch.empty: fixed values keep NaNs out
+        transformer.x_pad_token.fill_(1.0)
+        transformer.cap_pad_token.fill_(1.0)
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=small_kl_vae(4),
+        text_encoder=None,
+        tokenizer=None,
+        transformer=transformer,
+    )
+    kwargs = common_kwargs(
+        prompt_embeds=[randn(8, 16, seed=1)],
+        negative_prompt_embeds=[randn(8, 16, seed=2)],
+        guidance_scale=3.0,
+        cfg_normalization=False,
+        cfg_truncation=1.0,
+        height=32,
+        width=32,
+    )
+    return finish(pipe), kwargs
+
+
+def hunyuan_image_vae():
+    """HunyuanImage's ×8 VAE (32 channels per level: its group norms have 32 groups)."""
+    from diffusers import AutoencoderKLHunyuanImage
+
+    torch.manual_seed(0)
+    return AutoencoderKLHunyuanImage(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(32, 32, 32, 32),
+        layers_per_block=1,
+        scaling_factor=0.476986,
+        spatial_compression_ratio=8,
+        sample_size=128,
+    ).eval()
+
+
+def hunyuan_image():
+    """HunyuanImage 2.1: double- then single-stream blocks (both `(h, e) -> (h, e)`), CFG as two calls per step
+    through its guider, 16 px (a ×8 VAE)."""
+    from diffusers import (
+        AdaptiveProjectedMixGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanImagePipeline,
+        HunyuanImageTransformer2DModel,
+    )
+
+    torch.manual_seed(0)
+    transformer = HunyuanImageTransformer2DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=4,
+        attention_head_dim=8,
+        num_layers=2,
+        num_single_layers=3,
+        num_refiner_layers=1,
+        patch_size=(1, 1),
+        guidance_embeds=False,
+        text_embed_dim=32,
+        text_embed_2_dim=32,
+        rope_axes_dim=(4, 4),
+    )
+    pipe = HunyuanImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        vae=hunyuan_image_vae(),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=transformer,
+        guider=AdaptiveProjectedMixGuidance(adaptive_projected_guidance_start_step=2),
+        ocr_guider=AdaptiveProjectedMixGuidance(adaptive_projected_guidance_start_step=3),
+    )
+    mask = torch.ones(1, 8, dtype=torch.long)
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 32, seed=1),
+        prompt_embeds_mask=mask,
+        negative_prompt_embeds=randn(1, 8, 32, seed=2),
+        negative_prompt_embeds_mask=mask,
+        prompt_embeds_2=randn(1, 8, 32, seed=3),
+        prompt_embeds_mask_2=mask,
+        negative_prompt_embeds_2=randn(1, 8, 32, seed=4),
+        negative_prompt_embeds_mask_2=mask,
+        height=16,
+        width=16,
+    )
+    return finish(pipe), kwargs
+
+
+def ovis_image():
+    """Ovis-Image: Flux-like double- then single-stream blocks (both `(h, e) -> (e, h)`), CFG as two calls per step,
+    16 px (a ×1 VAE)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, OvisImagePipeline, OvisImageTransformer2DModel
+
+    torch.manual_seed(0)
+    transformer = OvisImageTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        num_single_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 4, 8),
+    )
+    pipe = OvisImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=kl_vae(1),
+        text_encoder=None,
+        tokenizer=None,
+        transformer=transformer,
+    )
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 32, seed=1),
+        negative_prompt_embeds=randn(1, 8, 32, seed=2),
+        negative_prompt=None,
+        guidance_scale=2.0,
         height=16,
         width=16,
     )
@@ -60,6 +206,9 @@ MORE_CASES: dict[str, Case] = {
             cache_dit_form={"single_transformer_blocks": "h -> h"},
             settings={**SETTINGS, "residual_diff_threshold": 0.8},  # random weights: nothing cached at 0.5
         ),
+        Case("Z-Image", zimage, separate_cfg=False, settings={**SETTINGS, "residual_diff_threshold": 0.8}),
+        Case("HunyuanImage 2.1", hunyuan_image, separate_cfg=True, cache_dit_lists="separate"),
+        Case("Ovis-Image", ovis_image, separate_cfg=True, cache_dit_lists="separate"),
     )
 }
 """The cases of `FAMILIES` entries after Krea-2, keyed by family name."""

@@ -67,6 +67,18 @@ def kl_vae(latent_channels: int, **kw: Any):
     return AutoencoderKL(**config).eval()
 
 
+def small_kl_vae(latent_channels: int, **kw: Any):
+    """A ×2 KL VAE (two levels of 4 channels)."""
+    return kl_vae(
+        latent_channels,
+        block_out_channels=(4, 4),
+        norm_num_groups=2,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        **kw,
+    )
+
+
 def finish(pipe):
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -183,6 +183,36 @@ FAMILIES: tuple[Family, ...] = (
         BATCHED,
         cache_dit="cache-dit caches the single-stream list only (the MMDiT blocks run on every step)",
     ),
+    Family(
+        "Z-Image",
+        ("ZImageTransformer2DModel",),
+        (("layers", H_TO_H),),
+        (
+            "ZImagePipeline",
+            "ZImageImg2ImgPipeline",
+            "ZImageInpaintPipeline",
+            "ZImageOmniPipeline",
+            "ZImageControlNetPipeline",
+            "ZImageControlNetInpaintPipeline",
+        ),
+        BATCHED,
+    ),
+    Family(
+        "HunyuanImage 2.1",
+        ("HunyuanImageTransformer2DModel",),
+        (("transformer_blocks", HE_TO_HE), ("single_transformer_blocks", HE_TO_HE)),
+        ("HunyuanImagePipeline", "HunyuanImageRefinerPipeline"),
+        SEPARATE,
+        cache_dit=SEPARATE_LISTS,
+    ),
+    Family(
+        "Ovis-Image",
+        ("OvisImageTransformer2DModel",),
+        (("transformer_blocks", HE_TO_EH), ("single_transformer_blocks", HE_TO_EH)),
+        ("OvisImagePipeline",),
+        SEPARATE,
+        cache_dit=SEPARATE_LISTS,
+    ),
 )
 
 
