@@ -63,9 +63,16 @@ CACHE_DIT_PSNR = {
     "Z-Image": 40.384,
     "HunyuanImage 2.1": 37.587,
     "Ovis-Image": 63.642,
+    "Bria 3.2": 54.844,
+    "PRX": 54.074,
+    "ERNIE-Image": 60.135,
+    "HunyuanDiT": 61.946,
+    "DiT": 17.266,
+    "Lumina-Next": 25.359,
 }
-"""cache-dit 1.5.3's PSNR (dB) on each case with SETTINGS, recorded by `benchmarks/bench_families.py` for runs
-without cache-dit (the `bench` extra)."""
+"""cache-dit 1.5.3's PSNR (dB) on each case with its settings, recorded by `benchmarks/bench_families.py` for runs
+without cache-dit (the `bench` extra); for a family cache-dit cannot run (`Case.cache_dit_fails`: Bria 3.2), dicache's
+own figure in cache-dit's list layout."""
 
 
 def test_registry_names_diffusers_classes_and_the_readme_table_is_current():
@@ -107,7 +114,13 @@ def test_family_caches_like_cache_dit_and_caching_nothing_is_bitwise(family):
     dicache.disable(pipe)
     assert torch.equal(generate(pipe, kwargs), plain)
 
-    reference = cache_dit_psnr(case, pipe, kwargs, plain)[0] if CACHE_DIT else CACHE_DIT_PSNR[family]
+    if case.cache_dit_fails:  # cache-dit cannot run it (checked live): our own recorded figure is the reference
+        if CACHE_DIT:
+            with pytest.raises(RuntimeError):
+                cache_dit_psnr(case, pipe, kwargs, plain)
+        reference = CACHE_DIT_PSNR[family]
+    else:
+        reference = cache_dit_psnr(case, pipe, kwargs, plain)[0] if CACHE_DIT else CACHE_DIT_PSNR[family]
     assert abs(ours - reference) <= 0.1, (family, ours, reference)
     assert abs(reference - CACHE_DIT_PSNR[family]) <= 0.1  # the recorded figures stay those of a live run
 

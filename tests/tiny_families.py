@@ -21,6 +21,7 @@ from tiny_parts import (  # noqa: F401 (re-exported for the tests and the benchm
     cache_dit_psnr,
     common_kwargs,
     finish,
+    flux2_vae,
     generate,
     kl_vae,
     psnr,
@@ -649,7 +650,7 @@ def krea2():
 def flux2():
     """Flux.2 (guidance-distilled: one call per step): double-stream blocks, then the model joins text and image for
     the single-stream blocks; 16 px with a ×1 VAE."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
 
     torch.manual_seed(0)
     transformer = Flux2Transformer2DModel(
@@ -663,20 +664,7 @@ def flux2():
         timestep_guidance_channels=256,
         axes_dims_rope=[4, 4, 4, 4],
     )
-    torch.manual_seed(0)
-    vae = AutoencoderKLFlux2(
-        sample_size=32,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",),
-        up_block_types=("UpDecoderBlock2D",),
-        block_out_channels=(4,),
-        layers_per_block=1,
-        latent_channels=1,
-        norm_num_groups=1,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ).eval()
+    vae = flux2_vae()
     pipe = Flux2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,

@@ -24,7 +24,9 @@ class Case:
     registered adapter caches the block lists (`separate` for HunyuanVideo, Chroma, HiDream, Flux.2), i.e. the
     `lists=` layout whose images equal cache-dit's; `cache_dit_form`: the `form=` mapping of the lists cache-dit
     caches where it caches only some of them (AuraFlow: the single-stream list). `settings`: the cache settings of
-    the checks (`SETTINGS` unless a family needs another threshold to cache at all with random weights)."""
+    the checks (`SETTINGS` unless a family needs another threshold to cache at all with random weights).
+    `cache_dit_fails`: why cache-dit 1.5.3 cannot run this family (the checks then compare with dicache's own
+    recorded figure in that layout)."""
 
     family: str
     build: Callable[[], tuple[Any, dict]]
@@ -32,6 +34,7 @@ class Case:
     cache_dit_lists: str = "joined"
     cache_dit_form: Mapping[str, str] | None = None
     settings: Mapping[str, Any] = field(default_factory=lambda: dict(SETTINGS))
+    cache_dit_fails: str = ""
 
 
 def seeded(seed: int = 0) -> torch.Generator:
@@ -43,7 +46,7 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
 
 
 def common_kwargs(**kw: Any) -> dict:
-    return dict(num_inference_steps=STEPS, generator=seeded(0), output_type="pt", **kw)
+    return {"num_inference_steps": STEPS, "generator": seeded(0), "output_type": "pt", **kw}
 
 
 def kl_vae(latent_channels: int, **kw: Any):
@@ -77,6 +80,37 @@ def small_kl_vae(latent_channels: int, **kw: Any):
         up_block_types=("UpDecoderBlock2D",) * 2,
         **kw,
     )
+
+
+def flux2_vae():
+    """Flux.2's VAE at ×1 (one level of 4 channels, one latent channel; its pipelines patchify 2×2 on top)."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(0)
+    return AutoencoderKLFlux2(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        block_out_channels=(4,),
+        layers_per_block=1,
+        latent_channels=1,
+        norm_num_groups=1,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    ).eval()
+
+
+def draw_zero_weights(model: torch.nn.Module, std: float = 0.1) -> torch.nn.Module:
+    """Draw the parameters a model initialises to zero (adaLN-zero gates, zero output projections) at random, so its
+    blocks change what they are given (seeded)."""
+    generator = seeded(7)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.numel() > 1 and not parameter.any():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+    return model
 
 
 def finish(pipe):

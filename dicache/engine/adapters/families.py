@@ -213,6 +213,32 @@ FAMILIES: tuple[Family, ...] = (
         SEPARATE,
         cache_dit=SEPARATE_LISTS,
     ),
+    Family(
+        "Bria 3.2",
+        ("BriaTransformer2DModel",),
+        (("transformer_blocks", HE_TO_EH), ("single_transformer_blocks", HE_TO_EH)),
+        ("BriaPipeline",),
+        BATCHED,
+        cache_dit="cache-dit 1.5.3 registers both lists as `(h, e) -> (h, e)` and fails on the first call",
+    ),
+    Family("PRX", ("PRXTransformer2DModel",), (("blocks", HE_TO_H),), ("PRXPipeline", "PRXPixelPipeline"), BATCHED),
+    Family(
+        "ERNIE-Image",
+        ("ErnieImageTransformer2DModel",),
+        (("layers", H_TO_H),),
+        ("ErnieImagePipeline",),
+        BATCHED,
+        cache_dit="cache-dit patches the forward (same blocks and decisions)",
+    ),
+    Family(
+        "HunyuanDiT",
+        ("HunyuanDiT2DModel",),
+        (("blocks", HE_TO_H),),
+        ("HunyuanDiTPipeline", "HunyuanDiTPAGPipeline", "HunyuanDiTControlNetPipeline"),
+        BATCHED,
+    ),
+    Family("DiT", ("DiTTransformer2DModel",), (("transformer_blocks", H_TO_H),), ("DiTPipeline",), BATCHED),
+    Family("Lumina-Next", ("LuminaNextDiT2DModel",), (("layers", H_TO_H),), ("LuminaPipeline",), BATCHED),
 )
 
 
