@@ -25,6 +25,7 @@ from tiny_families import (
     sd3,
     wan,
 )
+from tiny_families_more import hunyuan_dit_pag, qwen_image_edit, small_edit_area
 
 import dicache
 from dicache import BlockFormError
@@ -135,6 +136,35 @@ def test_pixart_alpha_and_wan21_use_their_family_entries():
         dicache.enable(pipe, {"policy": "never"})
         assert torch.equal(generate(pipe, kwargs), plain)
         dicache.disable(pipe)
+
+
+# ---------------------------------------------------------------------- more pipelines of registered families
+def test_qwen_image_edit_caches_like_cache_dit():
+    with small_edit_area():
+        pipe, kwargs = qwen_image_edit()  # the input image's latents join the image stream
+        plain = generate(pipe, kwargs)
+        dicache.enable(pipe, SETTINGS)
+        cached = generate(pipe, kwargs)
+        assert dicache.stats(pipe).cached_calls > 0
+        dicache.enable(pipe, {"policy": "never"})
+        assert torch.equal(generate(pipe, kwargs), plain)
+        dicache.disable(pipe)
+        assert torch.equal(generate(pipe, kwargs), plain)
+        reference = cache_dit_psnr(CASES["Qwen-Image"], pipe, kwargs, plain)[0] if CACHE_DIT else 56.698
+    assert abs(psnr(plain, cached) - reference) <= 0.1 and abs(reference - 56.698) <= 0.1
+
+
+def test_hunyuan_dit_pag_caches_and_caching_nothing_is_bitwise():
+    pipe, kwargs = hunyuan_dit_pag()  # perturbed attention on block 1, three copies per batched call
+    plain = generate(pipe, kwargs)
+    assert psnr(plain, generate(pipe, {**kwargs, "pag_scale": 0.0})) < 40  # the perturbed branch matters
+    dicache.enable(pipe, SETTINGS)
+    generate(pipe, kwargs)
+    assert dicache.stats(pipe).cached_calls > 0
+    dicache.enable(pipe, {"policy": "never"})
+    assert torch.equal(generate(pipe, kwargs), plain)
+    dicache.disable(pipe)
+    assert torch.equal(generate(pipe, kwargs), plain)
 
 
 # ---------------------------------------------------------------------- Flux: two lists, equal stream lengths

@@ -4,6 +4,8 @@ embeddings instead of text encoders, 8 steps, decoded output in `[0, 1]`."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from tiny_parts import (
     SETTINGS,
@@ -14,6 +16,7 @@ from tiny_parts import (
     flux2_vae,
     kl_vae,
     randn,
+    seeded,
     small_kl_vae,
 )
 
@@ -425,6 +428,64 @@ def lumina_next():
         height=64,
         width=64,
     )
+    return finish(pipe), kwargs
+
+
+@contextmanager
+def small_edit_area(pixels: int = 32 * 32):
+    """Qwen-Image-Edit sizes its input image (and so its output) to about 1024² pixels; within this context it sizes
+    them to `pixels` instead, so the tiny case takes seconds."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
+
+    original = module.calculate_dimensions
+    module.calculate_dimensions = lambda _area, ratio: original(pixels, ratio)
+    try:
+        yield
+    finally:
+        module.calculate_dimensions = original
+
+
+def qwen_image_edit():
+    """QwenImageEditPipeline over the Qwen-Image case: the input image's latents join the image stream; true CFG.
+    Call it within `small_edit_area()`."""
+    from diffusers import QwenImageEditPipeline
+    from PIL import Image
+    from tiny_families import qwen_image
+
+    base, kwargs = qwen_image()
+    pipe = QwenImageEditPipeline(
+        scheduler=base.scheduler,
+        vae=base.vae,
+        text_encoder=None,
+        tokenizer=None,
+        processor=None,
+        transformer=base.transformer,
+    )
+    pixels = (torch.rand(32, 32, 3, generator=seeded(5)) * 255).to(torch.uint8).numpy()
+    kwargs.update(image=Image.fromarray(pixels), height=None, width=None)
+    return finish(pipe), kwargs
+
+
+def hunyuan_dit_pag():
+    """HunyuanDiTPAGPipeline over the HunyuanDiT case: perturbed-attention guidance on block 1, the uncond, cond and
+    perturbed copies batched in one call."""
+    from diffusers import HunyuanDiTPAGPipeline
+
+    base, kwargs = hunyuan_dit()
+    pipe = HunyuanDiTPAGPipeline(
+        vae=base.vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=base.transformer,
+        scheduler=base.scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        pag_applied_layers="blocks.1",
+    )
+    kwargs.update(pag_scale=3.0)
     return finish(pipe), kwargs
 
 
