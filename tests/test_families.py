@@ -70,6 +70,9 @@ CACHE_DIT_PSNR = {
     "HunyuanDiT": 61.946,
     "DiT": 17.266,
     "Lumina-Next": 25.359,
+    "Wan VACE": 97.872,
+    "SkyReels-V2": 98.793,
+    "ChronoEdit": 59.894,
 }
 """cache-dit 1.5.3's PSNR (dB) on each case with its settings, recorded by `benchmarks/bench_families.py` for runs
 without cache-dit (the `bench` extra); for a family cache-dit cannot run (`Case.cache_dit_fails`: Bria 3.2), dicache's

@@ -7,6 +7,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from PIL import Image
 from tiny_parts import (
     SETTINGS,
     Case,
@@ -449,7 +450,6 @@ def qwen_image_edit():
     """QwenImageEditPipeline over the Qwen-Image case: the input image's latents join the image stream; true CFG.
     Call it within `small_edit_area()`."""
     from diffusers import QwenImageEditPipeline
-    from PIL import Image
     from tiny_families import qwen_image
 
     base, kwargs = qwen_image()
@@ -489,6 +489,113 @@ def hunyuan_dit_pag():
     return finish(pipe), kwargs
 
 
+# ---------------------------------------------------------------------- video families on Wan's architecture
+WAN_CONFIG = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=16,
+    out_channels=16,
+    text_dim=32,
+    freq_dim=256,
+    ffn_dim=32,
+    num_layers=4,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=32,
+)
+"""Wan's tiny transformer config (`tiny_families.wan`), shared by the families built on its blocks."""
+
+
+def wan_parts():
+    """Wan's tiny VAE (16 latent channels, ×8 in space, ×4 in time) and its UniPC flow scheduler."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
+    return vae, UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+
+
+def wan_call(**kw):
+    """The call arguments of the Wan-architecture cases: CFG, 9 frames of 16 px, random T5-sized embeddings."""
+    return common_kwargs(
+        prompt_embeds=randn(1, 16, 32, seed=1),
+        negative_prompt_embeds=randn(1, 16, 32, seed=2),
+        guidance_scale=5.0,
+        height=16,
+        width=16,
+        num_frames=9,
+        **kw,
+    )
+
+
+def wan_vace():
+    """Wan VACE: the VACE blocks turn the control video into hints, which the model adds after the blocks
+    `vace_layers` names (by index: the walk keeps them there); CFG as two calls per step, 9 frames of 16 px."""
+    from diffusers import WanVACEPipeline, WanVACETransformer3DModel
+
+    torch.manual_seed(0)
+    transformer = WanVACETransformer3DModel(**WAN_CONFIG, vace_layers=[0, 2], vace_in_channels=96)
+    vae, scheduler = wan_parts()
+    pipe = WanVACEPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler, transformer=transformer)
+    video = [Image.fromarray(frame) for frame in random_frames(9, 16, seed=6)]
+    return finish(pipe), wan_call(video=video)
+
+
+def skyreels_v2():
+    """SkyReels-V2 (text to video): Wan's blocks, CFG as two calls per step, 9 frames of 16 px."""
+    from diffusers import SkyReelsV2Pipeline, SkyReelsV2Transformer3DModel
+
+    torch.manual_seed(0)
+    transformer = SkyReelsV2Transformer3DModel(**WAN_CONFIG)
+    vae, scheduler = wan_parts()
+    pipe = SkyReelsV2Pipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae, scheduler=scheduler)
+    return finish(pipe), wan_call()
+
+
+def chronoedit():
+    """ChronoEdit (image editing as a short video): Wan's blocks with image cross-attention (a tiny CLIP vision
+    encoder), CFG as two calls per step, 5 frames of 16 px from one input image."""
+    from diffusers import ChronoEditPipeline, ChronoEditTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    config = {**WAN_CONFIG, "in_channels": 36, "image_dim": 4, "added_kv_proj_dim": 24}
+    transformer = ChronoEditTransformer3DModel(**config)
+    torch.manual_seed(0)
+    encoder = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=4,
+            projection_dim=4,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=8,
+            image_size=32,
+            patch_size=16,
+        )
+    ).eval()
+    vae, scheduler = wan_parts()
+    pipe = ChronoEditPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        image_encoder=encoder,
+        image_processor=CLIPImageProcessor(crop_size=32, size=32),
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+    )
+    kwargs = wan_call(image=Image.fromarray(random_frames(1, 16, seed=6)[0]))
+    kwargs["num_frames"] = 5
+    return finish(pipe), kwargs
+
+
+def random_frames(count: int, size: int, seed: int):
+    """`count` random RGB frames (uint8 arrays) of `size` px."""
+    return list((torch.rand(count, size, size, 3, generator=seeded(seed)) * 255).to(torch.uint8).numpy())
+
+
 MORE_CASES: dict[str, Case] = {
     case.family: case
     for case in (
@@ -514,6 +621,9 @@ MORE_CASES: dict[str, Case] = {
         Case("HunyuanDiT", hunyuan_dit, separate_cfg=False),
         Case("DiT", dit, separate_cfg=False),
         Case("Lumina-Next", lumina_next, separate_cfg=False),
+        Case("Wan VACE", wan_vace, separate_cfg=True),
+        Case("SkyReels-V2", skyreels_v2, separate_cfg=True),
+        Case("ChronoEdit", chronoedit, separate_cfg=True),
     )
 }
 """The cases of `FAMILIES` entries after Krea-2, keyed by family name."""

@@ -239,6 +239,29 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("DiT", ("DiTTransformer2DModel",), (("transformer_blocks", H_TO_H),), ("DiTPipeline",), BATCHED),
     Family("Lumina-Next", ("LuminaNextDiT2DModel",), (("layers", H_TO_H),), ("LuminaPipeline",), BATCHED),
+    Family(
+        "Wan VACE",
+        ("WanVACETransformer3DModel",),
+        (("blocks", HE_TO_H),),
+        ("WanVACEPipeline",),
+        SEPARATE,
+        transformers=("transformer", "transformer_2"),
+        cache_dit="cache-dit patches the forward to add the VACE hints (same blocks and decisions)",
+    ),
+    Family(
+        "SkyReels-V2",
+        ("SkyReelsV2Transformer3DModel",),
+        (("blocks", HE_TO_H),),
+        (
+            "SkyReelsV2Pipeline",
+            "SkyReelsV2ImageToVideoPipeline",
+            "SkyReelsV2DiffusionForcingPipeline",
+            "SkyReelsV2DiffusionForcingImageToVideoPipeline",
+            "SkyReelsV2DiffusionForcingVideoToVideoPipeline",
+        ),
+        SEPARATE,
+    ),
+    Family("ChronoEdit", ("ChronoEditTransformer3DModel",), (("blocks", HE_TO_H),), ("ChronoEditPipeline",), SEPARATE),
 )
 
 
