@@ -591,6 +591,182 @@ def chronoedit():
     return finish(pipe), kwargs
 
 
+def cosmos_guardrail():
+    """A stand-in for the Cosmos guardrail (which is a large model): passes every prompt and video."""
+    from diffusers import ConfigMixin, ModelMixin
+
+    class PassThroughGuardrail(ModelMixin, ConfigMixin):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("anchor", torch.zeros(1))  # the pipeline reads its device from it
+
+        def check_text_safety(self, prompt: str) -> bool:
+            return True
+
+        def check_video_safety(self, video):
+            return video
+
+    return PassThroughGuardrail()
+
+
+def cosmos():
+    """Cosmos Predict 2 (text to image): blocks `(h, e) -> h` with the text as cross-attention, CFG as two calls per
+    step, 32 px with Wan's VAE. Its zero-initialised parameters are drawn at random. The case compares latents
+    (`output_type="latent"`): the tiny VAE decodes them to a nearly flat image, which the guardrail's 8-bit round trip
+    then makes equal for any cache."""
+    from diffusers import Cosmos2TextToImagePipeline, CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(0)
+    transformer = CosmosTransformer3DModel(
+        in_channels=16,
+        out_channels=16,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=4,
+        mlp_ratio=2,
+        text_embed_dim=32,
+        adaln_lora_dim=4,
+        max_size=(4, 32, 32),
+        patch_size=(1, 2, 2),
+        rope_scale=(2.0, 1.0, 1.0),
+        concat_padding_mask=False,  # True needs torchvision
+        extra_pos_embed_type="learnable",
+    )
+    vae, _ = wan_parts()
+    pipe = Cosmos2TextToImagePipeline(
+        text_encoder=None,
+        tokenizer=None,
+        transformer=draw_zero_weights(transformer),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True),
+        safety_checker=cosmos_guardrail(),
+    )
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 16, 32, seed=1),
+        negative_prompt_embeds=randn(1, 16, 32, seed=2),
+        guidance_scale=3.0,
+        height=32,
+        width=32,
+        output_type="latent",
+    )
+    return finish(pipe), kwargs
+
+
+def kandinsky5():
+    """Kandinsky 5 (text to image): text blocks, then the visual blocks `(h, e) -> h` the cache covers; CFG as two
+    calls per step, 64 px with a ×2 VAE (the pipeline accepts listed resolutions only: 64² is added). Its
+    zero-initialised parameters are drawn at random."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2IPipeline, Kandinsky5Transformer3DModel
+
+    torch.manual_seed(0)
+    transformer = Kandinsky5Transformer3DModel(
+        in_visual_dim=16,
+        in_text_dim=32,
+        in_text_dim2=16,
+        time_dim=16,
+        out_visual_dim=16,
+        patch_size=(1, 2, 2),
+        model_dim=16,
+        ff_dim=32,
+        num_text_blocks=1,
+        num_visual_blocks=4,
+        axes_dims=(1, 1, 2),
+        visual_cond=False,
+        attention_type="regular",
+    )
+    pipe = Kandinsky5T2IPipeline(
+        transformer=draw_zero_weights(transformer),
+        vae=small_kl_vae(16),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+    )
+    pipe.resolutions = [(64, 64)]
+    cu_seqlens = torch.tensor([0, 8], dtype=torch.int32)
+    kwargs = common_kwargs(
+        prompt_embeds_qwen=randn(1, 8, 32, seed=1),
+        prompt_embeds_clip=randn(1, 16, seed=2),
+        prompt_cu_seqlens=cu_seqlens,
+        negative_prompt_embeds_qwen=randn(1, 8, 32, seed=3),
+        negative_prompt_embeds_clip=randn(1, 16, seed=4),
+        negative_prompt_cu_seqlens=cu_seqlens,
+        guidance_scale=4.0,
+        height=64,
+        width=64,
+    )
+    return finish(pipe), kwargs
+
+
+def hunyuan_video15():
+    """HunyuanVideo 1.5: one list of `(h, e) -> (h, e)` blocks, CFG as two calls per step through its guider, 9
+    frames of 16 px."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    torch.manual_seed(0)
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=9,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=4,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=16,
+        text_embed_2_dim=32,
+        image_embed_dim=12,
+        rope_axes_dim=(2, 2, 4),
+        target_size=16,
+        task_type="t2v",
+    ).eval()
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo15(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(16, 16),
+        layers_per_block=1,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=2,
+        downsample_match_channel=False,
+        upsample_match_channel=False,
+    ).eval()
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=None,
+        tokenizer=None,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=None,
+        tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=4.0),
+    )
+    mask = torch.ones(1, 8, dtype=torch.long)
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 16, seed=1),
+        prompt_embeds_mask=mask,
+        negative_prompt_embeds=randn(1, 8, 16, seed=2),
+        negative_prompt_embeds_mask=mask,
+        prompt_embeds_2=randn(1, 8, 32, seed=3),
+        prompt_embeds_mask_2=mask,
+        negative_prompt_embeds_2=randn(1, 8, 32, seed=4),
+        negative_prompt_embeds_mask_2=mask,
+        height=16,
+        width=16,
+        num_frames=9,
+    )
+    return finish(pipe), kwargs
+
+
 def random_frames(count: int, size: int, seed: int):
     """`count` random RGB frames (uint8 arrays) of `size` px."""
     return list((torch.rand(count, size, size, 3, generator=seeded(seed)) * 255).to(torch.uint8).numpy())
@@ -624,6 +800,9 @@ MORE_CASES: dict[str, Case] = {
         Case("Wan VACE", wan_vace, separate_cfg=True),
         Case("SkyReels-V2", skyreels_v2, separate_cfg=True),
         Case("ChronoEdit", chronoedit, separate_cfg=True),
+        Case("Cosmos", cosmos, separate_cfg=True),
+        Case("Kandinsky 5", kandinsky5, separate_cfg=True),
+        Case("HunyuanVideo 1.5", hunyuan_video15, separate_cfg=True),
     )
 }
 """The cases of `FAMILIES` entries after Krea-2, keyed by family name."""

@@ -262,6 +262,34 @@ FAMILIES: tuple[Family, ...] = (
         SEPARATE,
     ),
     Family("ChronoEdit", ("ChronoEditTransformer3DModel",), (("blocks", HE_TO_H),), ("ChronoEditPipeline",), SEPARATE),
+    Family(
+        "Cosmos",
+        ("CosmosTransformer3DModel",),
+        (("transformer_blocks", HE_TO_H),),
+        (
+            "Cosmos2TextToImagePipeline",
+            "Cosmos2VideoToWorldPipeline",
+            "CosmosTextToWorldPipeline",
+            "CosmosVideoToWorldPipeline",
+            "Cosmos2_5_PredictBasePipeline",
+            "Cosmos2_5_TransferPipeline",
+        ),
+        SEPARATE,
+    ),
+    Family(
+        "Kandinsky 5",
+        ("Kandinsky5Transformer3DModel",),
+        (("visual_transformer_blocks", HE_TO_H),),
+        ("Kandinsky5T2IPipeline", "Kandinsky5I2IPipeline", "Kandinsky5T2VPipeline", "Kandinsky5I2VPipeline"),
+        SEPARATE,
+    ),
+    Family(
+        "HunyuanVideo 1.5",
+        ("HunyuanVideo15Transformer3DModel",),
+        (("transformer_blocks", HE_TO_HE),),
+        ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
+        SEPARATE,
+    ),
 )
 
 
