@@ -76,6 +76,9 @@ CACHE_DIT_PSNR = {
     "Cosmos": 51.832,
     "Kandinsky 5": 39.836,
     "HunyuanVideo 1.5": 45.335,
+    "Allegro": 13.092,
+    "EasyAnimate": 39.323,
+    "Stable Audio": 34.070,
 }
 """cache-dit 1.5.3's PSNR (dB) on each case with its settings, recorded by `benchmarks/bench_families.py` for runs
 without cache-dit (the `bench` extra); for a family cache-dit cannot run (`Case.cache_dit_fails`: Bria 3.2), dicache's

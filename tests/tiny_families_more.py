@@ -767,6 +767,171 @@ def hunyuan_video15():
     return finish(pipe), kwargs
 
 
+def allegro():
+    """Allegro: one list of cross-attention blocks `(h, e) -> h`, batched CFG, DDIM steps, 8 frames of 16 px. Its
+    zero-initialised parameters are drawn at random; the case compares latents (its VAE decodes in tiles only, and
+    16 px decode to a constant)."""
+    from diffusers import AllegroPipeline, AllegroTransformer3DModel, AutoencoderKLAllegro, DDIMScheduler
+
+    torch.manual_seed(0)
+    transformer = AllegroTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        num_layers=4,
+        cross_attention_dim=24,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=8,
+        caption_channels=24,
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKLAllegro(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("AllegroDownBlock3D",) * 4,
+        up_block_types=("AllegroUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+    ).eval()
+    vae.enable_tiling()
+    pipe = AllegroPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=vae,
+        transformer=draw_zero_weights(transformer),
+        scheduler=DDIMScheduler(),
+    )
+    mask = torch.ones(1, 8, dtype=torch.long)
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 24, seed=1),
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=randn(1, 8, 24, seed=2),
+        negative_prompt_attention_mask=mask,
+        negative_prompt=None,
+        guidance_scale=6.0,
+        height=16,
+        width=16,
+        num_frames=8,
+        output_type="latent",
+    )
+    return finish(pipe), kwargs
+
+
+def easyanimate():
+    """EasyAnimate: one list of `(h, e) -> (h, e)` blocks, batched CFG, 5 frames of 16 px."""
+    from diffusers import (
+        AutoencoderKLMagvit,
+        EasyAnimatePipeline,
+        EasyAnimateTransformer3DModel,
+        FlowMatchEulerDiscreteScheduler,
+    )
+
+    torch.manual_seed(0)
+    transformer = EasyAnimateTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,  # its rotary embedding splits a head in quarters and eighths
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=2,
+        text_embed_dim=16,
+        num_layers=4,
+        sample_width=16,
+        sample_height=16,
+        patch_size=2,
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKLMagvit(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("SpatialDownBlock3D",) + ("SpatialTemporalDownBlock3D",) * 3,
+        up_block_types=("SpatialUpBlock3D",) + ("SpatialTemporalUpBlock3D",) * 3,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        spatial_group_norm=False,
+    ).eval()
+    pipe = EasyAnimatePipeline(
+        vae=vae, text_encoder=None, tokenizer=None, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler()
+    )
+    mask = torch.ones(1, 8, dtype=torch.long)
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 16, seed=1),
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=randn(1, 8, 16, seed=2),
+        negative_prompt_attention_mask=mask,
+        guidance_scale=6.0,
+        height=16,
+        width=16,
+        num_frames=5,
+    )
+    return finish(pipe), kwargs
+
+
+def stable_audio():
+    """Stable Audio Open: one list of cross-attention blocks `h -> h` (the text comes as a keyword), batched CFG,
+    EDM DPM-Solver steps, a few stereo samples from the Oobleck VAE. Its zero-initialised parameters are drawn at
+    random."""
+    from diffusers import (
+        AutoencoderOobleck,
+        EDMDPMSolverMultistepScheduler,
+        StableAudioDiTModel,
+        StableAudioPipeline,
+        StableAudioProjectionModel,
+    )
+
+    torch.manual_seed(0)
+    transformer = StableAudioDiTModel(
+        sample_size=4,
+        in_channels=3,
+        num_layers=4,
+        attention_head_dim=4,
+        num_key_value_attention_heads=2,
+        out_channels=3,
+        cross_attention_dim=4,
+        time_proj_dim=8,
+        global_states_input_dim=8,
+        cross_attention_input_dim=4,
+    )
+    scheduler = EDMDPMSolverMultistepScheduler(  # its own cosine DPM-Solver needs torchsde
+        solver_order=2, prediction_type="v_prediction", sigma_data=1.0, sigma_schedule="exponential"
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderOobleck(
+        encoder_hidden_size=6,
+        downsampling_ratios=[1, 2],
+        decoder_channels=3,
+        decoder_input_channels=3,
+        audio_channels=2,
+        channel_multiples=[2, 4],
+        sampling_rate=4,
+    ).eval()
+    torch.manual_seed(0)
+    projection = StableAudioProjectionModel(text_encoder_dim=32, conditioning_dim=4, min_value=0, max_value=32)
+    pipe = StableAudioPipeline(
+        vae=vae,
+        text_encoder=None,
+        projection_model=projection,
+        tokenizer=None,
+        transformer=draw_zero_weights(transformer),
+        scheduler=scheduler,
+    )
+    mask = torch.ones(1, 8, dtype=torch.long)
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 32, seed=1),
+        attention_mask=mask,
+        negative_prompt_embeds=randn(1, 8, 32, seed=2),
+        negative_attention_mask=mask,
+        guidance_scale=6.0,
+    )
+    return finish(pipe), kwargs
+
+
 def random_frames(count: int, size: int, seed: int):
     """`count` random RGB frames (uint8 arrays) of `size` px."""
     return list((torch.rand(count, size, size, 3, generator=seeded(seed)) * 255).to(torch.uint8).numpy())
@@ -803,6 +968,14 @@ MORE_CASES: dict[str, Case] = {
         Case("Cosmos", cosmos, separate_cfg=True),
         Case("Kandinsky 5", kandinsky5, separate_cfg=True),
         Case("HunyuanVideo 1.5", hunyuan_video15, separate_cfg=True),
+        Case("Allegro", allegro, separate_cfg=False),
+        Case("EasyAnimate", easyanimate, separate_cfg=False),
+        Case(
+            "Stable Audio",
+            stable_audio,
+            separate_cfg=False,
+            settings={**SETTINGS, "residual_diff_threshold": 0.8},  # random weights: nothing cached at 0.5
+        ),
     )
 }
 """The cases of `FAMILIES` entries after Krea-2, keyed by family name."""

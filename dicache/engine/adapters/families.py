@@ -290,6 +290,19 @@ FAMILIES: tuple[Family, ...] = (
         ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
         SEPARATE,
     ),
+    Family(
+        "Allegro", ("AllegroTransformer3DModel",), (("transformer_blocks", HE_TO_H),), ("AllegroPipeline",), BATCHED
+    ),
+    Family(
+        "EasyAnimate",
+        ("EasyAnimateTransformer3DModel",),
+        (("transformer_blocks", HE_TO_HE),),
+        ("EasyAnimatePipeline", "EasyAnimateControlPipeline", "EasyAnimateInpaintPipeline"),
+        BATCHED,
+    ),
+    Family(
+        "Stable Audio", ("StableAudioDiTModel",), (("transformer_blocks", H_TO_H),), ("StableAudioPipeline",), BATCHED
+    ),
 )
 
 
