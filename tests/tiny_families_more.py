@@ -521,13 +521,15 @@ def wan_parts():
 def wan_call(**kw):
     """The call arguments of the Wan-architecture cases: CFG, 9 frames of 16 px, random T5-sized embeddings."""
     return common_kwargs(
-        prompt_embeds=randn(1, 16, 32, seed=1),
-        negative_prompt_embeds=randn(1, 16, 32, seed=2),
-        guidance_scale=5.0,
-        height=16,
-        width=16,
-        num_frames=9,
-        **kw,
+        **{
+            "prompt_embeds": randn(1, 16, 32, seed=1),
+            "negative_prompt_embeds": randn(1, 16, 32, seed=2),
+            "guidance_scale": 5.0,
+            "height": 16,
+            "width": 16,
+            "num_frames": 9,
+            **kw,
+        }
     )
 
 
@@ -932,6 +934,41 @@ def stable_audio():
     return finish(pipe), kwargs
 
 
+def anyflow():
+    """AnyFlow (flow-map text to video on Wan's blocks): blocks `(h, e) -> h`, batched CFG, flow-map Euler steps, 9
+    frames of 16 px."""
+    from diffusers import AnyFlowPipeline, AnyFlowTransformer3DModel, FlowMapEulerDiscreteScheduler
+
+    torch.manual_seed(0)
+    config = {key: value for key, value in WAN_CONFIG.items() if key != "qk_norm"}
+    transformer = AnyFlowTransformer3DModel(**config, gate_value=0.25, deltatime_type="r")
+    vae, _ = wan_parts()
+    scheduler = FlowMapEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0)
+    pipe = AnyFlowPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae, scheduler=scheduler)
+    return finish(pipe), wan_call(guidance_scale=6.0)
+
+
+def helios():
+    """Helios (chunked text to video with history on Wan's blocks): blocks `(h, e) -> h`, CFG as two calls per step,
+    frames of 16 px."""
+    from diffusers import HeliosPipeline, HeliosScheduler, HeliosTransformer3DModel
+
+    torch.manual_seed(0)
+    config = {key: value for key, value in WAN_CONFIG.items() if key not in ("rope_max_seq_len",)}
+    transformer = HeliosTransformer3DModel(
+        **config,
+        rope_dim=(4, 4, 4),
+        has_multi_term_memory_patch=True,
+        guidance_cross_attn=True,
+        zero_history_timestep=True,
+        is_amplify_history=False,
+    )
+    vae, _ = wan_parts()
+    scheduler = HeliosScheduler(stage_range=[0, 1], stages=1, use_dynamic_shifting=True)
+    pipe = HeliosPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler, transformer=transformer)
+    return finish(pipe), wan_call()
+
+
 def random_frames(count: int, size: int, seed: int):
     """`count` random RGB frames (uint8 arrays) of `size` px."""
     return list((torch.rand(count, size, size, 3, generator=seeded(seed)) * 255).to(torch.uint8).numpy())
@@ -969,6 +1006,8 @@ MORE_CASES: dict[str, Case] = {
         Case("Kandinsky 5", kandinsky5, separate_cfg=True),
         Case("HunyuanVideo 1.5", hunyuan_video15, separate_cfg=True),
         Case("Allegro", allegro, separate_cfg=False),
+        Case("AnyFlow", anyflow, separate_cfg=False),
+        Case("Helios", helios, separate_cfg=True),
         Case("EasyAnimate", easyanimate, separate_cfg=False),
         Case(
             "Stable Audio",

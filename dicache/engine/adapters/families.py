@@ -301,6 +301,20 @@ FAMILIES: tuple[Family, ...] = (
         BATCHED,
     ),
     Family(
+        "AnyFlow",
+        ("AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel"),
+        (("blocks", HE_TO_H),),
+        ("AnyFlowPipeline", "AnyFlowFARPipeline"),
+        BATCHED,
+    ),
+    Family(
+        "Helios",
+        ("HeliosTransformer3DModel",),
+        (("blocks", HE_TO_H),),
+        ("HeliosPipeline", "HeliosPyramidPipeline"),
+        SEPARATE,
+    ),
+    Family(
         "Stable Audio", ("StableAudioDiTModel",), (("transformer_blocks", H_TO_H),), ("StableAudioPipeline",), BATCHED
     ),
 )
