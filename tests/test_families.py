@@ -25,7 +25,7 @@ from tiny_families import (
     sd3,
     wan,
 )
-from tiny_families_more import hunyuan_dit_pag, qwen_image_edit, small_edit_area
+from tiny_families_more import auraflow, hunyuan_dit_pag, qwen_image_edit, small_edit_area
 
 import dicache
 from dicache import BlockFormError
@@ -176,6 +176,20 @@ def test_hunyuan_dit_pag_caches_and_caching_nothing_is_bitwise():
     assert torch.equal(generate(pipe, kwargs), plain)
     dicache.disable(pipe)
     assert torch.equal(generate(pipe, kwargs), plain)
+
+
+# ---------------------------------------------------------------------- Fn ending at a list boundary
+@pytest.mark.parametrize("fn", [1, 2], ids=["Fn-ends-at-the-boundary", "Fn-spans-it"])
+def test_fn_residual_stays_in_its_list_when_the_next_list_joins_the_streams(fn):
+    # AuraFlow: one MMDiT block `(h, e) -> (e, h)`, then single blocks on the joined text + image stream. The Fn
+    # residual is taken on what the last Fn block returned, never against the next list's (longer) joined stream.
+    pipe, kwargs = auraflow()
+    plain = generate(pipe, kwargs)
+    form = {"joint_transformer_blocks": "(h, e) -> (e, h)", "single_transformer_blocks": "h -> h"}
+    dicache.enable(pipe, {"residual_diff_threshold": 0.95, "max_warmup_steps": 1, "Fn_compute_blocks": fn}, form=form)
+    cached = generate(pipe, kwargs)
+    assert dicache.stats(pipe).cached_calls > 0 and 30 < psnr(plain, cached) < float("inf")
+    dicache.disable(pipe)
 
 
 # ---------------------------------------------------------------------- Flux: two lists, equal stream lengths
