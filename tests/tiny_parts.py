@@ -125,7 +125,9 @@ def images(output: Any) -> torch.Tensor:
 
 
 def generate(pipe: Any, kwargs: dict) -> torch.Tensor:
-    """One generation with `kwargs` and a fresh generator of the same seed."""
+    """One generation with `kwargs` and a fresh generator of the same seed (and the global generator seeded too, for
+    pipelines that draw from it, such as JoyImage-Edit's image encoding)."""
+    torch.manual_seed(0)
     with torch.no_grad():
         return images(pipe(**{**kwargs, "generator": seeded(0)}))
 

@@ -325,6 +325,13 @@ FAMILIES: tuple[Family, ...] = (
         SEPARATE,
     ),
     Family(
+        "JoyImage-Edit",
+        ("JoyImageEditTransformer3DModel",),
+        (("double_blocks", HE_TO_HE),),
+        ("JoyImageEditPipeline", "JoyImageEditPlusPipeline"),
+        SEPARATE,
+    ),
+    Family(
         "Stable Audio", ("StableAudioDiTModel",), (("transformer_blocks", H_TO_H),), ("StableAudioPipeline",), BATCHED
     ),
 )
