@@ -145,7 +145,7 @@ def markdown(rows: list[dict], features: list[dict], command: str) -> str:
         f"torch {torch.__version__}, 1 torch thread",
         f"- models: diffusers' tiny test configs with random weights (`tests/tiny_families.py`, "
         f"`tests/tiny_families_more.py`), {STEPS} steps, random prompt embeddings; PSNR of the decoded images (Cosmos, "
-        "Allegro, JoyImage-Edit: of the latents) against the uncached ones",
+        "Allegro, JoyImage-Edit, LTX-2: of the latents) against the uncached ones",
         "- settings: Fn 1, Bn 0, W 1, RDT as listed (0.5 unless random weights cache nothing there), MC 3 for both "
         "engines (cache-dit 1.5.3 `enable_cache` with its registered adapter, `enable_separate_cfg` as the pipeline "
         "calls CFG)",
@@ -166,8 +166,8 @@ def markdown(rows: list[dict], features: list[dict], command: str) -> str:
         "cached: cond + uncond steps of its first cache context. PSNR cache-dit's layout: where cache-dit's adapter "
         'caches the lists otherwise, dicache in that layout (`lists="separate"`: each block list its own cache; '
         "AuraFlow: the single-stream list only, via `form=`); Δ compares dicache in cache-dit's layout with "
-        "cache-dit. Bria 3.2: cache-dit 1.5.3 fails on its first call (its adapter declares the blocks "
-        "`(h, e) -> (h, e)`; they return `(e, h)`).",
+        "cache-dit. cache-dit 1.5.3 fails on the first call of Bria 3.2 (its adapter declares the blocks "
+        "`(h, e) -> (h, e)`; they return `(e, h)`) and of LTX-2 (its patched forward takes no `sigma`).",
         "",
     ]
     if features:

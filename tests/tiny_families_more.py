@@ -1011,6 +1011,148 @@ def joyimage_edit():
     return finish(pipe), kwargs
 
 
+def ltx2():
+    """LTX-2 (video with audio): one list of blocks that update the video and the audio stream, `(h, e) -> (h, e)`
+    with the audio as `e` (its text is a constant argument); batched CFG, 5 frames of 32 px. Latents compared (the
+    video latents; the audio VAE and vocoder are skipped)."""
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    text_dim, text_layers = 32, 2  # the connectors keep the width: 4 heads of 8
+    torch.manual_seed(0)
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        audio_in_channels=4,
+        audio_out_channels=4,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=8,
+        num_layers=4,
+        qk_norm="rms_norm_across_heads",
+        caption_channels=text_dim,
+        rope_double_precision=False,
+        rope_type="split",
+    )
+    torch.manual_seed(0)
+    connectors = LTX2TextConnectors(
+        caption_channels=text_dim,
+        text_proj_in_factor=text_layers + 1,
+        video_connector_num_attention_heads=4,
+        video_connector_attention_head_dim=8,
+        video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None,
+        audio_connector_num_attention_heads=4,
+        audio_connector_attention_head_dim=8,
+        audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None,
+        connector_rope_base_seq_len=32,
+        rope_theta=10000.0,
+        rope_double_precision=False,
+        causal_temporal_positioning=False,
+        rope_type="split",
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8,),
+        decoder_block_out_channels=(8,),
+        layers_per_block=(1,),
+        decoder_layers_per_block=(1, 1),
+        spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,),
+        decoder_inject_noise=(False, False),
+        downsample_type=("spatial",),
+        upsample_residual=(False,),
+        upsample_factor=(1,),
+        timestep_conditioning=False,
+        patch_size=1,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    )
+    vae.use_framewise_encoding = False
+    vae.use_framewise_decoding = False
+    torch.manual_seed(0)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4,
+        output_channels=2,
+        ch_mult=(1,),
+        num_res_blocks=1,
+        attn_resolutions=None,
+        in_channels=2,
+        resolution=32,
+        latent_channels=2,
+        norm_type="pixel",
+        causality_axis="height",
+        dropout=0.0,
+        mid_block_add_attention=False,
+        sample_rate=16000,
+        mel_hop_length=160,
+        is_causal=True,
+        mel_bins=8,
+    )
+    torch.manual_seed(0)
+    vocoder = LTX2Vocoder(
+        in_channels=16,
+        hidden_channels=32,
+        out_channels=2,
+        upsample_kernel_sizes=[4, 4],
+        upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3],
+        resnet_dilations=[[1, 3, 5]],
+        leaky_relu_negative_slope=0.1,
+        output_sampling_rate=16000,
+    )
+    pipe = LTX2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        audio_vae=audio_vae,
+        text_encoder=None,
+        tokenizer=None,
+        connectors=connectors,
+        transformer=transformer,
+        vocoder=vocoder,
+    )
+    mask = torch.ones(1, 8, dtype=torch.long)
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, text_dim * (text_layers + 1), seed=1),
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=randn(1, 8, text_dim * (text_layers + 1), seed=2),
+        negative_prompt_attention_mask=mask,
+        guidance_scale=3.0,
+        audio_guidance_scale=3.0,
+        stg_scale=0.0,  # plain CFG: no spatio-temporal or modality guidance calls
+        audio_stg_scale=0.0,
+        modality_scale=1.0,
+        audio_modality_scale=1.0,
+        guidance_rescale=0.0,
+        audio_guidance_rescale=0.0,
+        spatio_temporal_guidance_blocks=None,
+        use_cross_timestep=False,
+        height=32,
+        width=32,
+        num_frames=5,
+        frame_rate=25.0,
+        output_type="latent",
+    )
+    return finish(pipe), kwargs
+
+
 def random_frames(count: int, size: int, seed: int):
     """`count` random RGB frames (uint8 arrays) of `size` px."""
     return list((torch.rand(count, size, size, 3, generator=seeded(seed)) * 255).to(torch.uint8).numpy())
@@ -1050,6 +1192,12 @@ MORE_CASES: dict[str, Case] = {
         Case("Allegro", allegro, separate_cfg=False),
         Case("AnyFlow", anyflow, separate_cfg=False),
         Case("JoyImage-Edit", joyimage_edit, separate_cfg=True),
+        Case(
+            "LTX-2",
+            ltx2,
+            separate_cfg=False,
+            cache_dit_fails="its patched forward takes no `sigma` argument, which diffusers 0.42.1's LTX-2 passes",
+        ),
         Case("Helios", helios, separate_cfg=True),
         Case("EasyAnimate", easyanimate, separate_cfg=False),
         Case(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from ...errors import ConfigError, UnsupportedModelError
-from .forms import H_TO_H, HE_TO_EH, HE_TO_H, HE_TO_HE, BlockForm
+from .forms import H_TO_H, HE_TO_EH, HE_TO_H, HE_TO_HE, BlockForm, E
 from .generic import FormArg, apply_forms, generic_spec, timestep_getter
 from .stack import StackSpec
 
@@ -330,6 +330,14 @@ FAMILIES: tuple[Family, ...] = (
         (("double_blocks", HE_TO_HE),),
         ("JoyImageEditPipeline", "JoyImageEditPlusPipeline"),
         SEPARATE,
+    ),
+    Family(
+        "LTX-2",
+        ("LTX2VideoTransformer3DModel",),
+        (("transformer_blocks", HE_TO_HE.renamed({E: "audio_hidden_states"})),),
+        ("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
+        BATCHED,
+        cache_dit="`e` is the audio stream (`audio_hidden_states`); cache-dit patches the forward (same blocks)",
     ),
     Family(
         "Stable Audio", ("StableAudioDiTModel",), (("transformer_blocks", H_TO_H),), ("StableAudioPipeline",), BATCHED

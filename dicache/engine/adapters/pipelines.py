@@ -88,18 +88,15 @@ class DiffusersPipelineAdapter:
         had_own = "set_timesteps" in scheduler.__dict__
         original = scheduler.set_timesteps
 
-        @functools.wraps(original)
-        def set_timesteps(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
+        def on_schedule() -> None:
             requests = [r for r in (s.active_request() for s in sessions) if r is not None]
             if requests:
                 num_steps, sigmas, key_source = read_schedule(scheduler)  # once per request
                 for request in requests:
                     request.set_schedule(num_steps=num_steps, sigmas=sigmas)
                     request.key_source = key_source
-            return result
 
-        scheduler.set_timesteps = set_timesteps
+        scheduler.set_timesteps = ScheduleTap(scheduler, original, on_schedule)
 
         def detach() -> None:
             obj.__class__ = base
@@ -109,6 +106,28 @@ class DiffusersPipelineAdapter:
                 scheduler.__dict__.pop("set_timesteps", None)
 
         return detach
+
+
+class ScheduleTap:
+    """A scheduler's `set_timesteps` while a pipeline is attached: runs the original, then `on_schedule()` (which
+    reads the new schedule). A deep copy of the scheduler (LTX-2 copies its scheduler for the audio latents) gets its
+    class's plain `set_timesteps` instead, so the copy sets its own timesteps and only the attached scheduler feeds
+    the requests."""
+
+    def __init__(self, scheduler: Any, original: Callable[..., Any], on_schedule: Callable[[], None]) -> None:
+        self.scheduler, self.original, self.on_schedule = scheduler, original, on_schedule
+        functools.update_wrapper(self, original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.original(*args, **kwargs)
+        self.on_schedule()
+        return result
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        copy = memo.get(id(self.scheduler))
+        if copy is None:  # the tap copied on its own, not as part of its scheduler
+            return self
+        return type(copy).set_timesteps.__get__(copy)
 
 
 def read_schedule(scheduler: Any) -> tuple[int, list[float] | None, Callable[[], float] | None]:
