@@ -1153,6 +1153,69 @@ def ltx2():
     return finish(pipe), kwargs
 
 
+def word_tokenizer(vocab_size: int = 64):
+    """A word-level tokenizer built in memory (no hub access): the words `w3` … `w63` and `<unk>` for any other."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "<pad>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", pad_token="<pad>", unk_token="<unk>")
+
+
+def longcat_image():
+    """LongCat-Image: Flux-like double- then single-stream blocks (both `(h, e) -> (e, h)`), CFG as two calls per
+    step, 16 px (a ×1 VAE with the pipeline's fixed 16 latent channels). Its `prompt_embeds` path fails in diffusers
+    0.42.1, so it encodes prompts with a word-level tokenizer and a tiny Qwen3 text model built in memory."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LongCatImagePipeline, LongCatImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(0)
+    transformer = LongCatImageTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=2,
+        num_single_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    )
+    torch.manual_seed(0)
+    text_encoder = Qwen3Model(
+        Qwen3Config(
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=64,
+            max_position_embeddings=1024,
+        )
+    ).eval()
+    pipe = LongCatImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=kl_vae(16),
+        text_encoder=text_encoder,
+        tokenizer=word_tokenizer(),
+        text_processor=None,
+        transformer=transformer,
+    )
+    pipe.tokenizer_max_length = 16  # 512 by default
+    kwargs = common_kwargs(
+        prompt="w5 w9 w12 w30",
+        negative_prompt="w7 w8",
+        guidance_scale=4.5,
+        height=16,
+        width=16,
+        enable_prompt_rewrite=False,
+    )
+    return finish(pipe), kwargs
+
+
 def random_frames(count: int, size: int, seed: int):
     """`count` random RGB frames (uint8 arrays) of `size` px."""
     return list((torch.rand(count, size, size, 3, generator=seeded(seed)) * 255).to(torch.uint8).numpy())
@@ -1192,6 +1255,7 @@ MORE_CASES: dict[str, Case] = {
         Case("Allegro", allegro, separate_cfg=False),
         Case("AnyFlow", anyflow, separate_cfg=False),
         Case("JoyImage-Edit", joyimage_edit, separate_cfg=True),
+        Case("LongCat-Image", longcat_image, separate_cfg=True, cache_dit_lists="separate"),
         Case(
             "LTX-2",
             ltx2,

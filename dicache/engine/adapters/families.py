@@ -340,6 +340,14 @@ FAMILIES: tuple[Family, ...] = (
         cache_dit="`e` is the audio stream (`audio_hidden_states`); cache-dit patches the forward (same blocks)",
     ),
     Family(
+        "LongCat-Image",
+        ("LongCatImageTransformer2DModel",),
+        (("transformer_blocks", HE_TO_EH), ("single_transformer_blocks", HE_TO_EH)),
+        ("LongCatImagePipeline", "LongCatImageEditPipeline"),
+        SEPARATE,
+        cache_dit=SEPARATE_LISTS,
+    ),
+    Family(
         "Stable Audio", ("StableAudioDiTModel",), (("transformer_blocks", H_TO_H),), ("StableAudioPipeline",), BATCHED
     ),
 )
