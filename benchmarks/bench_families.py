@@ -145,7 +145,7 @@ def markdown(rows: list[dict], features: list[dict], command: str) -> str:
         f"torch {torch.__version__}, 1 torch thread",
         f"- models: diffusers' tiny test configs with random weights (`tests/tiny_families.py`, "
         f"`tests/tiny_families_more.py`), {STEPS} steps, random prompt embeddings; PSNR of the decoded images (Cosmos, "
-        "Allegro, JoyImage-Edit, LTX-2: of the latents) against the uncached ones",
+        "Allegro, JoyImage-Edit, LTX-2, Bria-FIBO: of the latents) against the uncached ones",
         "- settings: Fn 1, Bn 0, W 1, RDT as listed (0.5 unless random weights cache nothing there), MC 3 for both "
         "engines (cache-dit 1.5.3 `enable_cache` with its registered adapter, `enable_separate_cfg` as the pipeline "
         "calls CFG)",

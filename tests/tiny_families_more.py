@@ -1216,6 +1216,75 @@ def longcat_image():
     return finish(pipe), kwargs
 
 
+def bria_fibo():
+    """Bria-FIBO: double-stream blocks `(h, e) -> (e, h)`, then single blocks `h -> h` on the joined stream, each
+    block given a fresh text layer by the model; batched CFG, 32 px with Wan 2.2's patchified VAE (latents compared).
+    Prompts go through a word-level tokenizer and a tiny Qwen3 text model built in memory (its pipeline always
+    tokenizes)."""
+    from diffusers import (
+        AutoencoderKLWan,
+        BriaFiboPipeline,
+        BriaFiboTransformer2DModel,
+        FlowMatchEulerDiscreteScheduler,
+    )
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(0)
+    transformer = BriaFiboTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        text_encoder_dim=32,
+        pooled_projection_dim=None,
+        axes_dims_rope=[0, 4, 4],
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        decoder_base_dim=8,
+        num_res_blocks=1,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        temperal_downsample=[False, True, True],
+        z_dim=16,
+    ).eval()
+    torch.manual_seed(0)
+    text_encoder = Qwen3Model(
+        Qwen3Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=64,
+            max_position_embeddings=256,
+        )
+    ).eval()
+    pipe = BriaFiboPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=word_tokenizer(),
+    )
+    kwargs = common_kwargs(
+        prompt="w5 w9 w12 w30",
+        negative_prompt="w7 w8",
+        guidance_scale=5.0,
+        height=32,
+        width=32,
+        output_type="latent",
+    )
+    return finish(pipe), kwargs
+
+
 def random_frames(count: int, size: int, seed: int):
     """`count` random RGB frames (uint8 arrays) of `size` px."""
     return list((torch.rand(count, size, size, 3, generator=seeded(seed)) * 255).to(torch.uint8).numpy())
@@ -1256,6 +1325,7 @@ MORE_CASES: dict[str, Case] = {
         Case("AnyFlow", anyflow, separate_cfg=False),
         Case("JoyImage-Edit", joyimage_edit, separate_cfg=True),
         Case("LongCat-Image", longcat_image, separate_cfg=True, cache_dit_lists="separate"),
+        Case("Bria-FIBO", bria_fibo, separate_cfg=False, cache_dit_lists="separate"),
         Case(
             "LTX-2",
             ltx2,

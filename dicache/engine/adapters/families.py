@@ -348,6 +348,14 @@ FAMILIES: tuple[Family, ...] = (
         cache_dit=SEPARATE_LISTS,
     ),
     Family(
+        "Bria-FIBO",
+        ("BriaFiboTransformer2DModel",),
+        (("transformer_blocks", HE_TO_EH), ("single_transformer_blocks", H_TO_H)),
+        ("BriaFiboPipeline", "BriaFiboEditPipeline"),
+        BATCHED,
+        cache_dit=SEPARATE_LISTS,
+    ),
+    Family(
         "Stable Audio", ("StableAudioDiTModel",), (("transformer_blocks", H_TO_H),), ("StableAudioPipeline",), BATCHED
     ),
 )
