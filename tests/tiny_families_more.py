@@ -1285,6 +1285,58 @@ def bria_fibo():
     return finish(pipe), kwargs
 
 
+def glm_image():
+    """GLM-Image (text to image): one list of `(h, e) -> (h, e)` blocks conditioned on the autoregressive prior's
+    image tokens, CFG as two calls per step, 32 px (a ×8 VAE). The prior's tokens are given at random, so neither
+    the autoregressive model nor its processor is needed."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+
+    torch.manual_seed(0)
+    transformer = GlmImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=4,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        text_embed_dim=32,
+        time_embed_dim=16,
+        condition_dim=8,
+        prior_vq_quantizer_codebook_size=128,
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        block_out_channels=(4, 8, 16, 16),
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=128,
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    ).eval()
+    pipe = GlmImagePipeline(
+        tokenizer=None,
+        processor=None,
+        text_encoder=None,
+        vision_language_encoder=None,
+        vae=vae,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+    )
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 32, seed=1),
+        negative_prompt_embeds=randn(1, 8, 32, seed=2),
+        prior_token_ids=torch.randint(0, 128, (1, 4), generator=seeded(3)),
+        guidance_scale=1.5,
+        height=32,
+        width=32,
+    )
+    return finish(pipe), kwargs
+
+
 def random_frames(count: int, size: int, seed: int):
     """`count` random RGB frames (uint8 arrays) of `size` px."""
     return list((torch.rand(count, size, size, 3, generator=seeded(seed)) * 255).to(torch.uint8).numpy())
@@ -1326,6 +1378,7 @@ MORE_CASES: dict[str, Case] = {
         Case("JoyImage-Edit", joyimage_edit, separate_cfg=True),
         Case("LongCat-Image", longcat_image, separate_cfg=True, cache_dit_lists="separate"),
         Case("Bria-FIBO", bria_fibo, separate_cfg=False, cache_dit_lists="separate"),
+        Case("GLM-Image", glm_image, separate_cfg=True),
         Case(
             "LTX-2",
             ltx2,

@@ -356,6 +356,14 @@ FAMILIES: tuple[Family, ...] = (
         cache_dit=SEPARATE_LISTS,
     ),
     Family(
+        "GLM-Image",
+        ("GlmImageTransformer2DModel",),
+        (("transformer_blocks", HE_TO_HE),),
+        ("GlmImagePipeline",),
+        SEPARATE,
+        cache_dit="cache-dit patches the forward (same blocks and decisions)",
+    ),
+    Family(
         "Stable Audio", ("StableAudioDiTModel",), (("transformer_blocks", H_TO_H),), ("StableAudioPipeline",), BATCHED
     ),
 )
