@@ -210,6 +210,7 @@ class StackWalk:
         self.state: dict[str, Any] = {}
         self.h0: tuple[torch.Tensor, ...] | None = None
         self.h0_list = -1
+        self.hf: tuple[torch.Tensor, ...] | None = None  # the diff streams as the last Fn block returned them
         self.decision = None
         self.open: int | None = None  # the middle segment whose blocks are being run or skipped
         self.seg_form: BlockForm | None = None
@@ -277,7 +278,10 @@ class StackWalk:
             if index < self.fn:
                 if position != self.h0_list:  # the Fn residual is measured within one list's streams
                     self.h0, self.h0_list = self._diff_streams(), position
-                return self._run(index, block, form, args, kwargs)[0]
+                result = self._run(index, block, form, args, kwargs)[0]
+                if index == self.fn - 1:  # before a next list (which may join the streams) overwrites them
+                    self.hf = self._diff_streams()
+                return result
             self._decide()
         segment = self.segment_of[index]
         if segment != self.open:
@@ -347,7 +351,7 @@ class StackWalk:
         ctx, runner = self.ctx, self.runner
         request, branch = ctx.request, ctx.branch
         config = request.config
-        hf = self._diff_streams()
+        hf = self.hf if self.hf is not None else self._diff_streams()
         h0 = self.h0 if self.h0 is not None else hf
         fn_residual: list[tuple[torch.Tensor, ...]] = []
 
