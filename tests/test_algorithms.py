@@ -13,6 +13,7 @@ from dicache.engine.policies.magcache import resample
 from dicache.engine.policies.teacache import polynomial
 from dicache.engine.reduction import change_ratio
 from dicache.engine.stats import RECORDER
+from dicache.tuning.fits import ResidualTrace, fit_polynomial, magcache_profile
 
 
 def ctx(step, accumulated=0.0, continuous=0, rate=None, num_steps=10):
@@ -249,3 +250,19 @@ def test_a_recorder_hears_every_computed_call(toy):
         ("uncond", 2),
     ]
     assert heard[0][2:] == (x.shape,) * 3
+
+
+# ---------------------------------------------------------------- calibrate's fits
+def test_residual_trace_and_fits_on_hand_made_sequences():
+    trace = ResidualTrace()
+    base = torch.ones(1, 2, 4)
+    for step, (fn, out) in enumerate([(1.0, 2.0), (2.0, 4.0), (4.0, 6.0)]):  # stack input 1 everywhere
+        trace.record("cond", step, (base,), (base * (1 + fn),), (base * (1 + out),))
+    # Fn residual 1 -> 2 -> 4: x = 1, 1; output 3 -> 5 -> 7: y = 2/3, 2/5; residual norms 2 -> 4 -> 6: ratios 2, 1.5
+    assert trace.teacache == [pytest.approx((1.0, 2 / 3)), pytest.approx((1.0, 0.4))]
+    assert magcache_profile(trace.ratios, 4) == pytest.approx([1.0, 2.0, 1.5, 1.0])
+    assert fit_polynomial([(0.0, 1.0), (1.0, 3.0), (2.0, 5.0)], degree=1) == pytest.approx([2.0, 1.0])
+    quadratic = fit_polynomial([(x / 4, (x / 4) ** 2 - 1) for x in range(6)], degree=4)
+    assert polynomial(quadratic, 0.3) == pytest.approx(0.09 - 1, abs=1e-9)  # exact through its points
+    assert fit_polynomial([(1.0, 2.0), (1.0, 4.0)]) == pytest.approx([3.0])  # one distinct x: the mean
+    assert fit_polynomial([]) == [1.0, 0.0]
