@@ -13,7 +13,7 @@ from dicache.engine.policies.magcache import resample
 from dicache.engine.policies.teacache import polynomial
 from dicache.engine.reduction import change_ratio
 from dicache.engine.stats import RECORDER
-from dicache.tuning.fits import ResidualTrace, fit_polynomial, magcache_profile
+from dicache.tuning.fits import ResidualTrace, fit_polynomial, fit_rescale, magcache_profile
 
 
 def ctx(step, accumulated=0.0, continuous=0, rate=None, num_steps=10):
@@ -266,3 +266,7 @@ def test_residual_trace_and_fits_on_hand_made_sequences():
     assert polynomial(quadratic, 0.3) == pytest.approx(0.09 - 1, abs=1e-9)  # exact through its points
     assert fit_polynomial([(1.0, 2.0), (1.0, 4.0)]) == pytest.approx([3.0])  # one distinct x: the mean
     assert fit_polynomial([]) == [1.0, 0.0]
+    # a quadratic that falls beyond its points is refused for the line through them
+    falling = [(0.1, 0.1), (0.2, 0.3), (0.3, 0.35), (0.4, 0.3)]
+    assert len(fit_polynomial(falling, 2)) == 3 and len(fit_rescale(falling, 2)) == 2
+    assert fit_rescale([(0.1, 0.3), (0.2, 0.1)]) == [1.0, 0.0]  # nothing rises: the identity

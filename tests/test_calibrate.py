@@ -196,11 +196,11 @@ def test_calibrate_writes_the_cheapest_profile_meeting_the_target(calibrated):
     assert any(c["compute_fraction"] and c["compute_fraction"] < chosen["compute_fraction"] for c in results)
     assert "<- chosen" in printed and f"wrote {path}" in printed and "invalid: Fn_compute_blocks=10" in printed
     # the fits ran on the first prompt and are stored: MagCache's ratios (one per step, 1 at step 0), TeaCache's
-    # polynomial (degree 4 from 2 x 7 consecutive pairs); the MagCache candidate ran over them
+    # rising polynomial (degree <= 4); the MagCache candidate ran over them
     assert record["fitted_on"] == record["prompts"][0] and "fitted on" in printed
     ratios = settings["magcache_ratios"]
     assert len(ratios) == 8 and ratios[0] == 1.0 and all(0 < r < 10 for r in ratios) and len(set(ratios)) > 2
-    assert len(settings["teacache_coefficients"]) == 5
+    assert 2 <= len(settings["teacache_coefficients"]) <= 5
     assert results[4]["status"] != "invalid"
 
 

@@ -5,8 +5,8 @@ magnitude-ratio profile, both from the computed calls of one uncached generation
 step `t > 0`: TeaCache's indicator `x_t` (relative L1 change of the Fn residual since step `t − 1`, what the policy
 measures), its target `y_t` (the same for the middle's output, the stack's answer), and MagCache's ratio
 `mean over tokens of ‖r_t‖ / ‖r_{t−1}‖` of the stack's residual `r = middle output − stack input`. The fits:
-`teacache_coefficients`, the least-squares polynomial (degree 4, fewer with fewer points) from `x` to `y`, highest
-degree first; `magcache_ratios`, one per step (1 at step 0), averaged over the CFG branches.
+`teacache_coefficients`, the least-squares polynomial from `x` to `y` of the highest degree up to 4 that rises on
+`[0, 2·max x]` (`fit_rescale`), highest degree first; `magcache_ratios`, one per step (1 at step 0), averaged over the CFG branches.
 """
 
 from __future__ import annotations
@@ -65,6 +65,26 @@ def fit_polynomial(points: Sequence[tuple[float, float]], degree: int = TEACACHE
     return [float(c) for c in solution]
 
 
+def _rises(coefficients: Sequence[float], top: float) -> bool:
+    """`p` is non-decreasing on `[0, top]` and positive at `top` (checked on 201 points)."""
+    values = [sum(c * (top * i / 200) ** k for k, c in enumerate(reversed(coefficients))) for i in range(201)]
+    return values[-1] > 0 and all(b >= a - 1e-12 for a, b in zip(values, values[1:]))
+
+
+def fit_rescale(points: Sequence[tuple[float, float]], degree: int = TEACACHE_DEGREE) -> list[float]:
+    """TeaCache's rescale: the highest-degree (`<= degree`) least-squares fit that is non-decreasing and ends positive
+    on `[0, 2·max x]` (a larger change never counts less, also a little beyond the measured range), else the
+    identity `[1, 0]`. The policy clamps negative values (a small change below the fit's zero) to 0."""
+    finite = [x for x, y in points if torch.isfinite(torch.tensor([x, y])).all()]
+    if not finite:
+        return [1.0, 0.0]
+    for d in range(degree, 0, -1):
+        coefficients = fit_polynomial(points, d)
+        if _rises(coefficients, 2 * max(finite)):
+            return coefficients
+    return [1.0, 0.0]
+
+
 def magcache_profile(ratios: dict[int, list[float]], num_steps: int) -> list[float]:
     """One ratio per step: 1 at step 0 (and where nothing was measured), else the branches' mean."""
     return [sum(ratios[t]) / len(ratios[t]) if ratios.get(t) else 1.0 for t in range(num_steps)]
@@ -80,6 +100,6 @@ def fit_algorithms(runner: Any, prompt: str, seed: int) -> dict[str, Any]:
     finally:
         RECORDER.reset(token)
     return {
-        "teacache_coefficients": fit_polynomial(trace.teacache),
+        "teacache_coefficients": fit_rescale(trace.teacache),
         "magcache_ratios": [round(r, 6) for r in magcache_profile(trace.ratios, runner.steps)],
     }

@@ -4,8 +4,9 @@ timestep-aware indicator stays under a threshold.
 The indicator here is the Fn residual (what the first `Fn >= 1` blocks add, a function of the timestep-modulated
 input), compared with the previous call of the branch, computed or cached (`signal = fn_residual_consecutive`). Each
 call adds `rescale(diff)` to the branch's accumulator; the step is cached while the sum stays strictly below the
-threshold, and a computed step resets it. `rescale` is the polynomial `c[0]·x^(n−1) + … + c[n−1]` (highest degree
-first, as SGLang's `coefficients`), fitted per model by `dicache calibrate` (`tuning/fits.py`).
+threshold, and a computed step resets it. `rescale` (clamped at 0: a change never lowers the sum) is the polynomial
+`c[0]·x^(n−1) + … + c[n−1]` (highest degree first, as SGLang's `coefficients`), fitted per model by `dicache
+calibrate` (`tuning/fits.py`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class TeaCachePolicy:
         if not (ctx.has_reference and ctx.has_residual):
             return compute("no_residual")
         value = diff()
-        total = ctx.accumulated + polynomial(self.coefficients, value)
+        total = ctx.accumulated + max(polynomial(self.coefficients, value), 0.0)
         if total < self.threshold:
             return cache("accumulated", value, accumulated=total)
         return compute("accumulated", value)
