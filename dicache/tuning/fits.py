@@ -6,7 +6,8 @@ step `t > 0`: TeaCache's indicator `x_t` (relative L1 change of the Fn residual 
 measures), its target `y_t` (the same for the middle's output, the stack's answer), and MagCache's ratio
 `mean over tokens of ‖r_t‖ / ‖r_{t−1}‖` of the stack's residual `r = middle output − stack input`. The fits:
 `teacache_coefficients`, the least-squares polynomial from `x` to `y` of the highest degree up to 4 that rises on
-`[0, 2·max x]` (`fit_rescale`), highest degree first; `magcache_ratios`, one per step (1 at step 0), averaged over the CFG branches.
+`[0, 2·max x]` (`fit_rescale`), highest degree first; `magcache_ratios`, one per step (1 at step 0), averaged over
+the CFG branches.
 """
 
 from __future__ import annotations
