@@ -13,6 +13,9 @@ from dicache.engine.policies.magcache import resample
 from dicache.engine.policies.teacache import polynomial
 from dicache.engine.reduction import change_ratio
 from dicache.engine.stats import RECORDER
+from dicache.sweep.compare import algorithm_rows
+from dicache.sweep.report import algorithm_lines
+from dicache.sweep.settings import algorithm, cell_label, recommended
 from dicache.tuning.fits import ResidualTrace, fit_polynomial, fit_rescale, magcache_profile
 
 
@@ -270,3 +273,53 @@ def test_residual_trace_and_fits_on_hand_made_sequences():
     falling = [(0.1, 0.1), (0.2, 0.3), (0.3, 0.35), (0.4, 0.3)]
     assert len(fit_polynomial(falling, 2)) == 3 and len(fit_rescale(falling, 2)) == 2
     assert fit_rescale([(0.1, 0.3), (0.2, 0.1)]) == [1.0, 0.0]  # nothing rises: the identity
+
+
+# ---------------------------------------------------------------- the sweep's view
+def test_each_algorithm_is_a_family_with_a_compact_label():
+    rec = recommended(0.3)
+    cases = [
+        (rec, "recommended", "F0B0 W0 SCM curved 0.3 γ2.5/static TS1σ d0.5"),
+        ({**rec, "forecaster": "foca"}, "foca", "F0B0 W0 SCM curved 0.3 γ2.5/static FoCaσ d0.5"),
+        ({**rec, "enable_taylorseer": False, "enable_dmd": True}, "dmd", "F0B0 W0 SCM curved 0.3 γ2.5/static DMD6σ"),
+        ({"policy": "teacache", "teacache_coefficients": [1.7, 0.1]}, "teacache", "F1B0 W4 TeaCache 0.25"),
+        (
+            {"policy": "magcache", "magcache_ratios": [1.0] * 9, "Fn_compute_blocks": 0},
+            "magcache",
+            "F0B0 W4 MC3 MagCache 0.06",
+        ),
+        ({"policy": "easycache", "easycache_thresh": 0.3}, "easycache", "F1B0 W4 EasyCache 0.3"),
+        ({"residual_diff_threshold": 0.12}, "dbcache", "F1B0 W4 MC3 R0.12"),
+        ({"policy": "magcache"}, "other", None),  # no profile: not a valid config
+    ]
+    for overrides, family, text in cases:
+        assert algorithm(overrides) == family
+        if text is not None:
+            assert cell_label(CacheConfig.defaults().merged(overrides)) == text
+
+
+def test_algorithm_rows_compare_each_family_with_the_baselines_and_the_recommendation():
+    def record(method, compute, value, settings=None):
+        return {
+            "method": method,
+            "schedule_slug": "s",
+            "compute_fraction": compute,
+            "psnr": value,
+            "settings": settings,
+        }
+
+    records = [
+        record("ours", 0.3, 30.0, recommended(0.3)),
+        record("ours", 0.32, 27.5, {"policy": "easycache"}),
+        record("ours", 0.5, 40.0, {"policy": "easycache"}),
+        record("fewer-steps", 0.2, 20.0),
+        record("fewer-steps", 0.6, 28.0),
+    ]
+    results = {"records": records, "meta": {"compute_targets": [0.3, 0.5]}}
+    rows = {r["algorithm"]: r["bins"] for r in algorithm_rows(results, "s")}
+    assert list(rows) == ["recommended", "easycache"]
+    assert rows["recommended"][0]["margin"] == pytest.approx(30.0 - 22.0)  # fewer steps interpolated at 0.3: 22 dB
+    assert rows["easycache"][0]["vs_recommended"] == pytest.approx(-2.5)
+    assert rows["easycache"][1]["vs_recommended"] is None and rows["easycache"][1]["value"] == 40.0
+    text = "\n".join(algorithm_lines(results, "s"))
+    assert "| easycache | 27.5 (+5.1 / -2.5) | 40.0 (+14.0) |" in text  # at 0.32 fewer steps give 22.4 dB
