@@ -144,11 +144,12 @@ class CacheConfig(BaseSettings):
         le=1.0,
         meaning="scale of TaylorSeer's extrapolation terms (1: plain TaylorSeer, 0: reuse)",
     )
-    forecaster: Literal["taylor", "corrected"] = setting(
+    forecaster: Literal["taylor", "corrected", "input_corrected"] = setting(
         "taylor",
         env="FORECASTER",
-        meaning="TaylorSeer's gain (needs TAYLORSEER=true): taylor (fixed TS_DAMPING) or corrected (the gain "
-        "re-fitted from the forecast error at every computed step, starting at TS_DAMPING)",
+        meaning="TaylorSeer's gain (needs TAYLORSEER=true): taylor (fixed TS_DAMPING), corrected (the gain "
+        "re-fitted from the forecast error at every computed step, starting at TS_DAMPING) or input_corrected "
+        "(corrected, plus a fitted coupling to the change of the skipped blocks' input)",
     )
     scm_preset: Literal["none", "slow", "medium", "fast", "ultra", "curved"] = setting(
         "none",

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 from .base import Calibrator
 from .corrected import CorrectedTaylorCalibrator
+from .input_corrected import InputCorrectedCalibrator
 from .reuse import ReuseCalibrator
 from .taylorseer import TaylorSeerCalibrator
 
-__all__ = ["Calibrator", "CorrectedTaylorCalibrator", "ReuseCalibrator", "TaylorSeerCalibrator", "make_calibrator"]
+__all__ = [
+    "Calibrator",
+    "CorrectedTaylorCalibrator",
+    "InputCorrectedCalibrator",
+    "ReuseCalibrator",
+    "TaylorSeerCalibrator",
+    "make_calibrator",
+]
 
 
 def make_calibrator(config) -> Calibrator:
     """A fresh calibrator for one residual stream of one branch, as `config` asks."""
+    if config.enable_taylorseer and config.forecaster == "input_corrected":
+        return InputCorrectedCalibrator(order=config.taylorseer_order, damping=config.taylorseer_damping)
     if config.enable_taylorseer and config.forecaster == "corrected":
         return CorrectedTaylorCalibrator(order=config.taylorseer_order, damping=config.taylorseer_damping)
     if config.enable_taylorseer:
