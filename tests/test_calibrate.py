@@ -20,6 +20,7 @@ from dicache.errors import ConfigError
 from dicache.settings.cache_config import PROFILE_ENV, CacheConfig, load_profile
 from dicache.settings.profiles import write_profile
 from dicache.sweep.metrics import psnr
+from dicache.sweep.settings import cell_label
 from dicache.tuning import (
     CANDIDATES,
     Measurement,
@@ -146,6 +147,7 @@ def test_mask_bins_and_the_beam_search_on_a_scored_profile():
         mask_bins((0, 1))
     config = check_candidate(mask_overrides((1, 1, 1, 0, 1, 0, 1, 0)), num_blocks=10, steps=8)
     assert config.forecaster == "input_corrected" and config.Fn_compute_blocks == 0
+    assert "SCM bins 3-1-1/1-1-1/static" in cell_label(config)  # both run lists: masks with equal compute runs differ
     # a step's worth: each computed step adds its weight; dropping one loses it. The search keeps the heaviest.
     weights = (9, 1, 5, 2, 8, 3, 7, 4)
     scored = []
