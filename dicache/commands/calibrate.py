@@ -38,6 +38,7 @@ from ..tuning import (
     load_candidates,
     profile_settings,
 )
+from ..tuning.masks import MAX_MASK_STEPS
 from .fields import add_options
 from .generate import add_sampling_arguments
 from .shared import RunOptions
@@ -89,6 +90,12 @@ class CalibrateOptions(FlagOptions):
     )
     list_candidates: bool = option(False, flag="--list-candidates", help="print the built-in candidates as JSON; exit")
     out: str = option(DEFAULT_OUT, flag="--out", help="profile to write (replaced)")
+    no_step_masks: bool = option(
+        False,
+        flag="--no-step-masks",
+        help=f"skip the per-step mask search (on schedules of at most {MAX_MASK_STEPS} steps, each mask scored is a "
+        "candidate: which steps to compute, the cached ones forecast with forecaster=input_corrected)",
+    )
     no_early_stop: bool = option(
         False, flag="--no-early-stop", help="run every candidate on every prompt (fuller table, slower)"
     )
@@ -168,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
             criterion=args.criterion,
             early_stop=not args.no_early_stop,
             progress=not args.no_progress,
+            step_masks=not args.no_step_masks,
             on_reject=lambda r: print(f"skipping candidate #{r.index} {r.label}: {r.error}", file=sys.stderr),
             base=CacheConfig.defaults().merged(fits),
         )

@@ -417,8 +417,8 @@ class StackWalk:
                     f"dicache: no stored residual for stream {stream!r} of middle segment {segment} "
                     f"({self.spec.where(self.segments[segment].start)} on); the computed steps never ran it"
                 )
-            estimate = calibrator.estimate(self.position)
             base = self.seg_in[stream]
+            estimate = calibrator.estimate(self.position, base)
             values[stream] = estimate if base is None else base + estimate
         self.state.update(values)
         self.cached_out = form.pack(values)
@@ -436,7 +436,7 @@ class StackWalk:
                 continue
             branch.none_outputs.discard((segment, stream))
             residual = out if base is None else torch.sub(out, base)
-            branch.calibrator(segment, stream).update(self.position, residual)
+            branch.calibrator(segment, stream).update(self.position, residual, base)
         self.middle_out = self._diff_streams()
 
     def _computed_call(self) -> None:

@@ -157,11 +157,12 @@ class CacheConfig(BaseSettings):
         le=1.0,
         meaning="scale of TaylorSeer's extrapolation terms (1: plain TaylorSeer, 0: reuse)",
     )
-    forecaster: Literal["taylor", "corrected", "foca"] = setting(
+    forecaster: Literal["taylor", "corrected", "input_corrected", "foca"] = setting(
         "taylor",
         env="FORECASTER",
         meaning="how TAYLORSEER=true forecasts: taylor (TaylorSeer, fixed TS_DAMPING), corrected (TaylorSeer whose "
-        "gain is re-fitted from the forecast error at every computed step, starting at TS_DAMPING) or foca (FoCa: "
+        "gain is re-fitted from the forecast error at every computed step, starting at TS_DAMPING), input_corrected "
+        "(corrected, plus a fitted coupling to the change of the skipped blocks' input) or foca (FoCa: "
         "recursive prediction with a trapezoidal corrector anchored at the last computed step, scaled by TS_DAMPING)",
     )
     enable_dmd: bool = setting(

@@ -137,7 +137,8 @@ def algorithm(overrides: Mapping[str, Any] | None) -> str:
 
 
 def cell_label(c: CacheConfig) -> str:
-    """A compact name, e.g. `F1B0 W4 MC3 R0.24 TS1`, `F1B0 W4 SCM fast/static` or `F0B0 W0 SCM curved 0.4 γ1.5/static`;
+    """A compact name, e.g. `F1B0 W4 MC3 R0.24 TS1`, `F1B0 W4 SCM fast/static`, `F0B0 W0 SCM curved 0.4 γ1.5/static` or
+    `F0B0 W0 SCM bins 3-1-1/1-1-1/static` (compute runs / cache runs);
     any other setting that differs from its default is appended as `key=value`."""
     parts = [f"F{c.Fn_compute_blocks}B{c.Bn_compute_blocks}", f"W{c.max_warmup_steps}"]
     static_mask = c.has_step_mask and c.scm_policy == "static"
@@ -157,7 +158,8 @@ def cell_label(c: CacheConfig) -> str:
         elif c.scm_preset != "none":
             mask = c.scm_preset
         else:
-            mask = "bins " + "-".join(map(str, c.scm_compute_bins or []))
+            compute, cache = ("-".join(map(str, b or [])) for b in (c.scm_compute_bins, c.scm_cache_bins))
+            mask = f"bins {compute}/{cache}"
         parts.append(f"SCM {mask}/{c.scm_policy}")
     if c.enable_taylorseer:
         damping = c.taylorseer_damping

@@ -11,6 +11,9 @@ Procedure (`calibrate`):
 3. A valid candidate runs on the samples. Per sample: PSNR of the decoded image against the reference
    (`dicache.sweep.metrics.psnr`) and the blocks dicache's statistics say were run (`RequestStats.blocks_run`, all
    branches). Its compute fraction is the sum of its blocks over the sum of the references' blocks.
+3a. Per-step masks (`step_masks=True`, schedules of at most `masks.MAX_MASK_STEPS` steps; before the listed
+   candidates): a beam search over which steps to compute (`masks.beam_search`), each mask run on every sample;
+   every mask scored is a candidate like the listed ones (`dicache calibrate` does it unless `--no-step-masks`).
 4. Early stop (exact, never changes the choice): a candidate stops as soon as it can no longer qualify; under the
    `min` criterion that is the first sample below the target, under `mean` when even `PSNR_CAP_DB` on every
    remaining sample could not lift the mean to the target. Samples run hardest-first (lowest PSNR any earlier
@@ -25,9 +28,9 @@ so the chosen profile stores them. `CANDIDATES` is the built-in candidate list; 
 into a profile's `settings`.
 
 Modules, one job each: `fits` (the per-model fits), `candidates` (the built-in list, candidate files, checking one),
-`runner` (generating one sample: the sweep's `NativeRunner` at a fixed schedule), `search` (the procedure above),
-`report` (table, profile settings and record), `errors`. Setting names and labels come from
-`dicache.sweep.settings`.
+`masks` (the per-step mask search), `runner` (generating one sample: the sweep's `NativeRunner` at a fixed
+schedule), `search` (the procedure above), `report` (table, profile settings and record), `errors`. Setting names
+and labels come from `dicache.sweep.settings`.
 """
 
 from __future__ import annotations

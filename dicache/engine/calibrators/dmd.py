@@ -28,7 +28,7 @@ class DMDCalibrator:
         self.history, self.rank, self.ridge = history, rank, ridge
         self.reset()
 
-    def update(self, x: float, residual: torch.Tensor) -> None:
+    def update(self, x: float, residual: torch.Tensor, source: torch.Tensor | None = None) -> None:
         if self._nodes and x == self._nodes[-1]:
             self.reset()
         if self._last is not None:
@@ -39,7 +39,7 @@ class DMDCalibrator:
         del self._rates[: -(self.history - 1)]
         self._fit = None
 
-    def estimate(self, x: float) -> torch.Tensor:
+    def estimate(self, x: float, source: torch.Tensor | None = None) -> torch.Tensor:
         if self._last is None:
             raise RuntimeError("DMDCalibrator.estimate called before any computed step")
         if not self._rates:

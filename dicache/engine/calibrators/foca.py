@@ -26,7 +26,7 @@ class FoCaCalibrator:
         self.damping = damping
         self.reset()
 
-    def update(self, x: float, residual: torch.Tensor) -> None:
+    def update(self, x: float, residual: torch.Tensor, source: torch.Tensor | None = None) -> None:
         if self._anchor is not None and x == self._anchor[0]:
             self.reset()
         if self._anchor is not None:
@@ -35,7 +35,7 @@ class FoCaCalibrator:
         self._anchor = (x, residual)
         self._push(x, residual)
 
-    def estimate(self, x: float) -> torch.Tensor:
+    def estimate(self, x: float, source: torch.Tensor | None = None) -> torch.Tensor:
         if self._anchor is None:
             raise RuntimeError("FoCaCalibrator.estimate called before any computed step")
         if self._window and x == self._window[0][0]:
