@@ -1,11 +1,13 @@
 """Every registered diffusers DiT family cached by dicache and by cache-dit 1.5.3, on diffusers' tiny configs (CPU).
 
-For each family (`tests/tiny_families.py`: random tiny transformer and VAE, random prompt embeddings, 8 steps) the
-uncached images, then `dicache.enable(pipe, SETTINGS)` with the block lists joined (the default: one stack), then —
-for families cache-dit caches list by list — with `lists="separate"`, then cache-dit's `enable_cache` with the same
-settings (Fn 1, Bn 0, W 1, RDT 0.5, MC 3). PSNR of each against the uncached images; cached calls over all
-transformers of the pipeline (dicache) or of the first one (cache-dit's summary). Random tiny weights, so the figures
-check that both engines make the same decisions and estimates, not image quality.
+For each family (`tests/tiny_families.py`, `tests/tiny_families_more.py`: random tiny transformer and VAE, random
+prompt embeddings, 8 steps) the uncached images, then `dicache.enable(pipe, case.settings)` with the block lists
+joined (the default: one stack), then — for families cache-dit caches otherwise — in cache-dit's layout
+(`lists="separate"`, or AuraFlow's single list), then cache-dit's `enable_cache` with the same settings (Fn 1, Bn 0,
+W 1, MC 3, RDT 0.5 unless the case needs more to cache with random weights). PSNR of each against the uncached
+images; cached calls over all transformers of the pipeline (dicache) or of the first one (cache-dit's summary).
+Random tiny weights, so the figures check that both engines make the same decisions and estimates, not image
+quality.
 
     python benchmarks/bench_families.py --results benchmarks/RESULTS.md
     python benchmarks/bench_families.py --families Flux.1 Chroma
@@ -34,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 from publish import command_line, publish  # noqa: E402
 from tiny_families import (  # noqa: E402
     CASES,
-    SETTINGS,
     STEPS,
+    cache_dit_layout,
     cache_dit_psnr,
     flux_controlnet,
     generate,
@@ -62,24 +64,32 @@ def run_family(name: str) -> dict:
     pipe, kwargs = case.build()
     family = find_family(pipe.transformer)
     plain = generate(pipe, kwargs)
-    dicache.enable(pipe, SETTINGS)
+    dicache.enable(pipe, case.settings)
     joined = generate(pipe, kwargs)
     cached, total = calls_cached(pipe)
     row = {
         "family": name,
         "pipeline": type(pipe).__name__,
         "lists": " + ".join(f"{path} {form.label}" for path, form in family.lists),
+        "rdt": case.settings["residual_diff_threshold"],
         "cached": f"{cached}/{total}",
         "psnr": psnr(plain, joined),
-        "separate": None,
+        "layout": None,
     }
-    if case.cache_dit_lists == "separate":
-        dicache.enable(pipe, SETTINGS, lists="separate")
-        row["separate"] = psnr(plain, generate(pipe, kwargs))
+    layout = cache_dit_layout(case)
+    if layout:  # cache-dit caches the lists otherwise: each on its own, or only some of them
+        dicache.enable(pipe, case.settings, **layout)
+        row["layout"] = psnr(plain, generate(pipe, kwargs))
     dicache.disable(pipe)
-    row["cache_dit"], cd_cached = cache_dit_psnr(case, pipe, kwargs, plain)
-    row["cd_cached"] = cd_cached
-    row["same_layout"] = row["separate"] if row["separate"] is not None else row["psnr"]
+    if case.cache_dit_fails:
+        try:
+            cache_dit_psnr(case, pipe, kwargs, plain)
+            row["cache_dit"], row["cd_cached"] = None, "ran"
+        except Exception as error:  # noqa: BLE001 (its failure is the figure)
+            row["cache_dit"], row["cd_cached"] = None, f"fails ({type(error).__name__})"
+    else:
+        row["cache_dit"], row["cd_cached"] = cache_dit_psnr(case, pipe, kwargs, plain)
+    row["same_layout"] = row["layout"] if row["layout"] is not None else row["psnr"]
     return row
 
 
@@ -118,8 +128,10 @@ def db(value: float | None) -> str:
     return "inf" if value == float("inf") else f"{value:.3f}"
 
 
-def delta(ours: float, theirs: float) -> str:
-    """dicache minus cache-dit in dB ("equal" when both images equal the uncached ones)."""
+def delta(ours: float, theirs: float | None) -> str:
+    """dicache minus cache-dit in dB ("equal" when both images equal the uncached ones; empty without cache-dit)."""
+    if theirs is None:
+        return ""
     return "equal" if ours == theirs else f"{ours - theirs:+.3f}"
 
 
@@ -131,27 +143,31 @@ def markdown(rows: list[dict], features: list[dict], command: str) -> str:
         f"- command: `{command}`",
         f"- machine: {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, 1-min load average {load:.1f}, "
         f"torch {torch.__version__}, 1 torch thread",
-        f"- models: diffusers' tiny test configs with random weights (`tests/tiny_families.py`), {STEPS} steps, "
-        "random prompt embeddings; PSNR of the decoded images against the uncached ones",
-        "- settings: Fn 1, Bn 0, W 1, RDT 0.5, MC 3 for both engines (cache-dit 1.5.3 `enable_cache` with its "
-        "registered adapter, `enable_separate_cfg` as the pipeline calls CFG)",
+        f"- models: diffusers' tiny test configs with random weights (`tests/tiny_families.py`, "
+        f"`tests/tiny_families_more.py`), {STEPS} steps, random prompt embeddings; PSNR of the decoded images (Cosmos, "
+        "Allegro: of the latents) against the uncached ones",
+        "- settings: Fn 1, Bn 0, W 1, RDT as listed (0.5 unless random weights cache nothing there), MC 3 for both "
+        "engines (cache-dit 1.5.3 `enable_cache` with its registered adapter, `enable_separate_cfg` as the pipeline "
+        "calls CFG)",
         "",
-        "| family | pipeline | block lists (form) | cached calls | PSNR joined | PSNR separate | cache-dit PSNR "
-        "| cache-dit cached | Δ same layout |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| family | pipeline | block lists (form) | RDT | cached calls | PSNR joined | PSNR cache-dit's layout "
+        "| cache-dit PSNR | cache-dit cached | Δ same layout |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['family']} | {r['pipeline']} | {r['lists']} | {r['cached']} | {db(r['psnr'])} | "
-            f"{db(r['separate'])} | {db(r['cache_dit'])} | {r['cd_cached']} | "
+            f"| {r['family']} | {r['pipeline']} | {r['lists']} | {r['rdt']} | {r['cached']} | {db(r['psnr'])} | "
+            f"{db(r['layout'])} | {db(r['cache_dit'])} | {r['cd_cached']} | "
             f"{delta(r['same_layout'], r['cache_dit'])} |"
         )
     lines += [
         "",
         "cached calls: over every transformer of the pipeline and every CFG branch (dicache, joined lists); cache-dit "
-        'cached: cond + uncond steps of its first cache context. PSNR separate: `lists="separate"`, the layout '
-        "cache-dit's adapter uses for these families (each block list its own cache); Δ compares dicache in "
-        "cache-dit's layout with cache-dit.",
+        "cached: cond + uncond steps of its first cache context. PSNR cache-dit's layout: where cache-dit's adapter "
+        'caches the lists otherwise, dicache in that layout (`lists="separate"`: each block list its own cache; '
+        "AuraFlow: the single-stream list only, via `form=`); Δ compares dicache in cache-dit's layout with "
+        "cache-dit. Bria 3.2: cache-dit 1.5.3 fails on its first call (its adapter declares the blocks "
+        "`(h, e) -> (h, e)`; they return `(e, h)`).",
         "",
     ]
     if features:

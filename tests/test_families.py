@@ -25,6 +25,7 @@ from tiny_families import (
     sd3,
     wan,
 )
+from tiny_families_more import hunyuan_dit_pag, qwen_image_edit, small_edit_area
 
 import dicache
 from dicache import BlockFormError
@@ -69,6 +70,17 @@ CACHE_DIT_PSNR = {
     "HunyuanDiT": 61.946,
     "DiT": 17.266,
     "Lumina-Next": 25.359,
+    "Wan VACE": 97.872,
+    "SkyReels-V2": 98.793,
+    "ChronoEdit": 59.894,
+    "Cosmos": 51.832,
+    "Kandinsky 5": 39.836,
+    "HunyuanVideo 1.5": 45.335,
+    "Allegro": 13.092,
+    "EasyAnimate": 39.323,
+    "Stable Audio": 34.070,
+    "AnyFlow": 87.771,
+    "Helios": 34.707,
 }
 """cache-dit 1.5.3's PSNR (dB) on each case with its settings, recorded by `benchmarks/bench_families.py` for runs
 without cache-dit (the `bench` extra); for a family cache-dit cannot run (`Case.cache_dit_fails`: Bria 3.2), dicache's
@@ -135,6 +147,35 @@ def test_pixart_alpha_and_wan21_use_their_family_entries():
         dicache.enable(pipe, {"policy": "never"})
         assert torch.equal(generate(pipe, kwargs), plain)
         dicache.disable(pipe)
+
+
+# ---------------------------------------------------------------------- more pipelines of registered families
+def test_qwen_image_edit_caches_like_cache_dit():
+    with small_edit_area():
+        pipe, kwargs = qwen_image_edit()  # the input image's latents join the image stream
+        plain = generate(pipe, kwargs)
+        dicache.enable(pipe, SETTINGS)
+        cached = generate(pipe, kwargs)
+        assert dicache.stats(pipe).cached_calls > 0
+        dicache.enable(pipe, {"policy": "never"})
+        assert torch.equal(generate(pipe, kwargs), plain)
+        dicache.disable(pipe)
+        assert torch.equal(generate(pipe, kwargs), plain)
+        reference = cache_dit_psnr(CASES["Qwen-Image"], pipe, kwargs, plain)[0] if CACHE_DIT else 56.698
+    assert abs(psnr(plain, cached) - reference) <= 0.1 and abs(reference - 56.698) <= 0.1
+
+
+def test_hunyuan_dit_pag_caches_and_caching_nothing_is_bitwise():
+    pipe, kwargs = hunyuan_dit_pag()  # perturbed attention on block 1, three copies per batched call
+    plain = generate(pipe, kwargs)
+    assert psnr(plain, generate(pipe, {**kwargs, "pag_scale": 0.0})) < 40  # the perturbed branch matters
+    dicache.enable(pipe, SETTINGS)
+    generate(pipe, kwargs)
+    assert dicache.stats(pipe).cached_calls > 0
+    dicache.enable(pipe, {"policy": "never"})
+    assert torch.equal(generate(pipe, kwargs), plain)
+    dicache.disable(pipe)
+    assert torch.equal(generate(pipe, kwargs), plain)
 
 
 # ---------------------------------------------------------------------- Flux: two lists, equal stream lengths

@@ -4,7 +4,10 @@ embeddings instead of text encoders, 8 steps, decoded output in `[0, 1]`."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+from PIL import Image
 from tiny_parts import (
     SETTINGS,
     Case,
@@ -14,6 +17,7 @@ from tiny_parts import (
     flux2_vae,
     kl_vae,
     randn,
+    seeded,
     small_kl_vae,
 )
 
@@ -428,6 +432,548 @@ def lumina_next():
     return finish(pipe), kwargs
 
 
+@contextmanager
+def small_edit_area(pixels: int = 32 * 32):
+    """Qwen-Image-Edit sizes its input image (and so its output) to about 1024² pixels; within this context it sizes
+    them to `pixels` instead, so the tiny case takes seconds."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
+
+    original = module.calculate_dimensions
+    module.calculate_dimensions = lambda _area, ratio: original(pixels, ratio)
+    try:
+        yield
+    finally:
+        module.calculate_dimensions = original
+
+
+def qwen_image_edit():
+    """QwenImageEditPipeline over the Qwen-Image case: the input image's latents join the image stream; true CFG.
+    Call it within `small_edit_area()`."""
+    from diffusers import QwenImageEditPipeline
+    from tiny_families import qwen_image
+
+    base, kwargs = qwen_image()
+    pipe = QwenImageEditPipeline(
+        scheduler=base.scheduler,
+        vae=base.vae,
+        text_encoder=None,
+        tokenizer=None,
+        processor=None,
+        transformer=base.transformer,
+    )
+    pixels = (torch.rand(32, 32, 3, generator=seeded(5)) * 255).to(torch.uint8).numpy()
+    kwargs.update(image=Image.fromarray(pixels), height=None, width=None)
+    return finish(pipe), kwargs
+
+
+def hunyuan_dit_pag():
+    """HunyuanDiTPAGPipeline over the HunyuanDiT case: perturbed-attention guidance on block 1, the uncond, cond and
+    perturbed copies batched in one call."""
+    from diffusers import HunyuanDiTPAGPipeline
+
+    base, kwargs = hunyuan_dit()
+    pipe = HunyuanDiTPAGPipeline(
+        vae=base.vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=base.transformer,
+        scheduler=base.scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        pag_applied_layers="blocks.1",
+    )
+    kwargs.update(pag_scale=3.0)
+    return finish(pipe), kwargs
+
+
+# ---------------------------------------------------------------------- video families on Wan's architecture
+WAN_CONFIG = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=16,
+    out_channels=16,
+    text_dim=32,
+    freq_dim=256,
+    ffn_dim=32,
+    num_layers=4,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=32,
+)
+"""Wan's tiny transformer config (`tiny_families.wan`), shared by the families built on its blocks."""
+
+
+def wan_parts():
+    """Wan's tiny VAE (16 latent channels, ×8 in space, ×4 in time) and its UniPC flow scheduler."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
+    return vae, UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+
+
+def wan_call(**kw):
+    """The call arguments of the Wan-architecture cases: CFG, 9 frames of 16 px, random T5-sized embeddings."""
+    return common_kwargs(
+        **{
+            "prompt_embeds": randn(1, 16, 32, seed=1),
+            "negative_prompt_embeds": randn(1, 16, 32, seed=2),
+            "guidance_scale": 5.0,
+            "height": 16,
+            "width": 16,
+            "num_frames": 9,
+            **kw,
+        }
+    )
+
+
+def wan_vace():
+    """Wan VACE: the VACE blocks turn the control video into hints, which the model adds after the blocks
+    `vace_layers` names (by index: the walk keeps them there); CFG as two calls per step, 9 frames of 16 px."""
+    from diffusers import WanVACEPipeline, WanVACETransformer3DModel
+
+    torch.manual_seed(0)
+    transformer = WanVACETransformer3DModel(**WAN_CONFIG, vace_layers=[0, 2], vace_in_channels=96)
+    vae, scheduler = wan_parts()
+    pipe = WanVACEPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler, transformer=transformer)
+    video = [Image.fromarray(frame) for frame in random_frames(9, 16, seed=6)]
+    return finish(pipe), wan_call(video=video)
+
+
+def skyreels_v2():
+    """SkyReels-V2 (text to video): Wan's blocks, CFG as two calls per step, 9 frames of 16 px."""
+    from diffusers import SkyReelsV2Pipeline, SkyReelsV2Transformer3DModel
+
+    torch.manual_seed(0)
+    transformer = SkyReelsV2Transformer3DModel(**WAN_CONFIG)
+    vae, scheduler = wan_parts()
+    pipe = SkyReelsV2Pipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae, scheduler=scheduler)
+    return finish(pipe), wan_call()
+
+
+def chronoedit():
+    """ChronoEdit (image editing as a short video): Wan's blocks with image cross-attention (a tiny CLIP vision
+    encoder), CFG as two calls per step, 5 frames of 16 px from one input image."""
+    from diffusers import ChronoEditPipeline, ChronoEditTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    config = {**WAN_CONFIG, "in_channels": 36, "image_dim": 4, "added_kv_proj_dim": 24}
+    transformer = ChronoEditTransformer3DModel(**config)
+    torch.manual_seed(0)
+    encoder = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=4,
+            projection_dim=4,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=8,
+            image_size=32,
+            patch_size=16,
+        )
+    ).eval()
+    vae, scheduler = wan_parts()
+    pipe = ChronoEditPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        image_encoder=encoder,
+        image_processor=CLIPImageProcessor(crop_size=32, size=32),
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+    )
+    kwargs = wan_call(image=Image.fromarray(random_frames(1, 16, seed=6)[0]))
+    kwargs["num_frames"] = 5
+    return finish(pipe), kwargs
+
+
+def cosmos_guardrail():
+    """A stand-in for the Cosmos guardrail (which is a large model): passes every prompt and video."""
+    from diffusers import ConfigMixin, ModelMixin
+
+    class PassThroughGuardrail(ModelMixin, ConfigMixin):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("anchor", torch.zeros(1))  # the pipeline reads its device from it
+
+        def check_text_safety(self, prompt: str) -> bool:
+            return True
+
+        def check_video_safety(self, video):
+            return video
+
+    return PassThroughGuardrail()
+
+
+def cosmos():
+    """Cosmos Predict 2 (text to image): blocks `(h, e) -> h` with the text as cross-attention, CFG as two calls per
+    step, 32 px with Wan's VAE. Its zero-initialised parameters are drawn at random. The case compares latents
+    (`output_type="latent"`): the tiny VAE decodes them to a nearly flat image, which the guardrail's 8-bit round trip
+    then makes equal for any cache."""
+    from diffusers import Cosmos2TextToImagePipeline, CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(0)
+    transformer = CosmosTransformer3DModel(
+        in_channels=16,
+        out_channels=16,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=4,
+        mlp_ratio=2,
+        text_embed_dim=32,
+        adaln_lora_dim=4,
+        max_size=(4, 32, 32),
+        patch_size=(1, 2, 2),
+        rope_scale=(2.0, 1.0, 1.0),
+        concat_padding_mask=False,  # True needs torchvision
+        extra_pos_embed_type="learnable",
+    )
+    vae, _ = wan_parts()
+    pipe = Cosmos2TextToImagePipeline(
+        text_encoder=None,
+        tokenizer=None,
+        transformer=draw_zero_weights(transformer),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True),
+        safety_checker=cosmos_guardrail(),
+    )
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 16, 32, seed=1),
+        negative_prompt_embeds=randn(1, 16, 32, seed=2),
+        guidance_scale=3.0,
+        height=32,
+        width=32,
+        output_type="latent",
+    )
+    return finish(pipe), kwargs
+
+
+def kandinsky5():
+    """Kandinsky 5 (text to image): text blocks, then the visual blocks `(h, e) -> h` the cache covers; CFG as two
+    calls per step, 64 px with a ×2 VAE (the pipeline accepts listed resolutions only: 64² is added). Its
+    zero-initialised parameters are drawn at random."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2IPipeline, Kandinsky5Transformer3DModel
+
+    torch.manual_seed(0)
+    transformer = Kandinsky5Transformer3DModel(
+        in_visual_dim=16,
+        in_text_dim=32,
+        in_text_dim2=16,
+        time_dim=16,
+        out_visual_dim=16,
+        patch_size=(1, 2, 2),
+        model_dim=16,
+        ff_dim=32,
+        num_text_blocks=1,
+        num_visual_blocks=4,
+        axes_dims=(1, 1, 2),
+        visual_cond=False,
+        attention_type="regular",
+    )
+    pipe = Kandinsky5T2IPipeline(
+        transformer=draw_zero_weights(transformer),
+        vae=small_kl_vae(16),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+    )
+    pipe.resolutions = [(64, 64)]
+    cu_seqlens = torch.tensor([0, 8], dtype=torch.int32)
+    kwargs = common_kwargs(
+        prompt_embeds_qwen=randn(1, 8, 32, seed=1),
+        prompt_embeds_clip=randn(1, 16, seed=2),
+        prompt_cu_seqlens=cu_seqlens,
+        negative_prompt_embeds_qwen=randn(1, 8, 32, seed=3),
+        negative_prompt_embeds_clip=randn(1, 16, seed=4),
+        negative_prompt_cu_seqlens=cu_seqlens,
+        guidance_scale=4.0,
+        height=64,
+        width=64,
+    )
+    return finish(pipe), kwargs
+
+
+def hunyuan_video15():
+    """HunyuanVideo 1.5: one list of `(h, e) -> (h, e)` blocks, CFG as two calls per step through its guider, 9
+    frames of 16 px."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    torch.manual_seed(0)
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=9,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=4,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=16,
+        text_embed_2_dim=32,
+        image_embed_dim=12,
+        rope_axes_dim=(2, 2, 4),
+        target_size=16,
+        task_type="t2v",
+    ).eval()
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo15(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(16, 16),
+        layers_per_block=1,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=2,
+        downsample_match_channel=False,
+        upsample_match_channel=False,
+    ).eval()
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=None,
+        tokenizer=None,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=None,
+        tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=4.0),
+    )
+    mask = torch.ones(1, 8, dtype=torch.long)
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 16, seed=1),
+        prompt_embeds_mask=mask,
+        negative_prompt_embeds=randn(1, 8, 16, seed=2),
+        negative_prompt_embeds_mask=mask,
+        prompt_embeds_2=randn(1, 8, 32, seed=3),
+        prompt_embeds_mask_2=mask,
+        negative_prompt_embeds_2=randn(1, 8, 32, seed=4),
+        negative_prompt_embeds_mask_2=mask,
+        height=16,
+        width=16,
+        num_frames=9,
+    )
+    return finish(pipe), kwargs
+
+
+def allegro():
+    """Allegro: one list of cross-attention blocks `(h, e) -> h`, batched CFG, DDIM steps, 8 frames of 16 px. Its
+    zero-initialised parameters are drawn at random; the case compares latents (its VAE decodes in tiles only, and
+    16 px decode to a constant)."""
+    from diffusers import AllegroPipeline, AllegroTransformer3DModel, AutoencoderKLAllegro, DDIMScheduler
+
+    torch.manual_seed(0)
+    transformer = AllegroTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        num_layers=4,
+        cross_attention_dim=24,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=8,
+        caption_channels=24,
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKLAllegro(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("AllegroDownBlock3D",) * 4,
+        up_block_types=("AllegroUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+    ).eval()
+    vae.enable_tiling()
+    pipe = AllegroPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=vae,
+        transformer=draw_zero_weights(transformer),
+        scheduler=DDIMScheduler(),
+    )
+    mask = torch.ones(1, 8, dtype=torch.long)
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 24, seed=1),
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=randn(1, 8, 24, seed=2),
+        negative_prompt_attention_mask=mask,
+        negative_prompt=None,
+        guidance_scale=6.0,
+        height=16,
+        width=16,
+        num_frames=8,
+        output_type="latent",
+    )
+    return finish(pipe), kwargs
+
+
+def easyanimate():
+    """EasyAnimate: one list of `(h, e) -> (h, e)` blocks, batched CFG, 5 frames of 16 px."""
+    from diffusers import (
+        AutoencoderKLMagvit,
+        EasyAnimatePipeline,
+        EasyAnimateTransformer3DModel,
+        FlowMatchEulerDiscreteScheduler,
+    )
+
+    torch.manual_seed(0)
+    transformer = EasyAnimateTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,  # its rotary embedding splits a head in quarters and eighths
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=2,
+        text_embed_dim=16,
+        num_layers=4,
+        sample_width=16,
+        sample_height=16,
+        patch_size=2,
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKLMagvit(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("SpatialDownBlock3D",) + ("SpatialTemporalDownBlock3D",) * 3,
+        up_block_types=("SpatialUpBlock3D",) + ("SpatialTemporalUpBlock3D",) * 3,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        spatial_group_norm=False,
+    ).eval()
+    pipe = EasyAnimatePipeline(
+        vae=vae, text_encoder=None, tokenizer=None, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler()
+    )
+    mask = torch.ones(1, 8, dtype=torch.long)
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 16, seed=1),
+        prompt_attention_mask=mask,
+        negative_prompt_embeds=randn(1, 8, 16, seed=2),
+        negative_prompt_attention_mask=mask,
+        guidance_scale=6.0,
+        height=16,
+        width=16,
+        num_frames=5,
+    )
+    return finish(pipe), kwargs
+
+
+def stable_audio():
+    """Stable Audio Open: one list of cross-attention blocks `h -> h` (the text comes as a keyword), batched CFG,
+    EDM DPM-Solver steps, a few stereo samples from the Oobleck VAE. Its zero-initialised parameters are drawn at
+    random."""
+    from diffusers import (
+        AutoencoderOobleck,
+        EDMDPMSolverMultistepScheduler,
+        StableAudioDiTModel,
+        StableAudioPipeline,
+        StableAudioProjectionModel,
+    )
+
+    torch.manual_seed(0)
+    transformer = StableAudioDiTModel(
+        sample_size=4,
+        in_channels=3,
+        num_layers=4,
+        attention_head_dim=4,
+        num_key_value_attention_heads=2,
+        out_channels=3,
+        cross_attention_dim=4,
+        time_proj_dim=8,
+        global_states_input_dim=8,
+        cross_attention_input_dim=4,
+    )
+    scheduler = EDMDPMSolverMultistepScheduler(  # its own cosine DPM-Solver needs torchsde
+        solver_order=2, prediction_type="v_prediction", sigma_data=1.0, sigma_schedule="exponential"
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderOobleck(
+        encoder_hidden_size=6,
+        downsampling_ratios=[1, 2],
+        decoder_channels=3,
+        decoder_input_channels=3,
+        audio_channels=2,
+        channel_multiples=[2, 4],
+        sampling_rate=4,
+    ).eval()
+    torch.manual_seed(0)
+    projection = StableAudioProjectionModel(text_encoder_dim=32, conditioning_dim=4, min_value=0, max_value=32)
+    pipe = StableAudioPipeline(
+        vae=vae,
+        text_encoder=None,
+        projection_model=projection,
+        tokenizer=None,
+        transformer=draw_zero_weights(transformer),
+        scheduler=scheduler,
+    )
+    mask = torch.ones(1, 8, dtype=torch.long)
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 32, seed=1),
+        attention_mask=mask,
+        negative_prompt_embeds=randn(1, 8, 32, seed=2),
+        negative_attention_mask=mask,
+        guidance_scale=6.0,
+    )
+    return finish(pipe), kwargs
+
+
+def anyflow():
+    """AnyFlow (flow-map text to video on Wan's blocks): blocks `(h, e) -> h`, batched CFG, flow-map Euler steps, 9
+    frames of 16 px."""
+    from diffusers import AnyFlowPipeline, AnyFlowTransformer3DModel, FlowMapEulerDiscreteScheduler
+
+    torch.manual_seed(0)
+    config = {key: value for key, value in WAN_CONFIG.items() if key != "qk_norm"}
+    transformer = AnyFlowTransformer3DModel(**config, gate_value=0.25, deltatime_type="r")
+    vae, _ = wan_parts()
+    scheduler = FlowMapEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0)
+    pipe = AnyFlowPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae, scheduler=scheduler)
+    return finish(pipe), wan_call(guidance_scale=6.0)
+
+
+def helios():
+    """Helios (chunked text to video with history on Wan's blocks): blocks `(h, e) -> h`, CFG as two calls per step,
+    frames of 16 px."""
+    from diffusers import HeliosPipeline, HeliosScheduler, HeliosTransformer3DModel
+
+    torch.manual_seed(0)
+    config = {key: value for key, value in WAN_CONFIG.items() if key not in ("rope_max_seq_len",)}
+    transformer = HeliosTransformer3DModel(
+        **config,
+        rope_dim=(4, 4, 4),
+        has_multi_term_memory_patch=True,
+        guidance_cross_attn=True,
+        zero_history_timestep=True,
+        is_amplify_history=False,
+    )
+    vae, _ = wan_parts()
+    scheduler = HeliosScheduler(stage_range=[0, 1], stages=1, use_dynamic_shifting=True)
+    pipe = HeliosPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler, transformer=transformer)
+    return finish(pipe), wan_call()
+
+
+def random_frames(count: int, size: int, seed: int):
+    """`count` random RGB frames (uint8 arrays) of `size` px."""
+    return list((torch.rand(count, size, size, 3, generator=seeded(seed)) * 255).to(torch.uint8).numpy())
+
+
 MORE_CASES: dict[str, Case] = {
     case.family: case
     for case in (
@@ -453,6 +999,22 @@ MORE_CASES: dict[str, Case] = {
         Case("HunyuanDiT", hunyuan_dit, separate_cfg=False),
         Case("DiT", dit, separate_cfg=False),
         Case("Lumina-Next", lumina_next, separate_cfg=False),
+        Case("Wan VACE", wan_vace, separate_cfg=True),
+        Case("SkyReels-V2", skyreels_v2, separate_cfg=True),
+        Case("ChronoEdit", chronoedit, separate_cfg=True),
+        Case("Cosmos", cosmos, separate_cfg=True),
+        Case("Kandinsky 5", kandinsky5, separate_cfg=True),
+        Case("HunyuanVideo 1.5", hunyuan_video15, separate_cfg=True),
+        Case("Allegro", allegro, separate_cfg=False),
+        Case("AnyFlow", anyflow, separate_cfg=False),
+        Case("Helios", helios, separate_cfg=True),
+        Case("EasyAnimate", easyanimate, separate_cfg=False),
+        Case(
+            "Stable Audio",
+            stable_audio,
+            separate_cfg=False,
+            settings={**SETTINGS, "residual_diff_threshold": 0.8},  # random weights: nothing cached at 0.5
+        ),
     )
 }
 """The cases of `FAMILIES` entries after Krea-2, keyed by family name."""

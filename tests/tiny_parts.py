@@ -120,7 +120,7 @@ def finish(pipe):
 
 def images(output: Any) -> torch.Tensor:
     """The decoded images (or video frames) of a pipeline output, as a float tensor in [0, 1]."""
-    value = output.images if hasattr(output, "images") else output.frames
+    value = next(getattr(output, name) for name in ("images", "frames", "image", "audios") if hasattr(output, name))
     return torch.as_tensor(value).float()
 
 

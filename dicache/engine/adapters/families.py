@@ -53,7 +53,17 @@ FAMILIES: tuple[Family, ...] = (
         "Flux.1",
         ("FluxTransformer2DModel",),
         (("transformer_blocks", HE_TO_EH), ("single_transformer_blocks", HE_TO_EH)),
-        ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline"),
+        (
+            "FluxPipeline",
+            "FluxImg2ImgPipeline",
+            "FluxInpaintPipeline",
+            "FluxKontextPipeline",
+            "FluxFillPipeline",
+            "FluxControlPipeline",
+            "FluxControlNetPipeline",
+            "VisualClozePipeline",
+            "VisualClozeGenerationPipeline",
+        ),
         SEPARATE,
         cache_dit="same stack; cache-dit's patched forward adds only the first ControlNet residual",
     ),
@@ -239,6 +249,84 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("DiT", ("DiTTransformer2DModel",), (("transformer_blocks", H_TO_H),), ("DiTPipeline",), BATCHED),
     Family("Lumina-Next", ("LuminaNextDiT2DModel",), (("layers", H_TO_H),), ("LuminaPipeline",), BATCHED),
+    Family(
+        "Wan VACE",
+        ("WanVACETransformer3DModel",),
+        (("blocks", HE_TO_H),),
+        ("WanVACEPipeline",),
+        SEPARATE,
+        transformers=("transformer", "transformer_2"),
+        cache_dit="cache-dit patches the forward to add the VACE hints (same blocks and decisions)",
+    ),
+    Family(
+        "SkyReels-V2",
+        ("SkyReelsV2Transformer3DModel",),
+        (("blocks", HE_TO_H),),
+        (
+            "SkyReelsV2Pipeline",
+            "SkyReelsV2ImageToVideoPipeline",
+            "SkyReelsV2DiffusionForcingPipeline",
+            "SkyReelsV2DiffusionForcingImageToVideoPipeline",
+            "SkyReelsV2DiffusionForcingVideoToVideoPipeline",
+        ),
+        SEPARATE,
+    ),
+    Family("ChronoEdit", ("ChronoEditTransformer3DModel",), (("blocks", HE_TO_H),), ("ChronoEditPipeline",), SEPARATE),
+    Family(
+        "Cosmos",
+        ("CosmosTransformer3DModel",),
+        (("transformer_blocks", HE_TO_H),),
+        (
+            "Cosmos2TextToImagePipeline",
+            "Cosmos2VideoToWorldPipeline",
+            "CosmosTextToWorldPipeline",
+            "CosmosVideoToWorldPipeline",
+            "Cosmos2_5_PredictBasePipeline",
+            "Cosmos2_5_TransferPipeline",
+        ),
+        SEPARATE,
+    ),
+    Family(
+        "Kandinsky 5",
+        ("Kandinsky5Transformer3DModel",),
+        (("visual_transformer_blocks", HE_TO_H),),
+        ("Kandinsky5T2IPipeline", "Kandinsky5I2IPipeline", "Kandinsky5T2VPipeline", "Kandinsky5I2VPipeline"),
+        SEPARATE,
+    ),
+    Family(
+        "HunyuanVideo 1.5",
+        ("HunyuanVideo15Transformer3DModel",),
+        (("transformer_blocks", HE_TO_HE),),
+        ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
+        SEPARATE,
+    ),
+    Family(
+        "Allegro", ("AllegroTransformer3DModel",), (("transformer_blocks", HE_TO_H),), ("AllegroPipeline",), BATCHED
+    ),
+    Family(
+        "EasyAnimate",
+        ("EasyAnimateTransformer3DModel",),
+        (("transformer_blocks", HE_TO_HE),),
+        ("EasyAnimatePipeline", "EasyAnimateControlPipeline", "EasyAnimateInpaintPipeline"),
+        BATCHED,
+    ),
+    Family(
+        "AnyFlow",
+        ("AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel"),
+        (("blocks", HE_TO_H),),
+        ("AnyFlowPipeline", "AnyFlowFARPipeline"),
+        BATCHED,
+    ),
+    Family(
+        "Helios",
+        ("HeliosTransformer3DModel",),
+        (("blocks", HE_TO_H),),
+        ("HeliosPipeline", "HeliosPyramidPipeline"),
+        SEPARATE,
+    ),
+    Family(
+        "Stable Audio", ("StableAudioDiTModel",), (("transformer_blocks", H_TO_H),), ("StableAudioPipeline",), BATCHED
+    ),
 )
 
 
