@@ -6,8 +6,12 @@ the uncached run for configs given as overrides of the recommended family at a b
 Prints one JSON line per config (mean and worst PSNR over the first 3 `split: train` prompts, compute, seconds).
 """
 
-import json, sys, time
+import json
+import sys
+import time
+
 import torch
+
 from dicache import CacheConfig
 from dicache.models.krea2 import Krea2Pipeline
 from dicache.models.krea2.checkpoints import heldout_prompts_file, resolve_model
