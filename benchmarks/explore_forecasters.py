@@ -6,6 +6,7 @@ the uncached run for configs given as overrides of the recommended family at a b
 Prints one JSON line per config (mean and worst PSNR over the first 3 `split: train` prompts, compute, seconds).
 """
 
+import ast
 import json
 import sys
 import time
@@ -28,7 +29,6 @@ prompts = read_prompts(heldout_prompts_file(None), split="train")[:3]
 runner = PipelineRunner(pipe, steps, 4.5, "raw", 128, 128)
 refs = [runner.run(p, s or 0, None) for p, s in prompts]
 rec = recommended(frac)
-import ast
 
 configs = {}
 for item in sys.argv[3:]:
