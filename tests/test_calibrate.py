@@ -43,6 +43,7 @@ TEST_CANDIDATES = [
     {"residual_diff_threshold": 0.2},
     {"residual_diff_threshold": 0.04},
     {"Fn_compute_blocks": 10},
+    {"policy": "magcache", "magcache_thresh": 0.3},  # valid only over the fitted ratios
 ]
 
 
@@ -244,6 +245,13 @@ def test_calibrate_writes_the_cheapest_profile_meeting_the_target(calibrated):
             assert c["meets_target"] == (c["psnr_min_db"] >= TARGET)
     assert any(c["compute_fraction"] and c["compute_fraction"] < chosen["compute_fraction"] for c in results)
     assert "<- chosen" in printed and f"wrote {path}" in printed and "invalid: Fn_compute_blocks=10" in printed
+    # the fits ran on the first prompt and are stored: MagCache's ratios (one per step, 1 at step 0), TeaCache's
+    # rising polynomial (degree <= 4); the MagCache candidate ran over them
+    assert record["fitted_on"] == record["prompts"][0] and "fitted on" in printed
+    ratios = settings["magcache_ratios"]
+    assert len(ratios) == 8 and ratios[0] == 1.0 and all(0 < r < 10 for r in ratios) and len(set(ratios)) > 2
+    assert 2 <= len(settings["teacache_coefficients"]) <= 5
+    assert results[4]["status"] != "invalid"
 
 
 def test_generate_with_the_profile_uses_its_settings_and_meets_the_target(calibrated, tmp_path, capsys):

@@ -9,65 +9,25 @@ steps, a fixed generator and decoded output in `[0, 1]` (`output_type="pt"`, or 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-STEPS = 8
-
-
-@dataclass(frozen=True)
-class Case:
-    """A family's tiny pipeline: `build()` gives `(pipe, kwargs)`. `separate_cfg`: the pipeline makes one transformer
-    call per CFG branch with these kwargs (cache-dit's `enable_separate_cfg`). `cache_dit_lists`: how cache-dit's
-    registered adapter caches the block lists (`separate` for HunyuanVideo, Chroma, HiDream, Flux.2), i.e. the
-    `lists=` layout whose images equal cache-dit's."""
-
-    family: str
-    build: Callable[[], tuple[Any, dict]]
-    separate_cfg: bool
-    cache_dit_lists: str = "joined"
-
-
-def _generator(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=_generator(seed))
-
-
-def _common(**kw: Any) -> dict:
-    return dict(num_inference_steps=STEPS, generator=_generator(0), output_type="pt", **kw)
-
-
-def _kl_vae(latent_channels: int, **kw: Any):
-    from diffusers import AutoencoderKL
-
-    torch.manual_seed(0)
-    config = dict(
-        sample_size=32,
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(4,),
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=1,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
-    )
-    config.update(kw)
-    return AutoencoderKL(**config).eval()
-
-
-def _finish(pipe):
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+from tiny_families_more import MORE_CASES
+from tiny_parts import (  # noqa: F401 (re-exported for the tests and the benchmark)
+    SETTINGS,
+    STEPS,
+    Case,
+    cache_dit_layout,
+    cache_dit_psnr,
+    common_kwargs,
+    finish,
+    flux2_vae,
+    generate,
+    kl_vae,
+    psnr,
+    randn,
+    seeded,
+)
 
 
 # ---------------------------------------------------------------------- image families
@@ -90,23 +50,23 @@ def flux(text_len: int = 16, size: int = 16):
     )
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=_kl_vae(1),
+        vae=kl_vae(1),
         text_encoder=None,
         tokenizer=None,
         text_encoder_2=None,
         tokenizer_2=None,
         transformer=transformer,
     )
-    kwargs = _common(
-        prompt_embeds=_randn(1, text_len, 32, seed=1),
-        pooled_prompt_embeds=_randn(1, 32, seed=2),
-        negative_prompt_embeds=_randn(1, text_len, 32, seed=3),
-        negative_pooled_prompt_embeds=_randn(1, 32, seed=4),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, text_len, 32, seed=1),
+        pooled_prompt_embeds=randn(1, 32, seed=2),
+        negative_prompt_embeds=randn(1, text_len, 32, seed=3),
+        negative_pooled_prompt_embeds=randn(1, 32, seed=4),
         true_cfg_scale=2.0,
         height=size,
         width=size,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def sd3(**call: Any):
@@ -128,7 +88,7 @@ def sd3(**call: Any):
     )
     pipe = StableDiffusion3Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=_kl_vae(4),
+        vae=kl_vae(4),
         text_encoder=None,
         tokenizer=None,
         text_encoder_2=None,
@@ -137,17 +97,17 @@ def sd3(**call: Any):
         tokenizer_3=None,
         transformer=transformer,
     )
-    kwargs = _common(
-        prompt_embeds=_randn(1, 12, 32, seed=1),
-        pooled_prompt_embeds=_randn(1, 64, seed=2),
-        negative_prompt_embeds=_randn(1, 12, 32, seed=3),
-        negative_pooled_prompt_embeds=_randn(1, 64, seed=4),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 12, 32, seed=1),
+        pooled_prompt_embeds=randn(1, 64, seed=2),
+        negative_prompt_embeds=randn(1, 12, 32, seed=3),
+        negative_pooled_prompt_embeds=randn(1, 64, seed=4),
         guidance_scale=5.0,
         height=16,
         width=16,
         **call,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def _qwen_vae():
@@ -189,16 +149,16 @@ def qwen_image():
         transformer=transformer,
     )
     mask = torch.ones(1, 10, dtype=torch.long)
-    kwargs = _common(
-        prompt_embeds=_randn(1, 10, 16, seed=1),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 10, 16, seed=1),
         prompt_embeds_mask=mask,
-        negative_prompt_embeds=_randn(1, 10, 16, seed=2),
+        negative_prompt_embeds=randn(1, 10, 16, seed=2),
         negative_prompt_embeds_mask=mask,
         true_cfg_scale=3.0,
         height=32,
         width=32,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def _wan_transformer(seed: int):
@@ -240,15 +200,15 @@ def wan(two_stage: bool = False):
         transformer_2=_wan_transformer(1) if two_stage else None,
         boundary_ratio=0.8 if two_stage else None,
     )
-    kwargs = _common(
-        prompt_embeds=_randn(1, 16, 32, seed=1),
-        negative_prompt_embeds=_randn(1, 16, 32, seed=2),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 16, 32, seed=1),
+        negative_prompt_embeds=randn(1, 16, 32, seed=2),
         guidance_scale=5.0,
         height=16,
         width=16,
         num_frames=9,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def wan22():
@@ -306,12 +266,12 @@ def hunyuan_video():
         tokenizer_2=None,
     )
     mask = torch.ones(1, 12)
-    kwargs = _common(
-        prompt_embeds=_randn(1, 12, 16, seed=1),
-        pooled_prompt_embeds=_randn(1, 8, seed=2),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 12, 16, seed=1),
+        pooled_prompt_embeds=randn(1, 8, seed=2),
         prompt_attention_mask=mask,
-        negative_prompt_embeds=_randn(1, 12, 16, seed=3),
-        negative_pooled_prompt_embeds=_randn(1, 8, seed=4),
+        negative_prompt_embeds=randn(1, 12, 16, seed=3),
+        negative_pooled_prompt_embeds=randn(1, 8, seed=4),
         negative_prompt_attention_mask=mask,
         true_cfg_scale=2.0,
         guidance_scale=4.5,
@@ -319,7 +279,7 @@ def hunyuan_video():
         width=16,
         num_frames=5,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def cogvideox():
@@ -357,15 +317,15 @@ def cogvideox():
     pipe = CogVideoXPipeline(
         tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, scheduler=DDIMScheduler()
     )
-    kwargs = _common(
-        prompt_embeds=_randn(1, 16, 32, seed=1),
-        negative_prompt_embeds=_randn(1, 16, 32, seed=2),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 16, 32, seed=1),
+        negative_prompt_embeds=randn(1, 16, 32, seed=2),
         guidance_scale=6.0,
         height=16,
         width=16,
         num_frames=9,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def cogview4():
@@ -390,7 +350,7 @@ def cogview4():
     pipe = CogView4Pipeline(
         tokenizer=None,
         text_encoder=None,
-        vae=_kl_vae(
+        vae=kl_vae(
             4,
             block_out_channels=(4, 4),
             norm_num_groups=2,
@@ -400,14 +360,14 @@ def cogview4():
         transformer=transformer,
         scheduler=scheduler,
     )
-    kwargs = _common(
-        prompt_embeds=_randn(1, 16, 32, seed=1),
-        negative_prompt_embeds=_randn(1, 16, 32, seed=2),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 16, 32, seed=1),
+        negative_prompt_embeds=randn(1, 16, 32, seed=2),
         guidance_scale=5.0,
         height=16,
         width=16,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def lumina2():
@@ -434,21 +394,21 @@ def lumina2():
     pipe = Lumina2Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=_kl_vae(4),
+        vae=kl_vae(4),
         text_encoder=None,
         tokenizer=None,
     )
     mask = torch.ones(1, 10, dtype=torch.long)
-    kwargs = _common(
-        prompt_embeds=_randn(1, 10, 8, seed=1),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 10, 8, seed=1),
         prompt_attention_mask=mask,
-        negative_prompt_embeds=_randn(1, 10, 8, seed=2),
+        negative_prompt_embeds=randn(1, 10, 8, seed=2),
         negative_prompt_attention_mask=mask,
         guidance_scale=4.0,
         height=64,
         width=64,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def chroma():
@@ -472,22 +432,22 @@ def chroma():
     )
     pipe = ChromaPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=_kl_vae(1),
+        vae=kl_vae(1),
         text_encoder=None,
         tokenizer=None,
         transformer=transformer,
     )
     mask = torch.ones(1, 12, dtype=torch.bool)
-    kwargs = _common(
-        prompt_embeds=_randn(1, 12, 32, seed=1),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 12, 32, seed=1),
         prompt_attention_mask=mask,
-        negative_prompt_embeds=_randn(1, 12, 32, seed=2),
+        negative_prompt_embeds=randn(1, 12, 32, seed=2),
         negative_prompt_attention_mask=mask,
         guidance_scale=4.0,
         height=16,
         width=16,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def hidream():
@@ -512,7 +472,7 @@ def hidream():
         max_resolution=(32, 32),
         llama_layers=tuple(range(5)),  # one Llama layer per block
     ).eval()
-    vae = _kl_vae(
+    vae = kl_vae(
         4,
         block_out_channels=(4, 4),
         norm_num_groups=2,
@@ -533,18 +493,18 @@ def hidream():
         transformer=transformer,
     )
     pipe.default_sample_size = 8
-    kwargs = _common(
-        prompt_embeds_t5=_randn(1, 8, 32, seed=1),
-        prompt_embeds_llama3=_randn(5, 1, 8, 16, seed=2),
-        pooled_prompt_embeds=_randn(1, 64, seed=3),
-        negative_prompt_embeds_t5=_randn(1, 8, 32, seed=4),
-        negative_prompt_embeds_llama3=_randn(5, 1, 8, 16, seed=5),
-        negative_pooled_prompt_embeds=_randn(1, 64, seed=6),
+    kwargs = common_kwargs(
+        prompt_embeds_t5=randn(1, 8, 32, seed=1),
+        prompt_embeds_llama3=randn(5, 1, 8, 16, seed=2),
+        pooled_prompt_embeds=randn(1, 64, seed=3),
+        negative_prompt_embeds_t5=randn(1, 8, 32, seed=4),
+        negative_prompt_embeds_llama3=randn(5, 1, 8, 16, seed=5),
+        negative_pooled_prompt_embeds=randn(1, 64, seed=6),
         guidance_scale=5.0,
         height=16,
         width=16,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def pixart(alpha: bool = False):
@@ -569,7 +529,7 @@ def pixart(alpha: bool = False):
         norm_elementwise_affine=False,
         norm_eps=1e-6,
     ).eval()
-    vae = _kl_vae(
+    vae = kl_vae(
         4,
         block_out_channels=(4, 4),
         norm_num_groups=2,
@@ -579,10 +539,10 @@ def pixart(alpha: bool = False):
     cls = PixArtAlphaPipeline if alpha else PixArtSigmaPipeline
     pipe = cls(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, scheduler=DDIMScheduler())
     mask = torch.ones(1, 8, dtype=torch.long)
-    kwargs = _common(
-        prompt_embeds=_randn(1, 8, 32, seed=1),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 32, seed=1),
         prompt_attention_mask=mask,
-        negative_prompt_embeds=_randn(1, 8, 32, seed=2),
+        negative_prompt_embeds=randn(1, 8, 32, seed=2),
         negative_prompt_attention_mask=mask,
         negative_prompt=None,
         guidance_scale=4.5,
@@ -590,7 +550,7 @@ def pixart(alpha: bool = False):
         width=16,
         use_resolution_binning=False,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def pixart_alpha():
@@ -642,10 +602,10 @@ def sana():
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
     )
     mask = torch.ones(1, 8, dtype=torch.long)
-    kwargs = _common(
-        prompt_embeds=_randn(1, 8, 8, seed=1),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, 8, seed=1),
         prompt_attention_mask=mask,
-        negative_prompt_embeds=_randn(1, 8, 8, seed=2),
+        negative_prompt_embeds=randn(1, 8, 8, seed=2),
         negative_prompt_attention_mask=mask,
         negative_prompt=None,
         guidance_scale=4.5,
@@ -654,7 +614,7 @@ def sana():
         use_resolution_binning=False,
         complex_human_instruction=None,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def krea2():
@@ -675,22 +635,22 @@ def krea2():
     )
     mask = torch.zeros(1, 12, dtype=torch.bool)
     mask[:, :7] = True
-    kwargs = _common(
-        prompt_embeds=_randn(1, 12, 3, 32, seed=1),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 12, 3, 32, seed=1),
         prompt_embeds_mask=mask,
-        negative_prompt_embeds=_randn(1, 12, 3, 32, seed=2),
+        negative_prompt_embeds=randn(1, 12, 3, 32, seed=2),
         negative_prompt_embeds_mask=mask,
         guidance_scale=3.5,
         height=64,
         width=64,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def flux2():
     """Flux.2 (guidance-distilled: one call per step): double-stream blocks, then the model joins text and image for
     the single-stream blocks; 16 px with a ×1 VAE."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
 
     torch.manual_seed(0)
     transformer = Flux2Transformer2DModel(
@@ -704,20 +664,7 @@ def flux2():
         timestep_guidance_channels=256,
         axes_dims_rope=[4, 4, 4, 4],
     )
-    torch.manual_seed(0)
-    vae = AutoencoderKLFlux2(
-        sample_size=32,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",),
-        up_block_types=("UpDecoderBlock2D",),
-        block_out_channels=(4,),
-        layers_per_block=1,
-        latent_channels=1,
-        norm_num_groups=1,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ).eval()
+    vae = flux2_vae()
     pipe = Flux2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
@@ -725,8 +672,8 @@ def flux2():
         tokenizer=None,
         transformer=transformer,
     )
-    kwargs = _common(prompt_embeds=_randn(1, 8, 16, seed=1), guidance_scale=4.0, height=16, width=16)
-    return _finish(pipe), kwargs
+    kwargs = common_kwargs(prompt_embeds=randn(1, 8, 16, seed=1), guidance_scale=4.0, height=16, width=16)
+    return finish(pipe), kwargs
 
 
 def mochi():
@@ -760,17 +707,17 @@ def mochi():
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None, transformer=transformer
     )
     mask = torch.ones(1, 16, dtype=torch.long)
-    kwargs = _common(
-        prompt_embeds=_randn(1, 16, 32, seed=1),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 16, 32, seed=1),
         prompt_attention_mask=mask,
-        negative_prompt_embeds=_randn(1, 16, 32, seed=2),
+        negative_prompt_embeds=randn(1, 16, 32, seed=2),
         negative_prompt_attention_mask=mask,
         guidance_scale=4.5,
         height=16,
         width=16,
         num_frames=7,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def ltx():
@@ -820,17 +767,17 @@ def ltx():
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None, transformer=transformer
     )
     mask = torch.ones(1, 16, dtype=torch.long)
-    kwargs = _common(
-        prompt_embeds=_randn(1, 16, 32, seed=1),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 16, 32, seed=1),
         prompt_attention_mask=mask,
-        negative_prompt_embeds=_randn(1, 16, 32, seed=2),
+        negative_prompt_embeds=randn(1, 16, 32, seed=2),
         negative_prompt_attention_mask=mask,
         guidance_scale=3.0,
         height=32,
         width=32,
         num_frames=9,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 def cogview3plus():
@@ -851,7 +798,7 @@ def cogview3plus():
         pos_embed_max_size=8,
         sample_size=8,
     )
-    vae = _kl_vae(
+    vae = kl_vae(
         4,
         block_out_channels=(4, 4),
         norm_num_groups=2,
@@ -861,14 +808,14 @@ def cogview3plus():
     pipe = CogView3PlusPipeline(
         tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, scheduler=CogVideoXDDIMScheduler()
     )
-    kwargs = _common(
-        prompt_embeds=_randn(1, 16, 32, seed=1),
-        negative_prompt_embeds=_randn(1, 16, 32, seed=2),
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 16, 32, seed=1),
+        negative_prompt_embeds=randn(1, 16, 32, seed=2),
         guidance_scale=6.0,
         height=16,
         width=16,
     )
-    return _finish(pipe), kwargs
+    return finish(pipe), kwargs
 
 
 CASES: dict[str, Case] = {
@@ -893,54 +840,8 @@ CASES: dict[str, Case] = {
         Case("Krea-2", krea2, separate_cfg=True),
     )
 }
+CASES.update(MORE_CASES)
 """One case per registered family (`dicache.adapters.FAMILIES`), keyed by family name."""
-
-
-def images(output: Any) -> torch.Tensor:
-    """The decoded images (or video frames) of a pipeline output, as a float tensor in [0, 1]."""
-    value = output.images if hasattr(output, "images") else output.frames
-    return torch.as_tensor(value).float()
-
-
-def generate(pipe: Any, kwargs: dict) -> torch.Tensor:
-    """One generation with `kwargs` and a fresh generator of the same seed."""
-    with torch.no_grad():
-        return images(pipe(**{**kwargs, "generator": _generator(0)}))
-
-
-def psnr(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """PSNR in dB of images in [0, 1] (inf when equal)."""
-    mse = torch.mean((reference.float() - other.float()) ** 2).item()
-    return float("inf") if mse == 0 else 10.0 * math.log10(1.0 / mse)
-
-
-SETTINGS = {"residual_diff_threshold": 0.5, "max_warmup_steps": 1}
-"""The issue-24 settings every family is checked with (defaults otherwise: Fn=1, Bn=0, MC=3)."""
-
-
-def cache_dit_psnr(case: Case, pipe: Any, kwargs: dict, plain: torch.Tensor) -> tuple[float, int]:
-    """PSNR against `plain` of `pipe` cached by cache-dit 1.5.3 with `SETTINGS` (its registered adapter), and the
-    calls it cached. Leaves the pipeline as it found it."""
-    import cache_dit
-
-    config = cache_dit.DBCacheConfig(
-        num_inference_steps=STEPS,
-        Fn_compute_blocks=1,
-        Bn_compute_blocks=0,
-        max_warmup_steps=SETTINGS["max_warmup_steps"],
-        residual_diff_threshold=SETTINGS["residual_diff_threshold"],
-        max_continuous_cached_steps=3,
-        enable_separate_cfg=case.separate_cfg,
-    )
-    cache_dit.enable_cache(pipe, cache_config=config)
-    try:
-        out = generate(pipe, kwargs)
-        summaries = [s for s in cache_dit.summary(pipe, logging=False) if s.cache_options]
-        first = summaries[0]
-        cached = len(first.cached_steps or []) + len(first.cfg_cached_steps or [])
-    finally:
-        cache_dit.disable_cache(pipe)
-    return psnr(plain, out), cached
 
 
 def flux_controlnet():
@@ -976,5 +877,5 @@ def flux_controlnet():
     )
     for key in ("negative_prompt_embeds", "negative_pooled_prompt_embeds", "true_cfg_scale"):
         kwargs.pop(key)
-    kwargs.update(control_image=torch.rand(1, 3, 16, 16, generator=_generator(5)), controlnet_conditioning_scale=1.0)
-    return _finish(control), kwargs
+    kwargs.update(control_image=torch.rand(1, 3, 16, 16, generator=seeded(5)), controlnet_conditioning_scale=1.0)
+    return finish(control), kwargs

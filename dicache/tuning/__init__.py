@@ -22,12 +22,15 @@ Procedure (`calibrate`):
    default, the safe reading of a target; or `mean`) is >= the target, the least compute fraction; ties go to the
    higher PSNR, then to the earlier candidate.
 
-`CANDIDATES` is the built-in candidate list; `profile_settings` turns the choice into a profile's `settings`.
+Before the candidates, `fit_algorithms` traces one uncached generation of the first sample and fits TeaCache's
+rescale polynomial and MagCache's ratio profile (`fits`); every candidate runs over those values (its own keys win),
+so the chosen profile stores them. `CANDIDATES` is the built-in candidate list; `profile_settings` turns the choice
+into a profile's `settings`.
 
-Modules, one job each: `candidates` (the built-in list, candidate files, checking one), `masks` (the per-step mask
-search), `runner` (generating one
-sample: the sweep's `NativeRunner` at a fixed schedule), `search` (the procedure above), `report` (table, profile
-settings and record), `errors`. Setting names and labels come from `dicache.sweep.settings`.
+Modules, one job each: `fits` (the per-model fits), `candidates` (the built-in list, candidate files, checking one),
+`masks` (the per-step mask search), `runner` (generating one sample: the sweep's `NativeRunner` at a fixed
+schedule), `search` (the procedure above), `report` (table, profile settings and record), `errors`. Setting names
+and labels come from `dicache.sweep.settings`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 from ..sweep.settings import RECOMMENDED_FAMILY, label
 from .candidates import CANDIDATES, check_candidate, load_candidates
 from .errors import CalibrationError, TargetNotMet
+from .fits import ResidualTrace, fit_algorithms, fit_polynomial, magcache_profile
 from .report import calibration_record, format_table, profile_settings
 from .runner import Measurement, PipelineRunner, Runner
 from .search import CRITERIA, Calibration, CandidateResult, Criterion, calibrate
@@ -49,13 +53,17 @@ __all__ = [
     "Criterion",
     "Measurement",
     "PipelineRunner",
+    "ResidualTrace",
     "Runner",
     "TargetNotMet",
     "calibrate",
     "calibration_record",
     "check_candidate",
+    "fit_algorithms",
+    "fit_polynomial",
     "format_table",
     "label",
     "load_candidates",
+    "magcache_profile",
     "profile_settings",
 ]

@@ -139,6 +139,7 @@ def calibrate(
     early_stop: bool = True,
     progress: bool = True,
     on_reject: Callable[[CandidateResult], None] | None = None,
+    base: CacheConfig | None = None,
     step_masks: bool = False,
 ) -> Calibration:
     """Run the references and the candidates on `samples` and choose (see the module docstring).
@@ -146,7 +147,8 @@ def calibrate(
     `step_masks`: on schedules of at most `MAX_MASK_STEPS` steps, first search per-step masks (`masks.beam_search`,
     every sample, no early stop); each mask scored becomes a candidate after the listed ones.
 
-    `on_reject` is called for each invalid candidate (the command prints them as they are found)."""
+    `on_reject` is called for each invalid candidate (the command prints them as they are found); `base`: the config
+    every candidate is merged over (default the built-in defaults; `fit_algorithms`' values go there)."""
     if criterion not in CRITERIA:
         raise CalibrationError(f"criterion={criterion!r} is invalid: must be one of {', '.join(CRITERIA)}")
     if not math.isfinite(target_psnr) or target_psnr <= 0:
@@ -158,7 +160,7 @@ def calibrate(
     for index, overrides in enumerate(candidates):
         result = CandidateResult(index, overrides)
         try:
-            result.config = check_candidate(overrides, runner.num_blocks, runner.steps)
+            result.config = check_candidate(overrides, runner.num_blocks, runner.steps, base)
         except (ConfigError, TypeError, ValueError) as exc:
             result.status, result.error = "invalid", str(exc)
             if on_reject is not None:
