@@ -63,13 +63,13 @@ class InputCorrectedCalibrator(CorrectedTaylorCalibrator):
             if t is not None:
                 self._gain = self._gain_only(e, t)
             return
-        dd, ed = (d * d).sum(), (e * d).sum()
+        dd, ed = self._dot(d, d), self._dot(e, d)
         moved = dd > 0
         zero = torch.zeros((), dtype=e.dtype, device=e.device)
         if t is None:  # 2nd computed step: no trend yet, the input alone
             self._coupling = torch.where(moved, ed / dd.clamp_min(tiny), zero)
             return
-        tt, td, et = (t * t).sum(), (t * d).sum(), (e * t).sum()
+        tt, td, et = self._dot(t, t), self._dot(t, d), self._dot(e, t)
         det = tt * dd - td * td
         solvable = (det > COLLINEAR * tt * dd) & moved
         gain_alone = self._gain_only(e, t)
@@ -78,9 +78,14 @@ class InputCorrectedCalibrator(CorrectedTaylorCalibrator):
         # `a` re-fitted for the clamped gain; a still input or a singular system gets 0: the corrected forecast
         self._coupling = torch.where(solvable, (ed - gain * td) / dd.clamp_min(tiny), zero)
 
+    @staticmethod
+    def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The inner product the fit uses (over every element)."""
+        return (a * b).sum()
+
     def _gain_only(self, e: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The corrected forecaster's one-regressor gain, clamped to [0, 1]."""
-        num, den = (e * t).sum(), (t * t).sum()
+        num, den = self._dot(e, t), self._dot(t, t)
         return torch.where(den > 0, num / den.clamp_min(torch.finfo(e.dtype).tiny), self._gain_tensor(den)).clamp(
             0.0, 1.0
         )
