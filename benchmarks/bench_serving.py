@@ -68,17 +68,17 @@ QWEN3_VL_4B_VISION = dict(
 TURBO_RECOMMENDED = {
     "Fn_compute_blocks": 0,
     "max_warmup_steps": 0,
-    "scm_preset": "curved",
+    "scm_compute_bins": [3, 1, 1],
+    "scm_cache_bins": [1, 1, 1],
     "scm_policy": "static",
-    "scm_compute_fraction": 0.6,
-    "scm_curve": 2.0,
     "enable_taylorseer": True,
     "taylorseer_distance": "sigma",
     "taylorseer_damping": 0.5,
-    "forecaster": "corrected",
+    "forecaster": "input_corrected",
 }
-"""README "Recommended settings", Turbo: curved 0.6 with the corrected forecaster (5 of 8 steps computed, a skipped
-step runs no block). Override with --recommended-params when the recommendation changes."""
+"""README "Recommended settings", Turbo: the mask `dicache calibrate --variant turbo` picks (steps 0, 1, 2, 4, 6 of 8
+computed, a skipped step runs no block) with the input-corrected forecaster. Override with --recommended-params when
+the recommendation changes."""
 CACHE_MODES = {
     "off": {"enable_cache": False},
     "default": {"enable_cache": True, "cache_dit_params": {}},

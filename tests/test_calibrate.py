@@ -20,6 +20,7 @@ from dicache.errors import ConfigError
 from dicache.settings.cache_config import PROFILE_ENV, CacheConfig, load_profile
 from dicache.settings.profiles import write_profile
 from dicache.sweep.metrics import psnr
+from dicache.sweep.settings import cell_label
 from dicache.tuning import (
     CANDIDATES,
     Measurement,
@@ -29,6 +30,7 @@ from dicache.tuning import (
     format_table,
     profile_settings,
 )
+from dicache.tuning.masks import beam_search, computed_steps, mask_bins, mask_overrides
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -41,6 +43,7 @@ TEST_CANDIDATES = [
     {"residual_diff_threshold": 0.2},
     {"residual_diff_threshold": 0.04},
     {"Fn_compute_blocks": 10},
+    {"policy": "magcache", "magcache_thresh": 0.3},  # valid only over the fitted ratios
 ]
 
 
@@ -138,6 +141,53 @@ def test_builtin_candidates_are_valid_and_distinct_for_the_embedded_model():
             assert config.enable_cache and all(getattr(config, k) == v for k, v in candidate.items())
 
 
+def test_mask_bins_and_the_beam_search_on_a_scored_profile():
+    assert mask_bins((1, 1, 1, 0, 1, 0, 1, 0)) == ([3, 1, 1], [1, 1, 1])
+    assert mask_bins((1, 0, 0)) == ([1], [2]) and computed_steps((1, 0, 1)) == [0, 2]
+    with pytest.raises(ValueError, match="starting with a computed step"):
+        mask_bins((0, 1))
+    config = check_candidate(mask_overrides((1, 1, 1, 0, 1, 0, 1, 0)), num_blocks=10, steps=8)
+    assert config.forecaster == "input_corrected" and config.Fn_compute_blocks == 0
+    assert "SCM bins 3-1-1/1-1-1/static" in cell_label(config)  # both run lists: masks with equal compute runs differ
+    # a step's worth: each computed step adds its weight; dropping one loses it. The search keeps the heaviest.
+    weights = (9, 1, 5, 2, 8, 3, 7, 4)
+    scored = []
+
+    def score(mask):
+        scored.append(mask)
+        return float(sum(w for w, f in zip(weights, mask) if f))
+
+    found = dict(beam_search(8, score, target=30.0, beam=2))
+    assert len(scored) == len(set(scored)) == len(found)  # each mask scored once
+    best = {}
+    for mask, value in found.items():
+        k = sum(mask)
+        if value > best.get(k, (None, -1))[1]:
+            best[k] = (mask, value)
+    assert computed_steps(best[7][0]) == [0, 2, 3, 4, 5, 6, 7] and best[5][1] == 9 + 8 + 7 + 5 + 4
+    # stops after the first round in which no mask kept meets the target (33 with 5 steps, 29 with 4)
+    assert min(best) == 4 and best[4][1] == 9 + 8 + 7 + 5
+
+
+def test_calibrate_searches_step_masks_and_picks_one_on_the_tiny_model(tmp_path, capsys):
+    candidates = tmp_path / "c.json"
+    candidates.write_text(json.dumps([{"residual_diff_threshold": 0.5}]))  # caches nothing at 4 steps (W 4)
+    out = tmp_path / "masks.json"
+    argv = ["calibrate", "--variant", "turbo", "--steps", "4", "--size", "32", "--prompts", "1", "--device", "cpu"]
+    code = main([*argv, "--candidates", str(candidates), "--target-psnr", "40", "--out", str(out), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    record = json.loads(out.read_text())["calibration"]
+    results = record["candidates"]
+    masks = [c for c in results if "scm_compute_bins" in c["overrides"]]
+    assert len(masks) >= 3 and all(c["status"] == "complete" for c in masks)  # every sample, no early stop
+    chosen = results[record["chosen"]["index"]]
+    assert chosen in masks and chosen["overrides"]["forecaster"] == "input_corrected"
+    assert chosen["psnr_min_db"] >= 40 and chosen["compute_fraction"] <= 0.75
+    assert min(c["compute_fraction"] for c in masks if c["meets_target"]) == chosen["compute_fraction"]
+    assert "FORECASTER=input_corrected" in printed and "<- chosen" in printed
+
+
 def test_profile_writer_refuses_what_load_profile_would_refuse(tmp_path):
     path = tmp_path / "bad.json"
     with pytest.raises(ConfigError, match="residual_diff_threshold"):
@@ -159,7 +209,7 @@ def calibrated(tmp_path_factory):
     candidates.write_text(json.dumps(TEST_CANDIDATES))
     out = folder / "profile.json"
     argv = ["calibrate", *SCHEDULE, "--size", str(SIZE), "--prompts", "2", "--candidates", str(candidates)]
-    argv += ["--out", str(out), "--device", "cpu", "--no-progress", "--target-psnr", str(TARGET)]
+    argv += ["--out", str(out), "--device", "cpu", "--no-progress", "--target-psnr", str(TARGET), "--no-step-masks"]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         code = main(argv)
@@ -180,6 +230,7 @@ def test_calibrate_writes_the_cheapest_profile_meeting_the_target(calibrated):
     assert [p["seed"] for p in record["prompts"]] == [1000, 1001]  # the held-out prompts' own seeds
     results = record["candidates"]
     assert [c["status"] for c in results][3] == "invalid" and "Fn_compute_blocks=10" in results[3]["error"]
+    assert len(results) == len(TEST_CANDIDATES)  # --no-step-masks: no mask searched
 
     chosen = results[record["chosen"]["index"]]
     assert chosen["overrides"] == record["chosen"]["overrides"]
@@ -194,6 +245,13 @@ def test_calibrate_writes_the_cheapest_profile_meeting_the_target(calibrated):
             assert c["meets_target"] == (c["psnr_min_db"] >= TARGET)
     assert any(c["compute_fraction"] and c["compute_fraction"] < chosen["compute_fraction"] for c in results)
     assert "<- chosen" in printed and f"wrote {path}" in printed and "invalid: Fn_compute_blocks=10" in printed
+    # the fits ran on the first prompt and are stored: MagCache's ratios (one per step, 1 at step 0), TeaCache's
+    # rising polynomial (degree <= 4); the MagCache candidate ran over them
+    assert record["fitted_on"] == record["prompts"][0] and "fitted on" in printed
+    ratios = settings["magcache_ratios"]
+    assert len(ratios) == 8 and ratios[0] == 1.0 and all(0 < r < 10 for r in ratios) and len(set(ratios)) > 2
+    assert 2 <= len(settings["teacache_coefficients"]) <= 5
+    assert results[4]["status"] != "invalid"
 
 
 def test_generate_with_the_profile_uses_its_settings_and_meets_the_target(calibrated, tmp_path, capsys):

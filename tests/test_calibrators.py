@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from dicache.engine.calibrators import CorrectedTaylorCalibrator, ReuseCalibrator, TaylorSeerCalibrator, make_calibrator
+from dicache.engine.calibrators import (
+    CorrectedTaylorCalibrator,
+    InputCorrectedCalibrator,
+    ReuseCalibrator,
+    TaylorSeerCalibrator,
+    make_calibrator,
+)
 from dicache.settings.cache_config import CacheConfig
 
 
@@ -136,3 +142,51 @@ def test_make_calibrator_picks_the_forecaster():
     corrected = make_calibrator(CacheConfig.from_env({}, forecaster="corrected", **on))
     assert isinstance(corrected, CorrectedTaylorCalibrator) and corrected.damping == 0.5
     assert type(make_calibrator(CacheConfig.from_env({}))) is ReuseCalibrator  # TaylorSeer off: reuse
+    assert type(make_calibrator(CacheConfig.from_env({}, forecaster="input_corrected", **on))) is (
+        InputCorrectedCalibrator
+    )
+
+
+def test_input_corrected_by_hand():
+    t = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    cal = InputCorrectedCalibrator(1, damping=0.5)
+    cal.update(0, t(1, 1), t(0, 0))
+    assert cal.estimate(1, t(2, 2)).tolist() == [1, 1] and cal.coupling is None  # one point: reuse
+    cal.update(1, t(3, 3), t(1, 1))  # e = (2, 2), d = (1, 1), no trend yet: a = <e,d>/<d,d> = 2
+    assert cal.coupling == 2.0 and cal.gain == 0.5
+    # D0 + damping·D1·(2 − 1) + a·(u − u0) = 3 + 0.5·2 + 2·2
+    assert cal.estimate(2, t(3, 3)).tolist() == [8, 8]
+    # t = T(2) = (2, 2), e = (3, 1), d = (1, 0): <t,t> 8, <d,d> 1, <t,d> 2, <e,t> 8, <e,d> 3, det 4 -> g 0.5, a 2
+    cal.update(2, t(6, 4), t(2, 1))
+    assert cal.gain == pytest.approx(0.5) and cal.coupling == pytest.approx(2.0)
+    # D0 (6, 4) + 0.5·D1 (3, 1)·(3 − 2) + 2·((4, 2) − (2, 1))
+    torch.testing.assert_close(cal.estimate(3, t(4, 2)), t(11.5, 6.5))
+    assert cal.stored_tensors == 3  # D0, D1 and the input
+    cal.reset()
+    assert not cal.ready and cal.coupling is None and cal.stored_tensors == 0
+
+
+@pytest.mark.parametrize("positions", [[0, 1, 2, 3], [1.0, 0.9, 0.62, 0.2]])
+def test_input_corrected_is_exact_on_residuals_affine_in_the_input(positions):
+    torch.manual_seed(2)
+    a, k = torch.randn(3, 4, dtype=torch.float64), 0.7
+    inputs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(len(positions) + 1)]
+    cal = InputCorrectedCalibrator(1, damping=0.5)
+    for x, u in zip(positions, inputs):
+        cal.update(x, a + k * u, u)
+    assert cal.coupling == pytest.approx(k)
+    torch.testing.assert_close(cal.estimate(positions[-1] * 0.5, inputs[-1]), a + k * inputs[-1])
+
+
+def test_input_corrected_on_a_still_or_missing_input_is_the_corrected_forecaster():
+    torch.manual_seed(4)
+    residuals = [torch.randn(6, dtype=torch.float64) for _ in range(4)]
+    still = torch.randn(6, dtype=torch.float64)
+    for source in (still, None):
+        plain, cal = CorrectedTaylorCalibrator(1, damping=0.5), InputCorrectedCalibrator(1, damping=0.5)
+        for x, m in enumerate(residuals):
+            plain.update(x, m)
+            cal.update(x, m, source)
+            assert cal.gain == pytest.approx(plain.gain)
+            # a still stream keeps the fitted trend (never frozen to the last residual)
+            torch.testing.assert_close(cal.estimate(x + 1.5, source), plain.estimate(x + 1.5))

@@ -67,7 +67,7 @@ def test_every_variable_is_read():
         ("TS_DISTANCE", "time", "'step' or 'sigma'"),
         ("SCM_PRESET", "turbo", "none, slow, medium, fast, ultra"),
         ("SCM_POLICY", "sometimes", "'dynamic' or 'static'"),
-        ("POLICY", "random", "'dbcache'"),
+        ("POLICY", "random", "one of dbcache, teacache, magcache, easycache"),
         ("ENABLED", "maybe", "a boolean"),
         ("TAYLORSEER", "enabled", "a boolean"),
     ],

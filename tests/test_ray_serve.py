@@ -260,16 +260,18 @@ def test_a_replica_killed_mid_load_fails_only_its_requests_and_comes_back(ray_ur
     victim = sorted(replicas)[0]
     # 80 uncached transformer calls each (seconds on one CPU thread), so the victim still holds work when killed
     long = dict(BODIES["turbo"], num_inference_steps=40, guidance_scale=4.5, enable_cache=False)
-    bodies = [dict(long, seed=200 + i) for i in range(6)]
+    bodies = [dict(long, seed=200 + i) for i in range(8)]
 
-    def victim_holds_two() -> bool:  # one generating and one queued: more work than the metrics' staleness
+    def victim_holds_two() -> bool:
+        """Two long requests in flight, more work than the metrics lag behind: with --workers 2 (the default) both
+        generating, with 1 one generating and one queued."""
         running = _replica_samples(ray_url, "dicache_generations_running").get(victim, 0)
-        return running >= 1 and _replica_samples(ray_url, "dicache_queue_depth").get(victim, 0) >= 1
+        return running >= 1 and running + _replica_samples(ray_url, "dicache_queue_depth").get(victim, 0) >= 2
 
     started = time.monotonic()
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(_post, ray_url, body, 90.0) for body in bodies]
-        wait_until(victim_holds_two, timeout=30, what=f"replica {victim} to hold a generation and a queued one")
+        wait_until(victim_holds_two, timeout=60, what=f"replica {victim} to hold a generation and a queued one")
         assert not all(f.done() for f in futures)
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#{victim}", namespace="serve"))
         answers = [f.result(timeout=120) for f in futures]  # nothing hangs: every request is answered

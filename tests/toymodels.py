@@ -28,6 +28,17 @@ class LinearInTimeBlock(nn.Module):
         return hidden_states + temb * self.c
 
 
+class ScaleBlock(nn.Module):
+    """`h · (1 + k)`, `k` a scalar: a stack of them has a middle residual proportional to its input."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.k = nn.Parameter(0.3 * torch.randn(()))
+
+    def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        return hidden_states * (1 + self.k)
+
+
 class ToyTransformer(nn.Module):
     """`forward(hidden_states, timestep)` with a `blocks` ModuleList looped in the usual way."""
 

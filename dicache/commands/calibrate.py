@@ -22,7 +22,7 @@ from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import heldout_prompts_file, resolve_model
 from ..models.krea2.presets import PRESETS, resolve_variant
 from ..models.options import DeviceOptions
-from ..settings.cache_config import SETTINGS
+from ..settings.cache_config import SETTINGS, CacheConfig
 from ..settings.options import FlagOptions, option
 from ..settings.profiles import write_profile
 from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
@@ -33,10 +33,12 @@ from ..tuning import (
     TargetNotMet,
     calibrate,
     calibration_record,
+    fit_algorithms,
     format_table,
     load_candidates,
     profile_settings,
 )
+from ..tuning.masks import MAX_MASK_STEPS
 from .fields import add_options
 from .generate import add_sampling_arguments
 from .shared import RunOptions
@@ -88,6 +90,12 @@ class CalibrateOptions(FlagOptions):
     )
     list_candidates: bool = option(False, flag="--list-candidates", help="print the built-in candidates as JSON; exit")
     out: str = option(DEFAULT_OUT, flag="--out", help="profile to write (replaced)")
+    no_step_masks: bool = option(
+        False,
+        flag="--no-step-masks",
+        help=f"skip the per-step mask search (on schedules of at most {MAX_MASK_STEPS} steps, each mask scored is a "
+        "candidate: which steps to compute, the cached ones forecast with forecaster=input_corrected)",
+    )
     no_early_stop: bool = option(
         False, flag="--no-early-stop", help="run every candidate on every prompt (fuller table, slower)"
     )
@@ -153,6 +161,12 @@ def run(args: argparse.Namespace) -> int:
             f"target {args.criterion} PSNR >= {args.target_psnr:g} dB",
             flush=True,
         )
+        fits = fit_algorithms(runner, *samples[0])
+        print(
+            f"fitted on {samples[0][0]!r}: teacache_coefficients "
+            f"{[round(c, 4) for c in fits['teacache_coefficients']]}, magcache_ratios {fits['magcache_ratios']}",
+            flush=True,
+        )
         result = calibrate(
             runner,
             samples,
@@ -161,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
             criterion=args.criterion,
             early_stop=not args.no_early_stop,
             progress=not args.no_progress,
+            step_masks=not args.no_step_masks,
             on_reject=lambda r: print(f"skipping candidate #{r.index} {r.label}: {r.error}", file=sys.stderr),
+            base=CacheConfig.defaults().merged(fits),
         )
     finally:
         torch.set_num_threads(previous_threads)
@@ -173,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     record = calibration_record(
         result,
         **meta,
+        fitted_on={"prompt": samples[0][0], "seed": samples[0][1]},
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         dicache_version=__version__,
         torch_version=torch.__version__,

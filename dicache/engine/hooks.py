@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -33,8 +34,9 @@ from .adapters.stack import StackSpec
 from .block_plan import BlockObserver, BlockPlan, CallInfo, publish
 from .policies import StepContext
 from .policies.lookahead import BranchCounters, decide_without_diff, upcoming_decisions
-from .reduction import PARALLEL_LAYOUT_ATTR, relative_change
+from .reduction import PARALLEL_LAYOUT_ATTR, change_ratio, relative_change
 from .session import CacheSession
+from .stats import RECORDER
 
 _ids = itertools.count()
 
@@ -217,6 +219,9 @@ class StackWalk:
         self.seg_in: dict[str, Any] = {}
         self.seg_out: dict[str, Any] | None = None
         self.cached_out: Any = None
+        self.stack_in: tuple[torch.Tensor, ...] | None = None  # the stack's input streams (EasyCache)
+        self.middle_out: tuple[torch.Tensor, ...] | None = None  # the middle's output streams, computed call
+        self.fn_out: tuple[torch.Tensor, ...] | None = None  # the streams after the Fn blocks
         self.position = 0.0
         self.previous: tuple | None = None  # the last run block's call, checked again against the next call
         info = CallInfo(ctx.step, ctx.branch.name) if ctx is not None else CallInfo()
@@ -239,6 +244,8 @@ class StackWalk:
             has_residual=branch.has_residual,
             has_reference=branch.reference is not None,
             sigma=ctx.sigma,
+            accumulated=branch.accumulated,
+            rate=branch.rate,
         )
         # Rules that do not read the diff decide before any block runs (same answer: decisions are pure), so the
         # observers learn the whole call up front; otherwise they learn the Fn blocks now and the rest after them.
@@ -350,7 +357,6 @@ class StackWalk:
     def _decide(self) -> None:
         ctx, runner = self.ctx, self.runner
         request, branch = ctx.request, ctx.branch
-        config = request.config
         hf = self.hf if self.hf is not None else self._diff_streams()
         h0 = self.h0 if self.h0 is not None else hf
         fn_residual: list[tuple[torch.Tensor, ...]] = []
@@ -360,23 +366,36 @@ class StackWalk:
                 fn_residual.append(tuple(torch.sub(a, b) for a, b in zip(hf, h0)))
             return fn_residual[0]
 
+        policy = request.policy
+        signal = getattr(policy, "signal", "fn_residual")
+        self.stack_in, self.fn_out = h0, hf
+
         def diff() -> float:
             layout = getattr(self.spec.owner, PARALLEL_LAYOUT_ATTR, None)
+            if signal == "input_change":  # EasyCache: the input's change relative to the last computed output
+                return change_ratio(h0, branch.previous_input, branch.computed_io[1], None, layout)
             return relative_change(residual(), branch.reference, layout)
 
-        policy = request.policy
         decision = self.early if self.early is not None else policy.decide(self.step_ctx, diff)
         if self.observers and self.early is None:
             full = runner.call_plan(decision.cache, self.fn, self.bn, self.segments)
             publish(self.observers, BlockPlan(full, True, runner.upcoming(ctx, decision.cache)))
-        self.position = request.position(ctx.step, ctx.sigma) if config.enable_taylorseer else float(ctx.step)
+        self.position = request.position(ctx.step, ctx.sigma)
         if decision.cache:
             branch.cached_total += 1
             branch.continuous_cached += 1
+            branch.accumulated = decision.accumulated or 0.0
         else:
-            if policy.uses_diff:
-                branch.reference = residual()
             branch.continuous_cached = 0
+            branch.accumulated = 0.0
+        if (
+            policy.uses_diff
+            and (not decision.cache or signal == "fn_residual_consecutive")
+            and signal != "input_change"
+        ):
+            branch.reference = residual()
+        if signal == "input_change":
+            branch.previous_input = h0
         self.decision = decision
 
     def _enter(self, segment: int, form: BlockForm) -> None:
@@ -398,8 +417,8 @@ class StackWalk:
                     f"dicache: no stored residual for stream {stream!r} of middle segment {segment} "
                     f"({self.spec.where(self.segments[segment].start)} on); the computed steps never ran it"
                 )
-            estimate = calibrator.estimate(self.position)
             base = self.seg_in[stream]
+            estimate = calibrator.estimate(self.position, base)
             values[stream] = estimate if base is None else base + estimate
         self.state.update(values)
         self.cached_out = form.pack(values)
@@ -417,7 +436,23 @@ class StackWalk:
                 continue
             branch.none_outputs.discard((segment, stream))
             residual = out if base is None else torch.sub(out, base)
-            branch.calibrator(segment, stream).update(self.position, residual)
+            branch.calibrator(segment, stream).update(self.position, residual, base)
+        self.middle_out = self._diff_streams()
+
+    def _computed_call(self) -> None:
+        """After a computed call: EasyCache's rate from this and the last computed call, and the residual recorder
+        (`stats.RECORDER`, set by `dicache calibrate`) when one listens."""
+        branch = self.ctx.branch
+        if getattr(self.ctx.request.policy, "signal", None) == "input_change":
+            if branch.computed_io is not None:
+                last_in, last_out = branch.computed_io
+                layout = getattr(self.spec.owner, PARALLEL_LAYOUT_ATTR, None)
+                rate = change_ratio(self.middle_out, last_out, self.stack_in, last_in, layout)
+                branch.rate = rate if math.isfinite(rate) else None
+            branch.computed_io = (self.stack_in, self.middle_out)
+        recorder = RECORDER.get()
+        if recorder is not None:
+            recorder.record(branch.name, self.ctx.step, self.stack_in, self.fn_out, self.middle_out)
 
     def finish(self, failed: bool) -> None:
         """The transformer call returned (or failed): close the open segment, record the call, confirm the forms."""
@@ -429,6 +464,8 @@ class StackWalk:
             ctx = self.ctx
             if self.enabled and self.decision is not None:
                 self._close()
+                if not self.decision.cache and self.middle_out is not None:
+                    self._computed_call()
                 ctx.branch.stats.record(ctx.step, self.decision.cache, self.decision.reason, self.decision.diff)
             elif ctx is not None and not self.enabled:
                 ctx.branch.stats.record(ctx.step, False, "disabled", None)

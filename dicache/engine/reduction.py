@@ -37,11 +37,26 @@ def relative_change(
     its group before dividing, so every process of a model-parallel group gets the same value, equal to the
     single-process one up to summation order (unequal shards weigh by their element counts).
     """
+    return change_ratio(current, reference, reference, None, layout)
+
+
+def change_ratio(
+    a: Sequence[torch.Tensor],
+    b: Sequence[torch.Tensor],
+    c: Sequence[torch.Tensor],
+    d: Sequence[torch.Tensor] | None = None,
+    layout: ReductionLayout | None = None,
+) -> float:
+    """`Σ|a − b| / Σ|c − d|` (`Σ|c|` when `d` is None) over every element of every stream, reduced over the layout's
+    group as `relative_change` is (one host sync); a zero denominator gives `inf`."""
     if layout is not None:
-        current = tuple(layout.counted(a) for a in current)
-        reference = tuple(layout.counted(b) for b in reference)
-    num = sum(torch.sub(a, b).abs().sum(dtype=torch.float32) for a, b in zip(current, reference))
-    den = sum(b.abs().sum(dtype=torch.float32) for b in reference)
+        a, b, c = (tuple(layout.counted(t) for t in ts) for ts in (a, b, c))
+        d = None if d is None else tuple(layout.counted(t) for t in d)
+    num = sum(torch.sub(x, y).abs().sum(dtype=torch.float32) for x, y in zip(a, b))
+    if d is None:
+        den = sum(x.abs().sum(dtype=torch.float32) for x in c)
+    else:
+        den = sum(torch.sub(x, y).abs().sum(dtype=torch.float32) for x, y in zip(c, d))
     both = torch.stack([num, den]).detach()
     if layout is not None and layout.group is not None:
         both = both.double()

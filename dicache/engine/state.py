@@ -43,6 +43,14 @@ class BranchState:
     reference: tuple[torch.Tensor, ...] | None = None
     cached_total: int = 0
     continuous_cached: int = 0
+    accumulated: float = 0.0
+    """The policy's accumulator (`Decision.accumulated`; TeaCache, EasyCache), 0 after a computed call."""
+    previous_input: tuple[torch.Tensor, ...] | None = None
+    """EasyCache: the stack's input streams at the previous call, computed or cached."""
+    computed_io: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
+    """EasyCache: (input, middle output) streams of the last computed call."""
+    rate: float | None = None
+    """EasyCache: the transformation rate measured on the last two computed calls."""
 
     @property
     def has_residual(self) -> bool:
@@ -59,9 +67,10 @@ class BranchState:
 
     def stored_tensors(self) -> int:
         """Residual-sized tensors held: Fn residual(s) plus the calibrators' terms."""
-        return (len(self.reference) if self.reference is not None else 0) + sum(
-            c.stored_tensors for c in self.calibrators.values()
-        )
+        held = len(self.reference) if self.reference is not None else 0
+        held += len(self.previous_input) if self.previous_input is not None else 0
+        held += sum(map(len, self.computed_io)) if self.computed_io is not None else 0
+        return held + sum(c.stored_tensors for c in self.calibrators.values())
 
 
 class StepTracker:
@@ -180,8 +189,9 @@ class RequestState:
         return state
 
     def position(self, step: int, sigma: float | None) -> float:
-        """Where a step sits for TaylorSeer: its index, or its sigma when `taylorseer_distance == 'sigma'`."""
-        if self.config.taylorseer_distance == "step":
+        """Where a step sits for a forecaster: its index, or its sigma when `taylorseer_distance == 'sigma'` (with
+        TaylorSeer or DMD on; the index otherwise)."""
+        if self.config.taylorseer_distance == "step" or not (self.config.enable_taylorseer or self.config.enable_dmd):
             return float(step)
         if sigma is None and self.sigmas is not None and step < len(self.sigmas):
             sigma = self.sigmas[step]

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+
+class ResidualRecorder(Protocol):
+    """Listens to every computed call of this context (`RECORDER`): the branch, the step, and the streams at the
+    stack's input, after the Fn blocks and after the middle (tuples of the diff streams, e.g. `(h,)`)."""
+
+    def record(self, branch: str, step: int, stack_in: Any, fn_out: Any, middle_out: Any) -> None: ...
+
+
+RECORDER: contextvars.ContextVar[ResidualRecorder | None] = contextvars.ContextVar("dicache_recorder", default=None)
+"""The recorder computed calls report to in this context (None: nobody listens); `dicache calibrate`'s fits use it."""
 
 
 @dataclass

@@ -52,6 +52,19 @@ StepBins = Annotated[
 """Runs of steps (`scm_compute_bins`, `scm_cache_bins`): a comma-separated or JSON list, each run 1..MAX_SCM_BIN."""
 
 
+FloatList = Annotated[
+    Annotated[list[Annotated[float, Field(allow_inf_nan=False)]], Field(min_length=1, max_length=MAX_SCM_BIN)] | None,
+    NoDecode,
+]
+"""Coefficients (`teacache_coefficients`): a list or comma-separated text."""
+RatioList = Annotated[
+    Annotated[list[Annotated[float, Field(gt=0, allow_inf_nan=False)]], Field(min_length=1, max_length=MAX_SCM_BIN)]
+    | None,
+    NoDecode,
+]
+"""Positive numbers, one per step (`magcache_ratios`): a list or comma-separated text."""
+
+
 def setting(default: Any, *, env: str, meaning: str, allowed: str | None = None, short: str | None = None, **rules):
     """A `CacheConfig` field declared with everything said about it elsewhere: its environment suffix `env`
     (``SGLANG_CACHE_DIT_<env>``), the sweep's `short` name (default: `env`), what it means and, where the
@@ -144,11 +157,32 @@ class CacheConfig(BaseSettings):
         le=1.0,
         meaning="scale of TaylorSeer's extrapolation terms (1: plain TaylorSeer, 0: reuse)",
     )
-    forecaster: Literal["taylor", "corrected"] = setting(
+    forecaster: Literal["taylor", "corrected", "input_corrected", "foca"] = setting(
         "taylor",
         env="FORECASTER",
-        meaning="TaylorSeer's gain (needs TAYLORSEER=true): taylor (fixed TS_DAMPING) or corrected (the gain "
-        "re-fitted from the forecast error at every computed step, starting at TS_DAMPING)",
+        meaning="how TAYLORSEER=true forecasts: taylor (TaylorSeer, fixed TS_DAMPING), corrected (TaylorSeer whose "
+        "gain is re-fitted from the forecast error at every computed step, starting at TS_DAMPING), input_corrected "
+        "(corrected, plus a fitted coupling to the change of the skipped blocks' input) or foca (FoCa: "
+        "recursive prediction with a trapezoidal corrector anchored at the last computed step, scaled by TS_DAMPING)",
+    )
+    enable_dmd: bool = setting(
+        False,
+        env="DMD",
+        meaning="forecast the skipped residual with DMD (an exponential basis fitted to the last computed residuals; "
+        "excludes TAYLORSEER; distance as TS_DISTANCE)",
+    )
+    dmd_history: int = setting(
+        6, env="DMD_HISTORY", ge=2, le=64, meaning="DMD: computed residuals kept for the fit (the newest ones)"
+    )
+    dmd_rank: int = setting(
+        0, env="DMD_RANK", ge=0, meaning="DMD: rank of the fit (0: every singular value above 1e-7 of the largest)"
+    )
+    dmd_ridge: float = setting(
+        1e-8,
+        env="DMD_RIDGE",
+        ge=0.0,
+        allow_inf_nan=False,
+        meaning="DMD: added to the singular values it inverts (regularises a nearly singular fit)",
     )
     scm_preset: Literal["none", "slow", "medium", "fast", "ultra", "curved"] = setting(
         "none",
@@ -188,8 +222,46 @@ class CacheConfig(BaseSettings):
         env="SCM_POLICY",
         meaning="dynamic: the mask only forbids caching; static: cache wherever the mask says 0",
     )
-    policy: Literal["dbcache", "never", "always"] = setting(
-        "dbcache", env="POLICY", meaning="decision policy; never/always exist for testing and measurement"
+    policy: Literal["dbcache", "teacache", "magcache", "easycache", "never", "always"] = setting(
+        "dbcache",
+        env="POLICY",
+        meaning="decision policy: dbcache (the Fn residual's change vs RDT), teacache (accumulated rescaled change "
+        "vs TEACACHE_THRESH), magcache (the calibrated magnitude profile vs MAGCACHE_THRESH, runs <= MC), easycache "
+        "(runtime transformation rate vs EASYCACHE_THRESH); never/always exist for testing and measurement",
+    )
+    teacache_thresh: float = setting(
+        0.25,
+        env="TEACACHE_THRESH",
+        ge=0.0,
+        allow_inf_nan=False,
+        meaning="policy=teacache: cache while the accumulated rescaled Fn-residual change stays below this",
+    )
+    teacache_coefficients: FloatList = setting(
+        [1.0, 0.0],
+        env="TEACACHE_COEFFICIENTS",
+        allowed="1 to 8 finite numbers, highest degree first: a list, or comma-separated text (e.g. 1.3,-0.02)",
+        meaning="policy=teacache: the rescale polynomial c[0]*x^(n-1) + ... + c[n-1] (fitted by dicache calibrate)",
+    )
+    magcache_thresh: float = setting(
+        0.06,
+        env="MAGCACHE_THRESH",
+        ge=0.0,
+        allow_inf_nan=False,
+        meaning="policy=magcache: cache while the accumulated magnitude-ratio error stays at or below this",
+    )
+    magcache_ratios: RatioList = setting(
+        None,
+        env="MAGCACHE_RATIOS",
+        allowed="positive finite numbers, one per step of the calibrated schedule (a list or comma-separated text)",
+        meaning="policy=magcache: per-step residual magnitude ratios (fitted from one sample by dicache calibrate; "
+        "resampled to other step counts)",
+    )
+    easycache_thresh: float = setting(
+        0.1,
+        env="EASYCACHE_THRESH",
+        ge=0.0,
+        allow_inf_nan=False,
+        meaning="policy=easycache: cache while the accumulated predicted output change stays below this",
     )
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -204,7 +276,14 @@ class CacheConfig(BaseSettings):
             ProfileSource(settings_cls, SETTINGS_BY_KEY),
         )
 
-    @field_validator("scm_compute_bins", "scm_cache_bins", "cached_step_blocks", mode="before")
+    @field_validator(
+        "scm_compute_bins",
+        "scm_cache_bins",
+        "cached_step_blocks",
+        "teacache_coefficients",
+        "magcache_ratios",
+        mode="before",
+    )
     @classmethod
     def _split_bins(cls, value: Any) -> Any:
         return _parse_bins(value)
@@ -242,10 +321,15 @@ class CacheConfig(BaseSettings):
             )
         if self.forecaster != "taylor" and not self.enable_taylorseer:
             raise ValueError(
-                f"forecaster={self.forecaster!r} forecasts with TaylorSeer: it needs enable_taylorseer=true "
-                "(SGLANG_CACHE_DIT_TAYLORSEER); without TaylorSeer the skipped residual is reused and there is no "
-                "forecast to correct"
+                f"forecaster={self.forecaster!r} chooses how enable_taylorseer=true (SGLANG_CACHE_DIT_TAYLORSEER) "
+                "forecasts: set it, or leave forecaster=taylor; without it the skipped residual is reused"
             )
+        if self.enable_dmd and self.enable_taylorseer:
+            raise ValueError(
+                "enable_dmd=true (SGLANG_CACHE_DIT_DMD) and enable_taylorseer=true (SGLANG_CACHE_DIT_TAYLORSEER) are "
+                "two forecasters of the same residual: set one of them"
+            )
+        self._check_policy_settings()
         if self.Fn_compute_blocks == 0 and self.policy == "dbcache" and not self.decides_statically:
             raise ValueError(
                 "Fn_compute_blocks=0 needs a static step mask (scm_preset or scm_compute_bins with "
@@ -253,6 +337,29 @@ class CacheConfig(BaseSettings):
                 "the dynamic decision measures the residual of the first Fn >= 1 blocks"
             )
         return self
+
+    def _check_policy_settings(self) -> None:
+        """The rules between `policy` and the settings it reads; each error names both settings."""
+        policy = self.policy
+        if policy in ("teacache", "magcache", "easycache") and self.decides_statically:
+            raise ValueError(
+                f"policy={policy!r} decides at run time; scm_policy='static' would let the step mask decide alone: "
+                "use scm_policy='dynamic' (the mask then only forbids caching) or policy='dbcache'"
+            )
+        if policy == "teacache" and self.Fn_compute_blocks == 0:
+            raise ValueError(
+                "policy='teacache' measures the change of the first blocks' residual: it needs Fn_compute_blocks >= 1 "
+                "(got Fn_compute_blocks=0)"
+            )
+        if policy == "magcache" and not self.magcache_ratios:
+            raise ValueError(
+                "policy='magcache' needs magcache_ratios (SGLANG_CACHE_DIT_MAGCACHE_RATIOS), the per-step magnitude "
+                "profile: fit it with `dicache calibrate` (it is stored in the profile) or pass it"
+            )
+        if self.teacache_coefficients is None or len(self.teacache_coefficients) > 8:
+            raise ValueError(
+                f"teacache_coefficients={clip_repr(self.teacache_coefficients)} must hold 1 to 8 coefficients"
+            )
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -31,6 +31,7 @@ from typing import Any
 
 from .analysis import pareto_front
 from .metrics import PSNR_CAP_DB
+from .settings import ALGORITHMS, algorithm
 
 OURS = "ours"
 BASELINE_METHODS = ("fewer-steps", "heun", "curved", "cache-dit")
@@ -255,3 +256,25 @@ def _plain_target(target: Mapping[str, Any], metric: str) -> dict[str, Any]:
     if "best" in plain:
         plain["best"] = _brief(plain["best"], metric)
     return plain
+
+
+def algorithm_rows(results: Mapping[str, Any], slug: str, metric: str = "psnr") -> list[dict[str, Any]]:
+    """Per algorithm family (`settings.algorithm` of each dicache cell): its best record in each compute bin and the
+    margins against the best same-compute baseline (`margin`) and against the `recommended` family's best record in
+    the same bin (`vs_recommended`). Rows: `algorithm`, `bins` (one `bin_rows` row per bin, plus `vs_recommended`)."""
+    groups = schedule_groups(results["records"], slug)
+    centers = results["meta"].get("compute_targets") or MARGIN_TARGET_BINS
+    families: dict[str, list[Mapping[str, Any]]] = {}
+    for record in groups[OURS]:
+        families.setdefault(algorithm(record.get("settings")), []).append(record)
+    per = {name: bin_rows(records, groups, metric, centers) for name, records in families.items()}
+    reference = {row["bin"]: row["value"] for row in per.get("recommended", [])}
+    out = []
+    for name in [a for a in ALGORITHMS if a in per]:
+        rows = []
+        for row in per[name]:
+            base = reference.get(row["bin"])
+            value = row["value"]
+            rows.append(row | {"vs_recommended": None if value is None or base is None else value - base})
+        out.append({"algorithm": name, "bins": rows})
+    return out

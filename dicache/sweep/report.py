@@ -207,6 +207,35 @@ def comparison_lines(entry: dict[str, Any], heading: str = "####") -> list[str]:
     return lines + _table(header, rows)
 
 
+def algorithm_lines(results: dict[str, Any], slug: str, heading: str = "###") -> list[str]:
+    """Markdown: each algorithm family's best PSNR per compute bin, with its margin against the best same-compute
+    baseline and against the recommended family in the same bin (`compare.algorithm_rows`); [] with one family."""
+    rows = compare.algorithm_rows(results, slug)
+    if len(rows) < 2:
+        return []
+    bins = [b["bin"] for b in rows[0]["bins"]]
+    lines = [
+        f"{heading} Algorithms side by side: best PSNR per compute bin (margin vs the best baseline / vs recommended)",
+        "",
+    ]
+    body = []
+    for row in rows:
+        cells = [row["algorithm"]]
+        for b in row["bins"]:
+            if b["value"] is None:
+                cells.append("–")
+                continue
+            rec = (
+                ""
+                if b["vs_recommended"] is None or row["algorithm"] == "recommended"
+                else f" / {b['vs_recommended']:+.1f}"
+            )
+            base = "n/a" if b["margin"] is None else f"{b['margin']:+.1f}"
+            cells.append(f"{b['value']:.1f} ({base}{rec})")
+        body.append(cells)
+    return lines + _table(["algorithm", *(f"{c:g}" for c in bins)], body)
+
+
 def _schedule_section(
     results: dict[str, Any],
     schedule: dict[str, Any],
@@ -240,6 +269,9 @@ def _schedule_section(
         lines += [f"![PSNR vs compute, one line per method]({PLOTS_DIR}/baselines_{slug}.png)"]
         for entry in entries:
             lines += [""] + comparison_lines(entry)
+    side = algorithm_lines(results, slug)
+    if side:
+        lines += [""] + side
     lines += ["", "### Goal check", ""]
     rows = goal_check(ours, cd, fewer, schedule["steps"])
     met = sum(r["met"] for r in rows)
@@ -371,6 +403,9 @@ def render_summary(results: dict[str, Any], command: str | None = None, notes: l
         met = sum(r["met"] for r in rows)
         for entry in (e for e in comparisons if e["schedule"] == schedule["slug"]):
             lines += [""] + comparison_lines(entry | {"measure": f"{schedule['name']}: {entry['measure']}"}, "###")
+        side = algorithm_lines(results, schedule["slug"])
+        if side:
+            lines += [""] + [side[0].replace("### ", f"### {schedule['name']}: ", 1)] + side[1:]
         lines += [
             "",
             f"### {schedule['name']}: ours vs cache-dit (same settings) and fewer steps: goal met at {met} of "

@@ -100,16 +100,55 @@ _LABELLED = {
     "taylorseer_distance",
     "taylorseer_damping",
     "policy",
+    "enable_dmd",
+    "dmd_history",
+    "dmd_rank",
+    "dmd_ridge",
+    "teacache_thresh",
+    "teacache_coefficients",
+    "magcache_thresh",
+    "magcache_ratios",
+    "easycache_thresh",
 }
 """Settings `cell_label` names in its compact parts; any other one is appended as `key=value` when not default."""
 
+ALGORITHMS = ("recommended", "dbcache", "teacache", "magcache", "easycache", "foca", "dmd", "other")
+"""The algorithm families a sweep's report compares (`algorithm`)."""
+
+
+def algorithm(overrides: Mapping[str, Any] | None) -> str:
+    """The family a cell belongs to: its policy when it is TeaCache / MagCache / EasyCache, else its forecaster when
+    it is FoCa or DMD, else `recommended` for `RECOMMENDED_FAMILY` (any budget and curve), else `dbcache`; `other`
+    for a cell that is not a valid config."""
+    try:
+        c = CacheConfig.defaults().merged(dict(overrides or {}))
+    except ValueError:
+        return "other"
+    if c.policy in ("teacache", "magcache", "easycache"):
+        return c.policy
+    if c.enable_dmd:
+        return "dmd"
+    if c.enable_taylorseer and c.forecaster == "foca":
+        return "foca"
+    family = c.model_dump()
+    if all(family[k] == v for k, v in RECOMMENDED_FAMILY.items()) and c.forecaster == "taylor":
+        return "recommended"
+    return "dbcache" if c.policy == "dbcache" else "other"
+
 
 def cell_label(c: CacheConfig) -> str:
-    """A compact name, e.g. `F1B0 W4 MC3 R0.24 TS1`, `F1B0 W4 SCM fast/static` or `F0B0 W0 SCM curved 0.4 γ1.5/static`;
+    """A compact name, e.g. `F1B0 W4 MC3 R0.24 TS1`, `F1B0 W4 SCM fast/static`, `F0B0 W0 SCM curved 0.4 γ1.5/static` or
+    `F0B0 W0 SCM bins 3-1-1/1-1-1/static` (compute runs / cache runs);
     any other setting that differs from its default is appended as `key=value`."""
     parts = [f"F{c.Fn_compute_blocks}B{c.Bn_compute_blocks}", f"W{c.max_warmup_steps}"]
     static_mask = c.has_step_mask and c.scm_policy == "static"
-    if not static_mask:
+    if c.policy == "teacache":
+        parts.append(f"TeaCache {c.teacache_thresh:g}")
+    elif c.policy == "magcache":
+        parts += [f"MC{c.max_continuous_cached_steps}", f"MagCache {c.magcache_thresh:g}"]
+    elif c.policy == "easycache":
+        parts.append(f"EasyCache {c.easycache_thresh:g}")
+    elif not static_mask:
         parts += [f"MC{c.max_continuous_cached_steps}", f"R{c.residual_diff_threshold:g}"]
     if c.max_cached_steps >= 0:
         parts.append(f"M{c.max_cached_steps}")
@@ -119,19 +158,24 @@ def cell_label(c: CacheConfig) -> str:
         elif c.scm_preset != "none":
             mask = c.scm_preset
         else:
-            mask = "bins " + "-".join(map(str, c.scm_compute_bins or []))
+            compute, cache = ("-".join(map(str, b or [])) for b in (c.scm_compute_bins, c.scm_cache_bins))
+            mask = f"bins {compute}/{cache}"
         parts.append(f"SCM {mask}/{c.scm_policy}")
     if c.enable_taylorseer:
         damping = c.taylorseer_damping
         parts.append(
-            f"TS{c.taylorseer_order}"
+            ("FoCa" if c.forecaster == "foca" else f"TS{c.taylorseer_order}")
             + ("σ" if c.taylorseer_distance == "sigma" else "")
             + (f" d{damping:g}" if damping < 1.0 else "")
         )
-    if c.policy != "dbcache":
+    if c.enable_dmd:
+        parts.append(f"DMD{c.dmd_history}" + ("σ" if c.taylorseer_distance == "sigma" else ""))
+    if c.policy not in ("dbcache", "teacache", "magcache", "easycache"):
         parts.append(f"policy {c.policy}")
     defaults = CacheConfig.defaults().model_dump()
     for key, value in c.model_dump().items():
+        if key == "forecaster" and value == "foca":
+            continue
         if key not in _LABELLED and value != defaults.get(key):
             parts.append(f"{key}={value}")
     return " ".join(parts)

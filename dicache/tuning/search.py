@@ -16,6 +16,7 @@ from ..sweep.metrics import PSNR_CAP_DB, psnr
 from ..sweep.settings import label
 from .candidates import CANDIDATES, check_candidate
 from .errors import CalibrationError
+from .masks import MAX_MASK_STEPS, Mask, beam_search, computed_steps, mask_overrides
 from .runner import Runner
 
 Criterion = Literal["min", "mean"]
@@ -138,10 +139,16 @@ def calibrate(
     early_stop: bool = True,
     progress: bool = True,
     on_reject: Callable[[CandidateResult], None] | None = None,
+    base: CacheConfig | None = None,
+    step_masks: bool = False,
 ) -> Calibration:
     """Run the references and the candidates on `samples` and choose (see the module docstring).
 
-    `on_reject` is called for each invalid candidate (the command prints them as they are found)."""
+    `step_masks`: on schedules of at most `MAX_MASK_STEPS` steps, first search per-step masks (`masks.beam_search`,
+    every sample, no early stop); each mask scored becomes a candidate after the listed ones.
+
+    `on_reject` is called for each invalid candidate (the command prints them as they are found); `base`: the config
+    every candidate is merged over (default the built-in defaults; `fit_algorithms`' values go there)."""
     if criterion not in CRITERIA:
         raise CalibrationError(f"criterion={criterion!r} is invalid: must be one of {', '.join(CRITERIA)}")
     if not math.isfinite(target_psnr) or target_psnr <= 0:
@@ -153,7 +160,7 @@ def calibrate(
     for index, overrides in enumerate(candidates):
         result = CandidateResult(index, overrides)
         try:
-            result.config = check_candidate(overrides, runner.num_blocks, runner.steps)
+            result.config = check_candidate(overrides, runner.num_blocks, runner.steps, base)
         except (ConfigError, TypeError, ValueError) as exc:
             result.status, result.error = "invalid", str(exc)
             if on_reject is not None:
@@ -175,37 +182,64 @@ def calibrate(
             reference_seconds += ref.seconds
             bar.update()
         hardest: dict[int, float] = {}  # sample index -> lowest PSNR any candidate got on it
-        for result in valid:
-            order = sorted(range(n), key=lambda i: (hardest.get(i, math.inf), i)) if early_stop else range(n)
-            bar.set_postfix_str(f"#{result.index} {result.label}"[:60])
-            for i in order:
-                prompt, seed = samples[i]
-                try:
-                    run = runner.run(prompt, seed, result.config)
-                except ValueError as exc:  # a setting the pipeline refuses (ConfigError is one): not fatal
-                    result.status, result.error = "invalid", str(exc)
-                    if on_reject is not None:
-                        on_reject(result)
-                    break
-                value = psnr(run.image, references[i])[0]
-                result.psnr[i], result.blocks_run[i] = value, run.blocks_run
-                result.blocks_total[i] = reference_blocks[i]  # compute is measured against the uncached run
-                result.seconds += run.seconds
-                hardest[i] = min(hardest.get(i, math.inf), value)
-                bar.update()
-                done = list(result.psnr.values())
-                if early_stop and len(done) < n and _cannot_qualify(done, n, target_psnr, criterion):
-                    result.status = "stopped"
-                    result.error = (
-                        f"stopped after {len(done)} of {n} prompts: PSNR {value:.2f} dB on {prompt!r} "
-                        f"rules out {criterion} >= {target_psnr:g} dB"
-                    )
-                    break
+
+        def measure(result: CandidateResult, i: int) -> float | None:
+            """Run `result` on sample `i` and record it; None (and the candidate invalid) when the pipeline
+            refuses the setting (ConfigError is a ValueError: not fatal)."""
+            prompt, seed = samples[i]
+            try:
+                run = runner.run(prompt, seed, result.config)
+            except ValueError as exc:
+                result.status, result.error = "invalid", str(exc)
+                if on_reject is not None:
+                    on_reject(result)
+                return None
+            value = psnr(run.image, references[i])[0]
+            result.psnr[i], result.blocks_run[i] = value, run.blocks_run
+            result.blocks_total[i] = reference_blocks[i]  # compute is measured against the uncached run
+            result.seconds += run.seconds
+            hardest[i] = min(hardest.get(i, math.inf), value)
+            bar.update()
+            return value
+
+        def finish(result: CandidateResult) -> None:
             if result.status == "pending":
                 result.status = "complete"
                 result.meets_target = result.score(criterion) >= target_psnr
             bar.total -= n - len(result.psnr)  # the generations an early stop saved
             bar.refresh()
+
+        if step_masks and runner.steps <= MAX_MASK_STEPS:
+
+            def score(mask: Mask) -> float | None:
+                result = CandidateResult(len(results), mask_overrides(mask))
+                result.config = check_candidate(result.overrides, runner.num_blocks, runner.steps)
+                results.append(result)
+                bar.total += n
+                bar.set_postfix_str(f"mask {computed_steps(mask)}")
+                for i in range(n):
+                    if measure(result, i) is None:
+                        break
+                finish(result)
+                return result.score(criterion) if result.status == "complete" else None
+
+            beam_search(runner.steps, score, target=target_psnr)
+        for result in valid:
+            order = sorted(range(n), key=lambda i: (hardest.get(i, math.inf), i)) if early_stop else range(n)
+            bar.set_postfix_str(f"#{result.index} {result.label}"[:60])
+            for i in order:
+                value = measure(result, i)
+                if value is None:
+                    break
+                done = list(result.psnr.values())
+                if early_stop and len(done) < n and _cannot_qualify(done, n, target_psnr, criterion):
+                    result.status = "stopped"
+                    result.error = (
+                        f"stopped after {len(done)} of {n} prompts: PSNR {value:.2f} dB on {samples[i][0]!r} "
+                        f"rules out {criterion} >= {target_psnr:g} dB"
+                    )
+                    break
+            finish(result)
     finally:
         bar.close()
     qualified = [r for r in results if r.meets_target]

@@ -34,7 +34,7 @@ class CorrectedTaylorCalibrator(TaylorSeerCalibrator):
         """The gain the next estimate uses (a host sync; for tests and inspection)."""
         return self.damping if self._gain is None else float(self._gain)
 
-    def update(self, x: float, residual: torch.Tensor) -> None:
+    def update(self, x: float, residual: torch.Tensor, source: torch.Tensor | None = None) -> None:
         if self._nodes and x == self._nodes[0]:
             self.reset()
         trend = self._trend(x)
@@ -47,7 +47,7 @@ class CorrectedTaylorCalibrator(TaylorSeerCalibrator):
             self._gain = fitted.clamp(0.0, 1.0)
         super().update(x, residual)
 
-    def estimate(self, x: float) -> torch.Tensor:
+    def estimate(self, x: float, source: torch.Tensor | None = None) -> torch.Tensor:
         if not self._ladder:
             raise RuntimeError("CorrectedTaylorCalibrator.estimate called before any computed step")
         trend = self._trend(x)

@@ -11,10 +11,10 @@ class ReuseCalibrator:
     def __init__(self) -> None:
         self._last: torch.Tensor | None = None
 
-    def update(self, x: float, residual: torch.Tensor) -> None:
+    def update(self, x: float, residual: torch.Tensor, source: torch.Tensor | None = None) -> None:
         self._last = residual
 
-    def estimate(self, x: float) -> torch.Tensor:
+    def estimate(self, x: float, source: torch.Tensor | None = None) -> torch.Tensor:
         if self._last is None:
             raise RuntimeError("ReuseCalibrator.estimate called before any computed step")
         return self._last

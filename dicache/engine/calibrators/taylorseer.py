@@ -30,7 +30,7 @@ class TaylorSeerCalibrator:
         self._ladder: list[torch.Tensor] = []  # D0, D1, … for the current anchor x0
         self._nodes: list[float] = []  # x0, x1, … (most recent first), at most `order` kept
 
-    def update(self, x: float, residual: torch.Tensor) -> None:
+    def update(self, x: float, residual: torch.Tensor, source: torch.Tensor | None = None) -> None:
         if self._nodes and x == self._nodes[0]:  # the same position computed again: start over from it
             self.reset()
         ladder = [residual]
@@ -39,7 +39,7 @@ class TaylorSeerCalibrator:
         self._ladder = ladder
         self._nodes = ([x] + self._nodes)[: self.order]
 
-    def estimate(self, x: float) -> torch.Tensor:
+    def estimate(self, x: float, source: torch.Tensor | None = None) -> torch.Tensor:
         if not self._ladder:
             raise RuntimeError("TaylorSeerCalibrator.estimate called before any computed step")
         out = self._ladder[0]
