@@ -74,8 +74,9 @@ def enable(
             from block-list attribute to form (which declares the lists of a model without a family entry). The
             first call checks the forms against what the blocks return and raises `BlockFormError` on a mismatch.
         lists: `"joined"` (default): a transformer's block lists are one stack, one decision per call, Fn / Bn
-            counted over the whole stack; `"separate"`: each list is its own cache (cache-dit's layout for
-            HunyuanVideo, Chroma, HiDream and Flux.2); `dicache.stats` then reports the first list's.
+            counted over the whole stack; `"separate"`: each list is its own cache (cache-dit's layout for most
+            multi-list families: HunyuanVideo, Chroma, HiDream, Flux.2, …); `dicache.stats` then reports the first
+            list's.
 
     Enabling an already enabled object replaces its settings.
     """

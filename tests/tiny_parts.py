@@ -21,7 +21,7 @@ SETTINGS = {"residual_diff_threshold": 0.5, "max_warmup_steps": 1}
 class Case:
     """A family's tiny pipeline: `build()` gives `(pipe, kwargs)`. `separate_cfg`: the pipeline makes one transformer
     call per CFG branch with these kwargs (cache-dit's `enable_separate_cfg`). `cache_dit_lists`: how cache-dit's
-    registered adapter caches the block lists (`separate` for HunyuanVideo, Chroma, HiDream, Flux.2), i.e. the
+    registered adapter caches the block lists (`separate`: each on its own, as for HunyuanVideo or Chroma), i.e. the
     `lists=` layout whose images equal cache-dit's; `cache_dit_form`: the `form=` mapping of the lists cache-dit
     caches where it caches only some of them (AuraFlow: the single-stream list). `settings`: the cache settings of
     the checks (`SETTINGS` unless a family needs another threshold to cache at all with random weights).

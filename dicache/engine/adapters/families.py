@@ -408,7 +408,7 @@ def family_spec(model: nn.Module, family: Family, form: FormArg = None) -> Stack
 LIST_LAYOUTS = ("joined", "separate")
 """How a transformer's block lists are cached: `joined`, one stack (one decision per call; Fn / Bn over the whole
 stack; a cached call skips the middle of every list), or `separate`, each list its own cache with its own Fn / Bn,
-decision, state and stats (cache-dit's layout for HunyuanVideo, Chroma, HiDream and Flux.2)."""
+decision, state and stats (cache-dit's layout for the multi-list families but Flux.1 and AuraFlow)."""
 
 
 def stack_specs(model: nn.Module, form: FormArg = None, lists: str = "joined") -> tuple[StackSpec, ...]:
