@@ -2,7 +2,9 @@
 calls, its PSNR against the uncached images equals cache-dit 1.5.3's with the same settings (±0.1 dB; cache-dit runs
 live when installed, else its figures recorded below are used), `policy="never"` and `disable` are bitwise the
 uncached images. Then the family-specific behaviours issue 24 names: Flux with equally long streams, SD3 skip-layer
-guidance, Wan 2.2's two transformers, ControlNet residuals, schedulers without sigmas, a wrong `form=`."""
+guidance, Wan 2.2's two transformers, ControlNet residuals, schedulers without sigmas, a wrong `form=`; and more
+pipelines of registered families (Qwen-Image-Edit, HunyuanDiT PAG), the Fn residual at a list boundary before a list
+that joins the streams (AuraFlow), a deep copy of an attached scheduler (LTX-2)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Tiny diffusers pipelines of every registered family, built from configs (no hub access), for the family tests and
-`benchmarks/bench_families.py`.
+"""Tiny diffusers pipelines of the first seventeen registered families, built from configs (no hub access), for the
+family tests and `benchmarks/bench_families.py`; `CASES` also holds the later families' (`tiny_families_more.py`).
 
 Sizes follow diffusers' own pipeline tests (`get_dummy_components`), with a few more blocks so a cache has a middle to
 skip. Text encoders and tokenizers are left out: each case passes random prompt embeddings (and pooled embeddings /
