@@ -88,6 +88,7 @@ CACHE_DIT_PSNR = {
     "LongCat-Image": 57.414,
     "Bria-FIBO": 37.650,
     "GLM-Image": 56.253,
+    "aMUSEd": 18.458,
 }
 """cache-dit 1.5.3's PSNR (dB) on each case with its settings, recorded by `benchmarks/bench_families.py` for runs
 without cache-dit (the `bench` extra); for a family cache-dit cannot run (`Case.cache_dit_fails`: Bria 3.2, LTX-2),

@@ -1337,6 +1337,71 @@ def glm_image():
     return finish(pipe), kwargs
 
 
+def amused():
+    """aMUSEd (masked image tokens, a U-ViT): one list of `(h, e) -> h` transformer layers between its convolutional
+    stages, batched CFG, 8 px from a VQ decoder. Its scheduler keeps no step index and the U-ViT takes no timestep:
+    steps are counted at the scheduler's `step`."""
+    from diffusers import AmusedPipeline, AmusedScheduler, UVit2DModel, VQModel
+
+    torch.manual_seed(0)
+    transformer = UVit2DModel(
+        hidden_size=8,
+        use_bias=False,
+        hidden_dropout=0.0,
+        cond_embed_dim=8,
+        micro_cond_encode_dim=2,
+        micro_cond_embed_dim=10,
+        encoder_hidden_size=8,
+        vocab_size=32,
+        codebook_size=8,
+        in_channels=8,
+        block_out_channels=8,
+        num_res_blocks=1,
+        downsample=True,
+        upsample=True,
+        block_num_heads=1,
+        num_hidden_layers=4,
+        num_attention_heads=1,
+        attention_dropout=0.0,
+        intermediate_size=8,
+        layer_norm_eps=1e-06,
+        ln_elementwise_affine=True,
+    ).eval()
+    torch.manual_seed(0)
+    vqvae = VQModel(
+        act_fn="silu",
+        block_out_channels=[8],
+        down_block_types=["DownEncoderBlock2D"],
+        in_channels=3,
+        latent_channels=8,
+        layers_per_block=1,
+        norm_num_groups=8,
+        num_vq_embeddings=8,
+        out_channels=3,
+        sample_size=8,
+        up_block_types=["UpDecoderBlock2D"],
+        mid_block_add_attention=False,
+        lookup_from_codebook=True,
+    ).eval()
+    pipe = AmusedPipeline(
+        vqvae=vqvae,
+        tokenizer=None,
+        text_encoder=None,
+        transformer=transformer,
+        scheduler=AmusedScheduler(mask_token_id=31),
+    )
+    kwargs = common_kwargs(
+        prompt_embeds=randn(1, 8, seed=1),
+        encoder_hidden_states=randn(1, 8, 8, seed=2),
+        negative_prompt_embeds=randn(1, 8, seed=3),
+        negative_encoder_hidden_states=randn(1, 8, 8, seed=4),
+        guidance_scale=10.0,
+        height=8,
+        width=8,
+    )
+    return finish(pipe), kwargs
+
+
 def random_frames(count: int, size: int, seed: int):
     """`count` random RGB frames (uint8 arrays) of `size` px."""
     return list((torch.rand(count, size, size, 3, generator=seeded(seed)) * 255).to(torch.uint8).numpy())
@@ -1379,6 +1444,7 @@ MORE_CASES: dict[str, Case] = {
         Case("LongCat-Image", longcat_image, separate_cfg=True, cache_dit_lists="separate"),
         Case("Bria-FIBO", bria_fibo, separate_cfg=False, cache_dit_lists="separate"),
         Case("GLM-Image", glm_image, separate_cfg=True),
+        Case("aMUSEd", amused, separate_cfg=False),
         Case(
             "LTX-2",
             ltx2,

@@ -364,6 +364,13 @@ FAMILIES: tuple[Family, ...] = (
         cache_dit="cache-dit patches the forward (same blocks and decisions)",
     ),
     Family(
+        "aMUSEd",
+        ("UVit2DModel",),
+        (("transformer_layers", HE_TO_H),),
+        ("AmusedPipeline", "AmusedImg2ImgPipeline", "AmusedInpaintPipeline"),
+        BATCHED,
+    ),
+    Family(
         "Stable Audio", ("StableAudioDiTModel",), (("transformer_blocks", H_TO_H),), ("StableAudioPipeline",), BATCHED
     ),
 )

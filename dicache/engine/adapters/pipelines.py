@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,64 +86,106 @@ class DiffusersPipelineAdapter:
 
         obj.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
         scheduler = obj.scheduler
-        had_own = "set_timesteps" in scheduler.__dict__
-        original = scheduler.set_timesteps
+        own = {name: scheduler.__dict__.get(name, _MISSING) for name in ("set_timesteps", "step")}
+        counter = None
+        if needs_step_count(scheduler, self.transformers(obj)):
+            counter = StepCounter(scheduler, "step", scheduler.step)
+            scheduler.step = counter
 
         def on_schedule() -> None:
+            if counter is not None:
+                counter.taken = 0
             requests = [r for r in (s.active_request() for s in sessions) if r is not None]
             if requests:
-                num_steps, sigmas, key_source = read_schedule(scheduler)  # once per request
+                taken = (lambda: counter.taken) if counter is not None else None
+                num_steps, sigmas, key_source = read_schedule(scheduler, taken)  # once per request
                 for request in requests:
                     request.set_schedule(num_steps=num_steps, sigmas=sigmas)
                     request.key_source = key_source
 
-        scheduler.set_timesteps = ScheduleTap(scheduler, original, on_schedule)
+        scheduler.set_timesteps = ScheduleTap(scheduler, "set_timesteps", scheduler.set_timesteps, on_schedule)
 
         def detach() -> None:
             obj.__class__ = base
-            if had_own:
-                scheduler.set_timesteps = original
-            else:
-                scheduler.__dict__.pop("set_timesteps", None)
+            for name, value in own.items():
+                if value is not _MISSING:
+                    setattr(scheduler, name, value)
+                else:
+                    scheduler.__dict__.pop(name, None)
 
         return detach
 
 
-class ScheduleTap:
-    """A scheduler's `set_timesteps` while a pipeline is attached: runs the original, then `on_schedule()` (which
-    reads the new schedule). A deep copy of the scheduler (LTX-2 copies its scheduler for the audio latents) gets its
-    class's plain `set_timesteps` instead, so the copy sets its own timesteps and only the attached scheduler feeds
-    the requests."""
+class SchedulerTap:
+    """A scheduler method (`name`) wrapped while a pipeline is attached. A deep copy of the scheduler (LTX-2 copies
+    its scheduler for the audio latents) gets its class's plain method instead, so the copy runs on its own and only
+    the attached scheduler feeds the requests."""
 
-    def __init__(self, scheduler: Any, original: Callable[..., Any], on_schedule: Callable[[], None]) -> None:
-        self.scheduler, self.original, self.on_schedule = scheduler, original, on_schedule
+    def __init__(self, scheduler: Any, name: str, original: Callable[..., Any]) -> None:
+        self.scheduler, self.name, self.original = scheduler, name, original
         functools.update_wrapper(self, original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.original(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        copy = memo.get(id(self.scheduler))
+        if copy is None:  # the tap copied on its own, not as part of its scheduler
+            return self
+        return getattr(type(copy), self.name).__get__(copy)
+
+
+class ScheduleTap(SchedulerTap):
+    """`set_timesteps`: runs the original, then `on_schedule()` (which reads the new schedule)."""
+
+    def __init__(self, scheduler: Any, name: str, original: Callable[..., Any], on_schedule: Callable[[], None]):
+        super().__init__(scheduler, name, original)
+        self.on_schedule = on_schedule
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = self.original(*args, **kwargs)
         self.on_schedule()
         return result
 
-    def __deepcopy__(self, memo: dict) -> Any:
-        copy = memo.get(id(self.scheduler))
-        if copy is None:  # the tap copied on its own, not as part of its scheduler
-            return self
-        return type(copy).set_timesteps.__get__(copy)
+
+class StepCounter(SchedulerTap):
+    """`step` of a scheduler that keeps no step index, for a transformer that takes no timestep (aMUSEd's): counts
+    the steps taken since the last `set_timesteps`, which then index the schedule."""
+
+    taken = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.original(*args, **kwargs)
+        self.taken += 1
+        return result
 
 
-def read_schedule(scheduler: Any) -> tuple[int, list[float] | None, Callable[[], float] | None]:
+def needs_step_count(scheduler: Any, transformers: Sequence[nn.Module]) -> bool:
+    """Whether steps can come neither from the scheduler's step index nor from a `timestep` argument of the
+    transformers' forwards, so the scheduler's `step` calls are counted."""
+    if hasattr(scheduler, "step_index"):
+        return False
+    return any("timestep" not in inspect.signature(t.forward).parameters for t in transformers)
+
+
+def read_schedule(
+    scheduler: Any, steps_taken: Callable[[], int] | None = None
+) -> tuple[int, list[float] | None, Callable[[], float] | None]:
     """The step count, the sigmas (None when the scheduler has none) and the key source of a scheduler whose
-    `set_timesteps` just ran. Keys are its sigmas, else its timesteps; without a host-side step index there is no
-    key source (the forward's timestep argument is the key)."""
+    `set_timesteps` just ran. Keys are its sigmas, else its timesteps, at its host-side step index, else at
+    `steps_taken()`; without either there is no key source (the forward's timestep argument is the key)."""
     timesteps = [float(t) for t in scheduler.timesteps.detach().float().cpu()]
     count = len(timesteps)
     raw = getattr(scheduler, "sigmas", None)
     sigmas = None
     if raw is not None and hasattr(raw, "__len__") and len(raw) >= count:
         sigmas = [float(s) for s in (raw.detach().float().cpu() if hasattr(raw, "detach") else raw)][:count]
+    keys = sigmas if sigmas is not None else timesteps
     if not hasattr(scheduler, "step_index"):
-        return count, sigmas, None
-    return count, sigmas, _scheduler_key(scheduler, sigmas if sigmas is not None else timesteps)
+        if steps_taken is None:
+            return count, sigmas, None
+        return count, sigmas, lambda: keys[min(steps_taken(), len(keys) - 1)]
+    return count, sigmas, _scheduler_key(scheduler, keys)
 
 
 def _scheduler_key(scheduler: Any, keys: list[float]) -> Callable[[], float]:
