@@ -290,6 +290,8 @@ def test_each_algorithm_is_a_family_with_a_compact_label():
         ),
         ({"policy": "easycache", "easycache_thresh": 0.3}, "easycache", "F1B0 W4 EasyCache 0.3"),
         ({"residual_diff_threshold": 0.12}, "dbcache", "F1B0 W4 MC3 R0.12"),
+        ({**rec, "taylorseer_damping": 0.35, "forecaster": "corrected"}, "recommended", None),
+        ({**rec, "taylorseer_distance": "step"}, "dbcache", None),
         ({"policy": "magcache"}, "other", None),  # no profile: not a valid config
     ]
     for overrides, family, text in cases:
@@ -321,5 +323,6 @@ def test_algorithm_rows_compare_each_family_with_the_baselines_and_the_recommend
     assert rows["recommended"][0]["margin"] == pytest.approx(30.0 - 22.0)  # fewer steps interpolated at 0.3: 22 dB
     assert rows["easycache"][0]["vs_recommended"] == pytest.approx(-2.5)
     assert rows["easycache"][1]["vs_recommended"] is None and rows["easycache"][1]["value"] == 40.0
+    assert rows["easycache"][0]["best_measured"] == "fewer-steps"
     text = "\n".join(algorithm_lines(results, "s"))
     assert "| easycache | 27.5 (+5.1 / -2.5) | 40.0 (+14.0) |" in text  # at 0.32 fewer steps give 22.4 dB

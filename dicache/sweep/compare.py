@@ -260,8 +260,10 @@ def _plain_target(target: Mapping[str, Any], metric: str) -> dict[str, Any]:
 
 def algorithm_rows(results: Mapping[str, Any], slug: str, metric: str = "psnr") -> list[dict[str, Any]]:
     """Per algorithm family (`settings.algorithm` of each dicache cell): its best record in each compute bin and the
-    margins against the best same-compute baseline (`margin`) and against the `recommended` family's best record in
-    the same bin (`vs_recommended`). Rows: `algorithm`, `bins` (one `bin_rows` row per bin, plus `vs_recommended`)."""
+    margins against the best same-compute baseline (`margin`: `bin_rows`' rule; `margin_measured`: only baselines
+    measured at or below the record's compute, so a baseline whose cheapest run costs more does not count) and
+    against the `recommended` family's best record in the same bin (`vs_recommended`). Rows: `algorithm`, `bins` (one
+    `bin_rows` row per bin, plus `margin_measured`, `best_measured` and `vs_recommended`)."""
     groups = schedule_groups(results["records"], slug)
     centers = results["meta"].get("compute_targets") or MARGIN_TARGET_BINS
     families: dict[str, list[Mapping[str, Any]]] = {}
@@ -275,6 +277,15 @@ def algorithm_rows(results: Mapping[str, Any], slug: str, metric: str = "psnr") 
         for row in per[name]:
             base = reference.get(row["bin"])
             value = row["value"]
-            rows.append(row | {"vs_recommended": None if value is None or base is None else value - base})
+            measured = {m: v for m, v in row["baselines"].items() if v["how"] != "below"}
+            best = best_of(measured)
+            rows.append(
+                row
+                | {
+                    "vs_recommended": None if value is None or base is None else value - base,
+                    "best_measured": None if best is None else best[0],
+                    "margin_measured": None if value is None or best is None else value - best[1],
+                }
+            )
         out.append({"algorithm": name, "bins": rows})
     return out

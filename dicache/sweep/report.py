@@ -208,14 +208,18 @@ def comparison_lines(entry: dict[str, Any], heading: str = "####") -> list[str]:
 
 
 def algorithm_lines(results: dict[str, Any], slug: str, heading: str = "###") -> list[str]:
-    """Markdown: each algorithm family's best PSNR per compute bin, with its margin against the best same-compute
-    baseline and against the recommended family in the same bin (`compare.algorithm_rows`); [] with one family."""
+    """Markdown: each algorithm family's best PSNR per compute bin, with its margin against the best baseline measured
+    at or below its compute and against the recommended family in the same bin (`compare.algorithm_rows`); [] with
+    one family."""
     rows = compare.algorithm_rows(results, slug)
     if len(rows) < 2:
         return []
     bins = [b["bin"] for b in rows[0]["bins"]]
     lines = [
         f"{heading} Algorithms side by side: best PSNR per compute bin (margin vs the best baseline / vs recommended)",
+        "",
+        "Margins in dB against the best baseline measured at or below the setting's compute (a baseline whose cheapest "
+        "run costs more is left out here) and against the recommended family's best setting in the same bin.",
         "",
     ]
     body = []
@@ -230,7 +234,7 @@ def algorithm_lines(results: dict[str, Any], slug: str, heading: str = "###") ->
                 if b["vs_recommended"] is None or row["algorithm"] == "recommended"
                 else f" / {b['vs_recommended']:+.1f}"
             )
-            base = "n/a" if b["margin"] is None else f"{b['margin']:+.1f}"
+            base = "n/a" if b["margin_measured"] is None else f"{b['margin_measured']:+.1f}"
             cells.append(f"{b['value']:.1f} ({base}{rec})")
         body.append(cells)
     return lines + _table(["algorithm", *(f"{c:g}" for c in bins)], body)

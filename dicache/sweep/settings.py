@@ -118,7 +118,8 @@ ALGORITHMS = ("recommended", "dbcache", "teacache", "magcache", "easycache", "fo
 
 def algorithm(overrides: Mapping[str, Any] | None) -> str:
     """The family a cell belongs to: its policy when it is TeaCache / MagCache / EasyCache, else its forecaster when
-    it is FoCa or DMD, else `recommended` for `RECOMMENDED_FAMILY` (any budget and curve), else `dbcache`; `other`
+    it is FoCa or DMD, else `recommended` for `RECOMMENDED_FAMILY` (any budget, curve and damping, TaylorSeer plain or
+    corrected), else `dbcache`; `other`
     for a cell that is not a valid config."""
     try:
         c = CacheConfig.defaults().merged(dict(overrides or {}))
@@ -131,8 +132,9 @@ def algorithm(overrides: Mapping[str, Any] | None) -> str:
     if c.enable_taylorseer and c.forecaster == "foca":
         return "foca"
     family = c.model_dump()
-    if all(family[k] == v for k, v in RECOMMENDED_FAMILY.items()) and c.forecaster == "taylor":
-        return "recommended"
+    same = all(family[k] == v for k, v in RECOMMENDED_FAMILY.items() if k != "taylorseer_damping")
+    if same and c.forecaster in ("taylor", "corrected"):
+        return "recommended"  # any budget and curve; `corrected` is the Turbo recommendation (README)
     return "dbcache" if c.policy == "dbcache" else "other"
 
 

@@ -20,6 +20,12 @@ CANDIDATES: tuple[dict[str, Any], ...] = (
     *(recommended(f, 2.5) for f in RECOMMENDED_BUDGETS),
     *(recommended(f, 2.0) for f in (0.5, 0.6, 0.7)),
     *(recommended(f, 1.5) for f in (0.7, 0.8)),
+    # ... with the forecasters that beat its TaylorSeer in some bins at 28 steps (issue 26, RESULTS.md): FoCa damped
+    # 0.35 on curve 3.0 at 0.3, FoCa damped 0.5 at 0.7, DMD (history 4) at 0.7 and 0.8.
+    {**recommended(0.3, 3.0), "forecaster": "foca", "taylorseer_damping": 0.35},
+    {**recommended(0.3, 3.0), "taylorseer_damping": 0.35},
+    {**recommended(0.7, 1.5), "forecaster": "foca"},
+    *({**recommended(f, 1.5), "enable_taylorseer": False, "enable_dmd": True, "dmd_history": 4} for f in (0.7, 0.8)),
     # Dynamic DBCache: cache when the first blocks' residual barely moved (SGLang default: RDT 0.24, W 4, MC 3).
     {"residual_diff_threshold": 0.04},
     {"residual_diff_threshold": 0.08},
