@@ -178,6 +178,8 @@ def test_readme_settings_table_is_generated_from_the_field_declarations():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     table = markdown_table()
     assert table in readme, "README's settings table is stale: paste the output of `dicache config --markdown`"
+    header = table.splitlines()[0]
+    assert readme.count(header) == 1, "README holds more than one settings table (a stale copy next to the current one)"
     for setting in SETTINGS:
         assert f"| `{setting.env_name}` | `{setting.key}` |" in table and setting.meaning in table.replace("\\|", "|")
 
