@@ -83,3 +83,18 @@ def compute(reason: str, diff: float | None = None) -> Decision:
 
 def cache(reason: str, diff: float | None = None, accumulated: float | None = None) -> Decision:
     return Decision(cache=True, reason=reason, diff=diff, accumulated=accumulated)
+
+
+def accumulator_gate(ctx: StepContext, warmup: int, mask: list[int] | None, threshold: float) -> Decision | None:
+    """What every accumulating policy (TeaCache, EasyCache) computes before reading its signal: warm-up steps, the
+    last step of a request, steps the mask computes, and everything when `threshold <= 0`; None: the signal decides."""
+    s = ctx.step
+    if s < warmup:
+        return compute("warmup")
+    if ctx.num_steps is not None and s >= ctx.num_steps - 1:
+        return compute("last_step")
+    if mask is not None and (s >= len(mask) or mask[s] == 1):
+        return compute("mask")
+    if threshold <= 0:
+        return compute("threshold_off")
+    return None

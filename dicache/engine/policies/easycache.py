@@ -10,7 +10,7 @@ strictly below the threshold, and a computed step resets it. The last step of a 
 
 from __future__ import annotations
 
-from .base import Decision, DiffFn, StepContext, cache, compute
+from .base import Decision, DiffFn, StepContext, accumulator_gate, cache, compute
 
 
 class EasyCachePolicy:
@@ -32,15 +32,9 @@ class EasyCachePolicy:
         return self.threshold > 0
 
     def decide(self, ctx: StepContext, diff: DiffFn) -> Decision:
-        s = ctx.step
-        if s < self.warmup:
-            return compute("warmup")
-        if ctx.num_steps is not None and s >= ctx.num_steps - 1:
-            return compute("last_step")
-        if self.mask is not None and (s >= len(self.mask) or self.mask[s] == 1):
-            return compute("mask")
-        if self.threshold <= 0:
-            return compute("threshold_off")
+        gate = accumulator_gate(ctx, self.warmup, self.mask, self.threshold)
+        if gate is not None:
+            return gate
         if not ctx.has_residual or ctx.rate is None:
             return compute("no_residual")
         value = diff()

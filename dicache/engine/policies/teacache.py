@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Decision, DiffFn, StepContext, cache, compute
+from .base import Decision, DiffFn, StepContext, accumulator_gate, cache, compute
 
 
 def polynomial(coefficients: Sequence[float], x: float) -> float:
@@ -47,15 +47,9 @@ class TeaCachePolicy:
         return self.threshold > 0
 
     def decide(self, ctx: StepContext, diff: DiffFn) -> Decision:
-        s = ctx.step
-        if s < self.warmup:
-            return compute("warmup")
-        if ctx.num_steps is not None and s >= ctx.num_steps - 1:
-            return compute("last_step")
-        if self.mask is not None and (s >= len(self.mask) or self.mask[s] == 1):
-            return compute("mask")
-        if self.threshold <= 0:
-            return compute("threshold_off")
+        gate = accumulator_gate(ctx, self.warmup, self.mask, self.threshold)
+        if gate is not None:
+            return gate
         if not (ctx.has_reference and ctx.has_residual):
             return compute("no_residual")
         value = diff()
