@@ -234,8 +234,8 @@ PROMPTS = [
 ]
 
 
-def one_request(url: str, body: dict) -> tuple[float, str]:
-    """(seconds, the image's sha256 fingerprint) of one generation."""
+def one_request(url: str, body: dict) -> tuple[float, str, dict]:
+    """(seconds, the image's sha256 fingerprint, the answer's `timings`) of one generation."""
     import httpx
 
     start = time.perf_counter()
@@ -243,16 +243,34 @@ def one_request(url: str, body: dict) -> tuple[float, str]:
     seconds = time.perf_counter() - start
     if r.status_code != 200:
         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-    image = r.json()["data"][0]
+    answer = r.json()
+    image = answer["data"][0]
     if not image.get("b64_json"):
         raise RuntimeError("response without an image")
-    return seconds, image["sha256"]
+    return seconds, image["sha256"], answer.get("timings") or {}
+
+
+def where_time_goes(answers: list[tuple[float, str, dict]]) -> dict:
+    """Mean seconds per request: each phase (the answer's `timings.phases`), the wait for a worker, the wait for a
+    phase busy with another request (`generate_s` minus the phases), and the rest: HTTP, the event loop, the client."""
+    phases = [t.get("phases") or {} for _, _, t in answers]
+    names = list(dict.fromkeys(name for p in phases for name in p))
+    mean = {f"{name}_s": round(statistics.mean(p.get(name, 0.0) for p in phases), 4) for name in names}
+    mean["queued_s"] = round(statistics.mean(t.get("queued_s", 0.0) for _, _, t in answers), 4)
+    mean["phase_wait_s"] = round(
+        statistics.mean(t.get("generate_s", 0.0) - sum((t.get("phases") or {}).values()) for _, _, t in answers), 4
+    )
+    mean["outside_s"] = round(
+        statistics.mean(s - t.get("queued_s", 0.0) - t.get("generate_s", 0.0) for s, _, t in answers), 4
+    )
+    return mean
 
 
 def load(url: str, variant: str, cache: str, concurrency: int, requests: int, size: int, seen: dict) -> dict:
     """Latency and throughput of `requests` generations from `concurrency` clients. `seen`: (variant, cache, seed)
     -> fingerprint of earlier runs; `same_bytes` says whether every repeated (variant, cache, seed) gave the bytes
-    it gave before (the same-seed guarantee across concurrency), None when nothing repeated."""
+    it gave before (the same-seed guarantee across concurrency), None when nothing repeated; `time_goes`: where a
+    request's time went on average (`where_time_goes`)."""
     steps, guidance = VARIANTS[variant]
     bodies = [
         {
@@ -269,9 +287,9 @@ def load(url: str, variant: str, cache: str, concurrency: int, requests: int, si
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         answers = list(pool.map(lambda b: one_request(url, b), bodies))
     wall = time.perf_counter() - start
-    latencies = sorted(seconds for seconds, _ in answers)
+    latencies = sorted(seconds for seconds, _, _ in answers)
     same = None
-    for body, (_, digest) in zip(bodies, answers):
+    for body, (_, digest, _) in zip(bodies, answers):
         key = (variant, cache, body["seed"])
         if key in seen:
             same = (same is not False) and seen[key] == digest
@@ -284,6 +302,7 @@ def load(url: str, variant: str, cache: str, concurrency: int, requests: int, si
         "latency_p99_s": round(p99, 3),
         "throughput_req_s": round(requests / wall, 3),
         "same_bytes": same,
+        "time_goes": where_time_goes(answers),
     }
 
 
@@ -385,11 +404,24 @@ def markdown(results: dict, args, command: str) -> str:
         + "  ",
         f"SGLang published (seed docs, Turbo, default cache): {json.dumps(SGLANG_PUBLISHED)}\n",
     ]
-    rows = results["runs"]
+    rows = [{k: v for k, v in r.items() if k != "time_goes"} for r in results["runs"]]
     if rows:
         keys = list(dict.fromkeys(k for r in rows for k in r))
         lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
         lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    goes = [r for r in results["runs"] if r.get("time_goes")]
+    if goes:
+        keys = list(dict.fromkeys(k for r in goes for k in r["time_goes"]))
+        lines += ["", "Where a request's time goes (mean seconds; phases from the answers' `timings.phases`, "
+                  "`phase_wait`: waiting for a phase busy with another request, `outside`: latency minus the "
+                  "worker's time and the queue: HTTP, the event loop, the client):", ""]  # fmt: skip
+        lines += ["| server | cache | concurrency | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 3)]
+        lines += [
+            f"| {r['server']} | {r['cache']} | {r['concurrency']} | "
+            + " | ".join(str(r["time_goes"].get(k, "")) for k in keys)
+            + " |"
+            for r in goes
+        ]
     breakdowns = {name: s.get("memory_at_end") for name, s in results["servers"].items() if s.get("memory_at_end")}
     if breakdowns:
         lines += ["", "GPU memory at the end of each server's runs (GB; `/v1/server_info`, torch's allocator):", ""]

@@ -2,7 +2,7 @@
 # Issue 27 on one H200: every target measured with the product's flags, each step one device call (< 10 min),
 # each printing its tables and appending them to benchmarks/RESULTS.md.
 #
-#   bash benchmarks/gpu_issue27.sh STEP        # STEP: wheels | fp8 | speed | serve | workers | all
+#   bash benchmarks/gpu_issue27.sh STEP [STEP ...]   # STEP: wheels | check | fp8 | speed | serve | workers | all
 #
 # The machine has torch 2.11 but not torchao, fastapi, uvicorn, pydantic(-settings): carry them as wheels in .whl
 # (made here, on any x86-64 or Arm machine with pip; about 6.4 MB, within the 64 MiB a call carries):
@@ -14,24 +14,29 @@
 #     torchao==0.18.0 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 pydantic==2.14.4 pydantic-core==2.50.5 \
 #     pydantic-settings==2.16.3 annotated-types==0.8.0 typing-inspection==0.4.5 python-dotenv==1.2.4
 #
-# and run each step as its own call with carry [".whl"]. Steps and what each measures (targets of issue 27):
+# (fastapi 0.165 also needs opentelemetry-api, which needs importlib-metadata and lazy-importer; typing-extensions
+# 4.16 for pydantic-core: add `opentelemetry-api==1.45.2 importlib-metadata==10.2.0 lazy-importer typing-extensions==4.16.0`)
+# and run the steps in few calls with carry [".whl"]. Steps and what each measures (targets of issue 27):
+#   check    the GPU tests: FP8 linears, and the server's phases on CUDA streams of their own giving the bytes of the
+#            pipeline call, alone and with requests in flight (pytest -m gpu)                          (~2 min)
 #   fp8      bench_fp8 fidelity (>= 35 dB mean, worst prompt reported) and block time of the FP8 default (attention
 #            projections bf16), of all-FP8, and of q in FP8 too (attn_kv,attn_out kept bf16: the choice the CPU
-#            emulation puts at about 35 dB on Raw 28), with the block output's error against bf16 (fast accumulation);
-#            then the FP8 GPU tests (pytest -m gpu tests/test_fp8_gpu.py)                               (~8 min)
+#            emulation puts at about 35 dB on Raw 28), with the block output's error against bf16 (fast accumulation)
+#                                                                                                       (~5 min)
 #   speed    bench_krea2_speed compiled: one forward (<= 0.125 s) and Turbo / Raw under SGLang's default pattern
-#            (Turbo denoise <= 0.65 s), for the FP8 default and for all-FP8 (--quantization-exclude none) (~8 min)
-#   serve    bench_serving, FP8 servers with 2 workers (the default), without and with the text encoder in FP8
-#            (fp8-te): Turbo concurrency 1 (<= 0.75 s) and 20 (>= 1.35 req/s) with SGLang's default pattern, the
-#            recommended Turbo setting (the moonshot, <= 0.6 s at concurrency 1), same-seed bytes across concurrency,
-#            peak memory (<= 28 GB) with its breakdown                                                 (~8 min)
-#   workers  bench_serving with --workers 1, Turbo concurrency 1 and 20 (compare with `serve`: 2 workers no slower
-#            alone)                                                                                     (~5 min)
+#            (Turbo denoise <= 0.65 s), for each exclusion choice in $SPEED_EXCLUDES (';'-separated
+#            --quantization-exclude values, `default` for none given; default: "attn_kv attn_out;default") (~3 min each)
+#   serve    bench_serving, the FP8 server with the text encoder in FP8 (fp8-te) and 2 workers (the default): Turbo
+#            concurrency 1 (<= 0.75 s) and 20 (>= 1.35 req/s) with SGLang's default pattern, the recommended Turbo
+#            setting (the moonshot, <= 0.6 s at concurrency 1), same-seed bytes across concurrency, peak memory
+#            (<= 28 GB) with its breakdown; $SERVER_ARGS are added to the server's flags              (~4 min)
+#   workers  the same server with --workers 1, Turbo concurrency 1 and 20 (2 workers no slower alone) (~3 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: bash benchmarks/gpu_issue27.sh wheels|fp8|speed|serve|workers|all}
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_issue27.sh wheels|check|fp8|speed|serve|workers|all ..." >&2; exit 2; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-results=benchmarks/RESULTS.md
+results=${OUT:-/tmp}/results_new.md  # the new sections alone, written as each benchmark ends (append them to
+# benchmarks/RESULTS.md here, without their "# Benchmark results" first line): a call cut short keeps what it finished
 
 wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -39,32 +44,49 @@ wheels() {
   nvidia-smi --query-gpu=name,memory.used,power.limit --format=csv
 }
 
+check() {
+  timeout 150 python3 -m pytest -m gpu tests/test_fp8_gpu.py tests/test_server_stages.py -p no:cacheprovider
+}
+
 fp8() {
   timeout 330 python3 benchmarks/bench_fp8.py --sections fidelity,block --compare default none attn_kv,attn_out \
     --results "$results"
-  timeout 120 python3 -m pytest -q -m gpu tests/test_fp8_gpu.py -p no:cacheprovider
 }
 
 speed() {
-  timeout 230 python3 benchmarks/bench_krea2_speed.py --mode compiled --sections forward,sglang --no-diffusers \
-    --quantization fp8 --results "$results" --out "${OUT:-/tmp}/speed_default.json"
-  timeout 230 python3 benchmarks/bench_krea2_speed.py --mode compiled --sections forward,sglang --no-diffusers \
-    --quantization fp8 --quantization-exclude none --results "$results" --out "${OUT:-/tmp}/speed_allfp8.json"
+  local choice i=0
+  IFS=';' read -ra choices <<<"${SPEED_EXCLUDES:-attn_kv attn_out;default}"
+  for choice in "${choices[@]}"; do
+    i=$((i + 1))
+    local exclude=()
+    [ "$choice" = default ] || read -ra exclude <<<"$choice"
+    timeout 200 python3 benchmarks/bench_krea2_speed.py --mode compiled --sections forward,sglang --no-diffusers \
+      --quantization fp8 ${exclude[@]:+--quantization-exclude "${exclude[@]}"} --results "$results" \
+      --out "${OUT:-/tmp}/speed_$i.json"
+  done
 }
 
 serve() {
-  timeout 560 python3 benchmarks/bench_serving.py --servers fp8 fp8-te --variants turbo --caches sglang recommended \
-    --requests-c1 5 --requests-c20 20 --start-timeout 240 --results "$results"
+  timeout 330 python3 benchmarks/bench_serving.py --servers fp8-te --variants turbo --caches sglang recommended \
+    --requests-c1 5 --requests-c20 20 --start-timeout 240 ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} \
+    --results "$results"
 }
 
 workers() {
-  timeout 400 python3 benchmarks/bench_serving.py --servers fp8 --workers 1 --variants turbo --caches sglang \
-    --requests-c1 5 --requests-c20 20 --start-timeout 300 --results "$results"
+  timeout 260 python3 benchmarks/bench_serving.py --servers fp8-te --workers 1 --variants turbo --caches sglang \
+    --requests-c1 5 --requests-c20 20 --start-timeout 240 ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} \
+    --results "$results"
 }
 
-case "$step" in
-  wheels) wheels ;;
-  fp8 | speed | serve | workers) wheels >/dev/null && "$step" ;;
-  all) wheels && fp8 && speed && serve && workers ;;
-  *) echo "unknown step: $step" >&2; exit 2 ;;
-esac
+[ "$*" = all ] && set -- check fp8 speed serve workers
+for step in "$@"; do
+  case "$step" in wheels | check | fp8 | speed | serve | workers) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
+done
+wheels
+status=0
+for step in "$@"; do
+  [ "$step" = wheels ] && continue
+  echo "== $step ($(date -u +%H:%M:%S))"
+  "$step" || { status=$?; echo "== $step failed: $status"; }
+done
+exit $status

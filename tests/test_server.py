@@ -541,6 +541,9 @@ def test_metrics_for_operators_wait_generate_images_steps_process_build_and_flop
     assert delta("dicache_images_total") == 2 and delta("dicache_denoise_steps_total") == 10
     assert delta("dicache_request_wait_seconds_count") == 1 and delta("dicache_generation_seconds_count") == 1
     assert delta("dicache_generation_seconds_sum") == pytest.approx(response["timings"]["generate_s"], abs=1e-3)
+    phases = response["timings"]["phases"]  # issue 27: where a request's time goes, phase by phase
+    assert list(phases) == ["encode", "denoise", "decode", "image"] and min(phases.values()) > 0
+    assert phases["denoise"] > phases["image"] and sum(phases.values()) <= response["timings"]["generate_s"]
     assert after[("process_resident_memory_bytes", ())] > 50e6 and after[("process_open_fds", ())] > 3
     build = [k for k in after if k[0] == "dicache_build_info"]
     assert len(build) == 1 and ("torch", torch.__version__) in build[0][1]

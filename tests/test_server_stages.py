@@ -50,9 +50,11 @@ def spec(prompt: str, seed: int, guidance: float = 1.0, steps: int = 3, cache: C
     )
 
 
-@pytest.fixture(scope="module")
-def pipe():
-    return Krea2Pipeline.from_pretrained()
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def pipe(request):
+    """The embedded checkpoint on the CPU, and on a CUDA GPU where there is one (`pytest -m gpu`): there each phase
+    runs on a CUDA stream of its own, so the byte checks also show that no phase reads another's unfinished work."""
+    return Krea2Pipeline.from_pretrained(device=request.param)
 
 
 def backend_of(pipe, staged: bool) -> PipelineBackend:

@@ -201,7 +201,11 @@ def create_app(
                 enable_cache=spec.enable_cache,
                 cache_overrides=spec.cache_overrides,
             ),
-            timings=Timings(queued_s=round(job.queued_s, 6), generate_s=round(job.run_s, 6)),
+            timings=Timings(
+                queued_s=round(job.queued_s, 6),
+                generate_s=round(job.run_s, 6),
+                phases=rounded_phases(getattr(result, "phases", None)),
+            ),
         )
         if data_json:
             return Response(response_body(answer, data_json), media_type="application/json")
@@ -284,3 +288,8 @@ def model_info(backend: Any, settings: ServerSettings) -> dict[str, Any]:
 
 def _status(queue: JobQueue, drain: Drain) -> str:
     return "draining" if drain.draining or queue.closing else "ok"
+
+
+def rounded_phases(phases: dict[str, float] | None) -> dict[str, float] | None:
+    """A generation's phase seconds for the answer's `timings.phases`, to the microsecond; None when not measured."""
+    return {name: round(seconds, 6) for name, seconds in phases.items()} if phases else None

@@ -60,7 +60,9 @@ class GenerationStopped(Exception):
 class GenerationResult:
     """`seconds`: the whole generation (waits for busy phases included); `pipeline_s`: the time spent inside the
     model's phases (text encoding, denoising, VAE decoding), waits and image-file encoding excluded; `flops`:
-    estimated FLOPs of the transformer work done (None when the model's config does not allow it)."""
+    estimated FLOPs of the transformer work done (None when the model's config does not allow it); `phases`: seconds
+    per phase, each with its GPU work finished and without waits for a busy phase: `encode`, `denoise`, `decode`
+    (VAE and pixels) and `image` (image file, fingerprint and base64)."""
 
     images_b64: list[str]
     sha256: list[str]
@@ -68,6 +70,15 @@ class GenerationResult:
     seconds: float
     pipeline_s: float = 0.0
     flops: float | None = None
+    phases: dict[str, float] | None = None
+
+
+def _seconds_since(start: float, output: torch.Tensor) -> float:
+    """Seconds since `start` (`time.perf_counter`) once the work queued on the current stream of `output`'s CUDA
+    device is done (the phase's stream waits for it anyway before handing `output` on)."""
+    if output.device.type == "cuda":
+        torch.cuda.current_stream(output.device).synchronize()
+    return time.perf_counter() - start
 
 
 def to_float_images(images: Any) -> np.ndarray:
@@ -205,10 +216,11 @@ class PipelineBackend:
     def _phases(self, spec: GenerationSpec, run: Callable[..., Any], start: float) -> GenerationResult:
         encoded = run("encode", self._encode, spec)
         latents, stats, denoise_s = run("denoise", self._denoise, spec, encoded)
-        images_b64, digests, decode_s = run("decode", self._decode, spec, encoded.plan, latents)
+        images_b64, digests, decode_s, image_s = run("decode", self._decode, spec, encoded.plan, latents)
         flops = self.estimate_flops(spec, stats, encoded.text_tokens)
         pipeline_s = encoded.seconds + denoise_s + decode_s
-        return GenerationResult(images_b64, digests, stats, time.perf_counter() - start, pipeline_s, flops)
+        phases = {"encode": encoded.seconds, "denoise": denoise_s, "decode": decode_s, "image": image_s}
+        return GenerationResult(images_b64, digests, stats, time.perf_counter() - start, pipeline_s, flops, phases)
 
     def _encode(self, spec: GenerationSpec) -> _Encoded:
         """Phase 1: the call's plan, its text conditioning and its starting noise (seeded on the CPU)."""
@@ -218,7 +230,7 @@ class PipelineBackend:
         )
         cond, uncond = self.pipe.condition(plan, [spec.prompt], spec.negative_prompt)
         latents = self.pipe.starting_latents(plan, seed=spec.seed)
-        return _Encoded(plan, cond, uncond, latents, time.perf_counter() - start)
+        return _Encoded(plan, cond, uncond, latents, _seconds_since(start, latents))
 
     def _denoise(self, spec: GenerationSpec, encoded: _Encoded) -> tuple[torch.Tensor, RequestStats | None, float]:
         """Phase 2: the denoising loop in the request's cache scope (`spec.cache`, checked by `resolve`); returns the
@@ -233,7 +245,7 @@ class PipelineBackend:
                 encoded.plan, encoded.cond, encoded.uncond, encoded.latents, callback_on_step_end=_stop_after_step
             )
         stats = dicache_api.stats(self.pipe)  # this context's last request: the one just run
-        return latents, stats, time.perf_counter() - start
+        return latents, stats, _seconds_since(start, latents)
 
     def _decode(self, spec: GenerationSpec, plan: Any, latents: torch.Tensor) -> tuple[list[str], list[str], float]:
         """Phase 3: VAE decode, pixels quantised on the device, the fingerprint (another thread) and the image files
@@ -241,13 +253,14 @@ class PipelineBackend:
         _check_stop()
         start = time.perf_counter()
         floats, pixels = host_images(self.pipe.decode(latents, plan.height, plan.width, "pt"))
-        decode_s = time.perf_counter() - start
+        decode_s = time.perf_counter() - start  # host_images waited for the device
         digests = self._digests.submit(lambda: [hashlib.sha256(image).hexdigest() for image in floats])
         b64 = [
             base64.b64encode(encode_pixels(image, spec.output_format, spec.output_quality)).decode("ascii")
             for image in pixels
         ]
-        return b64, digests.result(), decode_s
+        digests = digests.result()
+        return b64, digests, decode_s, time.perf_counter() - start - decode_s
 
     def estimate_flops(
         self, spec: GenerationSpec, stats: RequestStats | None, tokens: dict[str, int] | None = None

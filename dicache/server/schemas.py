@@ -143,6 +143,12 @@ class Timings(BaseModel):
         description="Seconds from a worker taking the request to its answer: the model's phases, any wait for a phase "
         "busy with another request, and the image encoding.",
     )
+    phases: dict[str, float] | None = Field(
+        None,
+        description="Seconds in each phase of the generation, its GPU work finished, waits for a busy phase "
+        "excluded: encode (text encoder, starting noise), denoise, decode (VAE, pixels), image (image file, "
+        "fingerprint, base64).",
+    )
 
 
 class GenerationInfo(BaseModel):
