@@ -67,3 +67,41 @@ def test_text_encoder_fp8_stores_fp8_weights_and_stays_close():
     assert module_bytes(model, torch.device("cuda", torch.cuda.current_device())) < before
     ref, got = generate(ref_pipe), generate(pipe)
     assert not np.array_equal(ref, got) and psnr(ref, got) > 25.0
+
+
+def test_an_all_zero_input_row_gives_zeros_not_nan():
+    """torchao's dynamic scale of an all-zero row was 0 (NaN after quantisation): the activation floor
+    (`FP8_ACTIVATION_FLOOR`) makes it zeros, and leaves the other rows as they were."""
+    from dicache.quantization import fp8_linears
+
+    torch.manual_seed(0)
+    linear = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False)).to("cuda", torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    x[3] = 0
+    ref = linear(x)
+    fp8_linears(linear, {"0"})
+    with torch.no_grad():
+        got = linear(x)
+    assert torch.isfinite(got).all() and bool((got[3] == 0).all())
+    others = torch.cat([got[:3], got[4:]]).float()
+    assert (others - torch.cat([ref[:3], ref[4:]]).float()).norm() / others.norm() < 0.1
+
+
+def test_an_fp8_text_encoder_is_compiled_with_the_pipeline():
+    from dicache.models.krea2.optimizations import text_encoder_layers
+
+    torch._dynamo.reset()
+    pipe = Krea2Pipeline.from_pretrained(device="cuda")
+    eager = pipe.text_encoder.encode(["a red fox"])[0]
+    pipe.quantize_text_encoder("fp8")
+    pipe.compile()
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in text_encoder_layers(pipe))
+    compiled = pipe.text_encoder.encode(["a red fox"])[0]
+    assert torch.isfinite(compiled).all() and psnr_t(compiled, eager) > 20.0
+    torch._dynamo.reset()
+
+
+def psnr_t(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR of `a` against `b` relative to `b`'s peak (tensors of any range)."""
+    mse = torch.mean((a.float() - b.float()) ** 2).item()
+    return 10 * np.log10(b.float().abs().max().item() ** 2 / mse) if mse > 0 else float("inf")

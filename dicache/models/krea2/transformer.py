@@ -47,6 +47,8 @@ class RMSNorm(nn.Module):
     Computed in float32 whatever the input dtype; returns the input dtype.
     """
 
+    zero_centred_gain = True  # the identity scale is weight = 0 (random weights for measurements use it)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.dim, self.eps = dim, eps
