@@ -157,24 +157,3 @@ def test_random_weights_give_norms_their_identity_gain_and_compute_on_real_value
     assert text.float().abs().amax(dim=-1).min() > 0  # no all-zero text row
     out = pipe("a red fox", num_inference_steps=2, height=64, width=64, seed=0, output_type="pt").images
     assert torch.isfinite(out).all() and out.std() > 0
-
-
-@pytest.mark.slow
-def test_compile_covers_the_text_encoder_layers_when_asked_or_when_fp8():
-    """`pipe.compile()` leaves a bf16/float32 text encoder eager; `compile(text_encoder=True)` compiles each decoder
-    layer in place (an FP8 one is compiled by default: its eager linears cost about 1 ms each), with the same
-    embeddings as eager."""
-    from dicache.models.krea2 import Krea2Pipeline
-    from dicache.models.krea2.optimizations import has_fp8_linears, text_encoder_layers
-
-    pipe = Krea2Pipeline.from_pretrained()
-    layers = text_encoder_layers(pipe)
-    assert layers is not None and not has_fp8_linears(layers)
-    eager = pipe.text_encoder.encode(["a red fox"])[0]
-    pipe.compile()
-    assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in layers)
-    torch._dynamo.reset()
-    pipe.compile(text_encoder=True)
-    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers)
-    compiled = pipe.text_encoder.encode(["a red fox"])[0]
-    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)

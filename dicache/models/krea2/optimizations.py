@@ -48,22 +48,10 @@ class PipelineOptimizations:
             raise QuantizationError("text encoder quantization: this pipeline has no text encoder")
         return quantize_text_encoder(getattr(encoder, "text_encoder", encoder), method)
 
-    def compile(
-        self: _Pipe, *, dynamic: bool | None = None, backend: str = "inductor", text_encoder: bool | None = None
-    ) -> _Pipe:
-        """`torch.compile` the transformer blocks (see `Krea2Transformer.compile_blocks`) and, with `text_encoder`
-        (None: when its linears are FP8, whose eager calls cost about 1 ms each), the text encoder's decoder layers,
-        each compiled in place (its inputs are padded to one length, so one graph serves every prompt). The first
-        call at a new shape compiles (tens of seconds at full size), later calls reuse the graphs. Returns self."""
+    def compile(self: _Pipe, *, dynamic: bool | None = None, backend: str = "inductor") -> _Pipe:
+        """`torch.compile` the transformer blocks (see `Krea2Transformer.compile_blocks`); the first call at a new
+        shape compiles (tens of seconds at full size), later calls reuse the graphs. Returns self."""
         self.transformer.compile_blocks(dynamic=dynamic, backend=backend)
-        layers = text_encoder_layers(self)
-        if text_encoder is None:
-            text_encoder = layers is not None and has_fp8_linears(layers)
-        if text_encoder:
-            if layers is None:
-                raise ValueError("compile(text_encoder=True): this pipeline has no text encoder with decoder layers")
-            for layer in layers:
-                layer.compile(dynamic=dynamic, backend=backend)
         return self
 
     # ------------------------------------------------------------------ memory
@@ -103,20 +91,3 @@ class PipelineOptimizations:
         """Stop offloading: streamed / offloaded weights stay in host memory, the rest on the device."""
         if self.offload is not None:
             self.offload.remove()
-
-
-def text_encoder_layers(pipe: Any) -> torch.nn.ModuleList | None:
-    """The decoder layers of `pipe`'s Qwen3-VL text encoder (`language_model.layers`), or None."""
-    encoder = getattr(pipe, "text_encoder", None)
-    model = getattr(encoder, "text_encoder", encoder)
-    layers = getattr(getattr(model, "language_model", None), "layers", None)
-    return layers if isinstance(layers, torch.nn.ModuleList) else None
-
-
-def has_fp8_linears(module: torch.nn.Module) -> bool:
-    """Whether any linear weight under `module` is stored in FP8 (a torchao tensor subclass)."""
-    for sub in module.modules():
-        weight = getattr(sub, "weight", None)
-        if isinstance(sub, torch.nn.Linear) and "float8" in str(getattr(weight, "qdata", weight).dtype):
-            return True
-    return False
