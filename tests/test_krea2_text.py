@@ -105,6 +105,29 @@ def test_encode_matches_reference(tokenizer, text_encoder):
     assert not torch.allclose(hidden[:, :, 0], hidden[:, :, 1])
 
 
+def test_encoding_fills_no_key_value_cache(tokenizer, text_encoder):
+    """One pass per prompt and nothing decoded after it: the text encoder runs without a key/value cache (issue 27:
+    a cache is memory for nothing, and its per-layer index made a compiled decoder layer recompile for each layer),
+    with the same features as with one."""
+    encoder = Krea2TextEncoder(tokenizer, text_encoder, SELECT_LAYERS, max_sequence_length=MAX_LEN)
+    seen = []
+    forward = text_encoder.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen.append(out.past_key_values)
+        return out
+
+    text_encoder.forward = recording
+    try:
+        hidden, _ = encoder.encode(PROMPTS)
+    finally:
+        del text_encoder.forward
+    assert seen == [None]
+    ref_hidden, _ = reference_hidden_states(tokenizer, text_encoder, PROMPTS)
+    assert torch.equal(hidden, ref_hidden)
+
+
 def test_layout_prompt_then_padding_then_suffix(tokenizer, text_encoder):
     encoder = Krea2TextEncoder(tokenizer, text_encoder, SELECT_LAYERS, max_sequence_length=MAX_LEN)
     input_ids, full_mask = encoder.tokenize(PROMPTS)

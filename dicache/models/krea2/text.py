@@ -126,6 +126,7 @@ class Krea2TextEncoder:
             attention_mask=mask,
             position_ids=positions.unsqueeze(0).expand(3, -1, -1),
             output_hidden_states=True,
+            use_cache=False,  # one pass, nothing to decode after it: no key/value cache to fill
         )
         hidden_states = torch.stack([outputs.hidden_states[i] for i in self.select_layers], dim=2)
         return hidden_states[:, self.prefix_len :], mask[:, self.prefix_len :]
