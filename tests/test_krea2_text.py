@@ -107,8 +107,8 @@ def test_encode_matches_reference(tokenizer, text_encoder):
 
 def test_encoding_fills_no_key_value_cache(tokenizer, text_encoder):
     """One pass per prompt and nothing decoded after it: the text encoder runs without a key/value cache (issue 27:
-    a cache is memory for nothing, and its per-layer index made a compiled decoder layer recompile for each layer),
-    with the same features as with one."""
+    a cache is memory and copies for nothing, and its per-layer index is one of the guards that make a compiled
+    decoder layer recompile for each layer), with the same features as with one."""
     encoder = Krea2TextEncoder(tokenizer, text_encoder, SELECT_LAYERS, max_sequence_length=MAX_LEN)
     seen = []
     forward = text_encoder.forward
