@@ -395,7 +395,13 @@ def markdown(results: dict, args, command: str) -> str:
         f"Command: `{command}`  ",
         f"Machine: {device}; model: {'tiny (embedded configs)' if args.tiny else 'full-size Krea-2'} with random "
         f"weights (`--load-format dummy`), {'128' if args.tiny else '1024'}², workers {args.workers or 'default'}, "
-        f"{'compiled' if args.compile else 'eager'}  ",
+        f"{'compiled' if args.compile else 'eager'}"
+        + (
+            f", PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}"
+            if "PYTORCH_CUDA_ALLOC_CONF" in os.environ
+            else ""
+        )
+        + "  ",
         "Server commands: "
         + "; ".join(
             f"`{s['command']}` (ready in {s['ready_s']} s, {s['peak_GB_after_warmup']} GB after warm-up)"

@@ -2,7 +2,7 @@
 # Issue 27 on one H200: every target measured with the product's flags, each step one device call (< 10 min),
 # each printing its tables and appending them to benchmarks/RESULTS.md.
 #
-#   bash benchmarks/gpu_issue27.sh STEP [STEP ...]   # STEP: wheels | check | fp8 | speed | serve | workers | all
+#   bash benchmarks/gpu_issue27.sh STEP [STEP ...]   # STEP: wheels | check | fp8 | speed | serve | workers | alloc | all
 #
 # The machine has torch 2.11 but not torchao, fastapi, uvicorn, pydantic(-settings): carry them as wheels in .whl
 # (made here, on any x86-64 or Arm machine with pip; about 6.4 MB, within the 64 MiB a call carries):
@@ -26,14 +26,18 @@
 #   speed    bench_krea2_speed compiled: one forward (<= 0.125 s) and Turbo / Raw under SGLang's default pattern
 #            (Turbo denoise <= 0.65 s), for each exclusion choice in $SPEED_EXCLUDES (';'-separated
 #            --quantization-exclude values, `default` for none given; default: "attn_kv attn_out;default") (~3 min each)
-#   serve    bench_serving, the FP8 server with the text encoder in FP8 (fp8-te) and 2 workers (the default): Turbo
-#            concurrency 1 (<= 0.75 s) and 20 (>= 1.35 req/s) with SGLang's default pattern, the recommended Turbo
-#            setting (the moonshot, <= 0.6 s at concurrency 1), same-seed bytes across concurrency, peak memory
-#            (<= 28 GB) with its breakdown; $SERVER_ARGS are added to the server's flags              (~4 min)
-#   workers  the same server with --workers 1, Turbo concurrency 1 and 20 (2 workers no slower alone) (~3 min)
+#   serve    bench_serving, FP8 servers with 2 workers (the default), with the text encoder in FP8 (fp8-te: memory)
+#            and in bf16 (fp8: its eager FP8 linears cost about 0.2 s per encode): Turbo concurrency 1 (<= 0.75 s)
+#            and 20 (>= 1.35 req/s) with SGLang's default pattern, the recommended Turbo setting (the moonshot,
+#            <= 0.6 s at concurrency 1), same-seed bytes across concurrency, peak memory (<= 28 GB) with its
+#            breakdown, where each request's time goes; $SERVER_ARGS are added to the servers' flags   (~7 min)
+#   workers  the fp8-te server with --workers 1, Turbo concurrency 1 and 20 (2 workers no slower alone) (~3 min)
+#   alloc    the fp8 server (text encoder bf16) with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: whether the
+#            allocator's slack (peak reserved - peak allocated, 4.5 GB on 2026-12-03) shrinks enough for 28 GB
+#            without the text encoder in FP8                                                          (~3 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_issue27.sh wheels|check|fp8|speed|serve|workers|all ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_issue27.sh wheels|check|fp8|speed|serve|workers|alloc|all ..." >&2; exit 2; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 results=${OUT:-/tmp}/results_new.md  # the new sections alone, written as each benchmark ends (append them to
 # benchmarks/RESULTS.md here, without their "# Benchmark results" first line): a call cut short keeps what it finished
@@ -67,7 +71,7 @@ speed() {
 }
 
 serve() {
-  timeout 330 python3 benchmarks/bench_serving.py --servers fp8-te --variants turbo --caches sglang recommended \
+  timeout 560 python3 benchmarks/bench_serving.py --servers fp8-te fp8 --variants turbo --caches sglang recommended \
     --requests-c1 5 --requests-c20 20 --start-timeout 240 ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} \
     --results "$results"
 }
@@ -78,9 +82,15 @@ workers() {
     --results "$results"
 }
 
-[ "$*" = all ] && set -- check fp8 speed serve workers
+alloc() {
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 260 python3 benchmarks/bench_serving.py --servers fp8 \
+    --variants turbo --caches sglang --requests-c1 5 --requests-c20 20 --start-timeout 240 \
+    ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} --results "$results"
+}
+
+[ "$*" = all ] && set -- check fp8 speed serve workers alloc
 for step in "$@"; do
-  case "$step" in wheels | check | fp8 | speed | serve | workers) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
+  case "$step" in wheels | check | fp8 | speed | serve | workers | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
 done
 wheels
 status=0
