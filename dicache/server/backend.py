@@ -58,19 +58,23 @@ class GenerationStopped(Exception):
 
 @dataclass
 class GenerationResult:
-    """`seconds`: the whole generation (waits for busy phases included); `pipeline_s`: the time spent inside the
-    model's phases (text encoding, denoising, VAE decoding), waits and image-file encoding excluded; `flops`:
-    estimated FLOPs of the transformer work done (None when the model's config does not allow it); `phases`: seconds
-    per phase, each with its GPU work finished and without waits for a busy phase: `encode`, `denoise`, `decode`
-    (VAE and pixels) and `image` (image file, fingerprint and base64)."""
+    """`seconds`: the whole generation (waits for busy phases included); `flops`: estimated FLOPs of the transformer
+    work done (None when the model's config does not allow it); `phases`: seconds per phase, each with its GPU work
+    finished and without waits for a busy phase: `encode`, `denoise`, `decode` (VAE and pixels) and `image` (image
+    file, fingerprint and base64)."""
 
     images_b64: list[str]
     sha256: list[str]
     stats: RequestStats | None
     seconds: float
-    pipeline_s: float = 0.0
     flops: float | None = None
     phases: dict[str, float] | None = None
+
+    @property
+    def pipeline_s(self) -> float:
+        """Seconds inside the model's phases (text encoding, denoising, VAE decoding): waits and the image file
+        excluded; 0 when not measured."""
+        return sum(self.phases[name] for name in ("encode", "denoise", "decode")) if self.phases else 0.0
 
 
 def _seconds_since(start: float, output: torch.Tensor) -> float:
@@ -218,9 +222,8 @@ class PipelineBackend:
         latents, stats, denoise_s = run("denoise", self._denoise, spec, encoded)
         images_b64, digests, decode_s, image_s = run("decode", self._decode, spec, encoded.plan, latents)
         flops = self.estimate_flops(spec, stats, encoded.text_tokens)
-        pipeline_s = encoded.seconds + denoise_s + decode_s
         phases = {"encode": encoded.seconds, "denoise": denoise_s, "decode": decode_s, "image": image_s}
-        return GenerationResult(images_b64, digests, stats, time.perf_counter() - start, pipeline_s, flops, phases)
+        return GenerationResult(images_b64, digests, stats, time.perf_counter() - start, flops, phases)
 
     def _encode(self, spec: GenerationSpec) -> _Encoded:
         """Phase 1: the call's plan, its text conditioning and its starting noise (seeded on the CPU)."""
@@ -247,9 +250,11 @@ class PipelineBackend:
         stats = dicache_api.stats(self.pipe)  # this context's last request: the one just run
         return latents, stats, _seconds_since(start, latents)
 
-    def _decode(self, spec: GenerationSpec, plan: Any, latents: torch.Tensor) -> tuple[list[str], list[str], float]:
+    def _decode(
+        self, spec: GenerationSpec, plan: Any, latents: torch.Tensor
+    ) -> tuple[list[str], list[str], float, float]:
         """Phase 3: VAE decode, pixels quantised on the device, the fingerprint (another thread) and the image files
-        in base64."""
+        in base64; returns those, the fingerprints, and the seconds of the decode and of the image files."""
         _check_stop()
         start = time.perf_counter()
         floats, pixels = host_images(self.pipe.decode(latents, plan.height, plan.width, "pt"))
