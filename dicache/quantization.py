@@ -12,6 +12,9 @@ time modulation, text path, final layer), plus the groups measured to cost the m
 
 Where FP8 cannot run (no CUDA device, compute capability below 8.9, torchao missing) `check_fp8_support` raises a
 `QuantizationError` naming what is missing: there is no silent bf16 fallback.
+
+The text encoder (`quantize_text_encoder`) stores its decoder-layer weights in FP8 and computes in bf16 by default
+(`fp8_weight_storage`), or takes the transformer's FP8 GEMMs (`fp8-dynamic`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,13 @@ block's index."""
 
 class QuantizationError(DicacheError, RuntimeError):
     """Quantization was asked for but cannot run here, or its settings are invalid. The message says what is missing."""
+
+
+def _import_torchao(what: str) -> None:
+    try:
+        import torchao  # noqa: F401
+    except ImportError as exc:
+        raise QuantizationError(f"{what} needs torchao: pip install 'dicache[fp8]' ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -158,10 +168,7 @@ def check_fp8_support(device: torch.device | str) -> None:
             f"quantization='fp8' needs compute capability >= 8.9; {name} has {capability[0]}.{capability[1]}. "
             "Drop --quantization on this GPU."
         )
-    try:
-        import torchao  # noqa: F401
-    except ImportError as exc:
-        raise QuantizationError(f"quantization='fp8' needs torchao: pip install 'dicache[fp8]' ({exc})") from None
+    _import_torchao("quantization='fp8'")
 
 
 def quantize_transformer(model: nn.Module, spec: QuantizationSpec | str) -> list[str]:
@@ -181,17 +188,30 @@ def quantize_transformer(model: nn.Module, spec: QuantizationSpec | str) -> list
 
 
 TEXT_ENCODER_FP8_INCLUDE: tuple[str, ...] = ("language_model.layers.*",)
-"""Text-encoder linears `--text-encoder-quantization fp8` quantises: those of the decoder layers (attention q/k/v/o
-and the MLP); the embedding table stays bf16."""
+"""Text-encoder linears `--text-encoder-quantization` quantises: those of the decoder layers (attention q/k/v/o and
+the MLP); the embedding table stays bf16."""
+
+TEXT_ENCODER_QUANTIZATION_METHODS: dict[str, str] = {
+    "fp8": "weights stored in FP8 e4m3 (one scale per output channel) and dequantised to bf16 in each call, GEMMs in "
+    "bf16: the weights' bytes halved at about bf16's speed and fidelity",
+    "fp8-dynamic": "FP8 GEMMs as --quantization fp8 (activations quantised per row at run time): the same bytes, "
+    "slower in the text encoder's eager once-per-request pass (torchao's per-call quantisation)",
+}
+"""Accepted values of `--text-encoder-quantization` besides none, with what each does. The text encoder runs once per
+request, eagerly, on a few hundred tokens: its time is the CPU's kernel launches, not FLOPs, so FP8 arithmetic gains
+nothing there and its per-call quantisation costs time (benchmarks/RESULTS.md, issue 27); FP8 storage is what saves
+the memory."""
 
 
 def quantize_text_encoder(model: nn.Module, method: str = "fp8") -> list[str]:
-    """FP8 (as `quantize_transformer`: per-row activations, per-channel weights) for the decoder-layer linears of a
-    Qwen3-VL text encoder in place (`TEXT_ENCODER_FP8_INCLUDE`); returns their names. Halves those weights' bytes
-    (3.6 of Qwen3-VL-4B's 3.9 B kept parameters) at a fidelity cost measured with `benchmarks/bench_fp8.py`."""
-    if method not in QUANTIZATION_METHODS:
+    """The decoder-layer linears of a Qwen3-VL text encoder (`TEXT_ENCODER_FP8_INCLUDE`) in FP8, in place, as
+    `method` (`TEXT_ENCODER_QUANTIZATION_METHODS`) says; returns their names. Halves those weights' bytes (3.6 of
+    Qwen3-VL-4B's 3.9 B kept parameters). "fp8" runs on any device (FP8 is only the storage); "fp8-dynamic" needs
+    FP8 tensor cores (`check_fp8_support`)."""
+    if method not in TEXT_ENCODER_QUANTIZATION_METHODS:
         raise QuantizationError(
-            f"text encoder quantization={method!r} is invalid: must be one of none, {', '.join(QUANTIZATION_METHODS)}"
+            f"text encoder quantization={method!r} is invalid: must be one of none, "
+            f"{', '.join(TEXT_ENCODER_QUANTIZATION_METHODS)}"
         )
     names = {
         name
@@ -202,8 +222,23 @@ def quantize_text_encoder(model: nn.Module, method: str = "fp8") -> list[str]:
         raise QuantizationError(
             f"text encoder quantization: no linear of {type(model).__name__} matches {TEXT_ENCODER_FP8_INCLUDE}"
         )
-    fp8_linears(model, names)
+    if method == "fp8-dynamic":
+        fp8_linears(model, names)
+    else:
+        fp8_weight_storage(model, names)
     return sorted(names)
+
+
+def fp8_weight_storage(model: nn.Module, names: set[str]) -> None:
+    """torchao's FP8 weight-only quantisation (`Float8WeightOnlyConfig`, one scale per output channel) on the linears
+    of `model` named in `names`, in place: the weights are stored in `float8_e4m3fn` and each call dequantises them
+    to the activation dtype before an ordinary GEMM. Works on any device."""
+    _import_torchao("FP8 weight storage")
+    from torchao.quantization import Float8WeightOnlyConfig, PerRow, quantize_
+
+    quantize_(model, Float8WeightOnlyConfig(granularity=PerRow()), filter_fn=lambda module, fqn: fqn in names)
+    if next(model.parameters()).is_cuda:
+        torch.cuda.empty_cache()  # the bf16 weights just replaced stay reserved by the caching allocator otherwise
 
 
 FP8_ACTIVATION_FLOOR = 1e-12

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from ..quantization import LAYER_GROUPS, NO_EXCLUSIONS, QUANTIZATION_METHODS
+from ..quantization import LAYER_GROUPS, NO_EXCLUSIONS, QUANTIZATION_METHODS, TEXT_ENCODER_QUANTIZATION_METHODS
 from ..settings.options import FlagOptions, option
 from .loading import LOAD_FORMATS
 
@@ -83,9 +83,9 @@ class TextEncoderOptions(FlagOptions):
     text_encoder_quantization: str = option(
         "none",
         flag="--text-encoder-quantization",
-        choices=("none", *QUANTIZATION_METHODS),
-        help="fp8: the text encoder's decoder-layer linears in FP8 too (as --quantization fp8; halves those "
-        "weights, about 3.5 GB less for Krea-2's; not with the memory options)",
+        choices=("none", *TEXT_ENCODER_QUANTIZATION_METHODS),
+        help="the text encoder's decoder-layer linears in FP8 (about 3.5 GB less for Krea-2's; not with the memory "
+        "options): " + "; ".join(f"{name}: {what}" for name, what in TEXT_ENCODER_QUANTIZATION_METHODS.items()),
     )
 
 

@@ -1,0 +1,74 @@
+"""`--text-encoder-quantization fp8` on a CPU: the text encoder's decoder-layer weights stored in FP8 (torchao's
+weight-only FP8), computed in the activation dtype; `fp8-dynamic` (FP8 GEMMs) needs an FP8 GPU (test_fp8_gpu.py)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dicache.cli import main
+from dicache.models.krea2 import Krea2Pipeline
+from dicache.quantization import TEXT_ENCODER_FP8_INCLUDE, QuantizationError, quantize_text_encoder
+from dicache.server.memory import module_bytes
+
+torchao = pytest.importorskip("torchao")
+CPU = torch.device("cpu")
+
+
+def _image(pipe) -> np.ndarray:
+    out = pipe("a red apple on a table", num_inference_steps=6, generator=torch.Generator().manual_seed(3))
+    return np.asarray(out.images[0]).astype(np.float64)
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    return float(10 * np.log10(255.0**2 / ((a - b) ** 2).mean()))
+
+
+def test_fp8_weight_storage_quarters_the_float32_weights_and_stays_close():
+    pipe = Krea2Pipeline.from_pretrained(device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    model = pipe.text_encoder.text_encoder
+    ref = _image(pipe)
+    before = module_bytes(model, CPU)
+    names = pipe.quantize_text_encoder("fp8")
+    assert names and all(n.startswith("language_model.layers.") for n in names)
+    layer = model.get_submodule(names[0])
+    assert layer.weight.qdata.dtype == torch.float8_e4m3fn and layer.weight.scale.shape == (layer.out_features, 1)
+    linear_bytes = sum(model.get_submodule(n).in_features * model.get_submodule(n).out_features for n in names)
+    assert before - module_bytes(model, CPU) >= 0.9 * 3 * linear_bytes  # float32 (4 bytes) to FP8 (1) per weight
+    got, again = _image(pipe), _image(pipe)
+    assert np.array_equal(got, again)  # deterministic
+    assert not np.array_equal(ref, got) and _psnr(ref, got) > 35.0
+
+
+def test_the_text_encoder_methods_are_checked_and_dynamic_fp8_needs_a_gpu():
+    with pytest.raises(
+        QuantizationError, match="quantization='int8' is invalid: must be one of none, fp8, fp8-dynamic"
+    ):
+        quantize_text_encoder(torch.nn.Linear(2, 2), "int8")
+    with pytest.raises(QuantizationError, match=re.escape(f"no linear of Linear matches {TEXT_ENCODER_FP8_INCLUDE}")):
+        quantize_text_encoder(torch.nn.Linear(2, 2))
+    if not torch.cuda.is_available():
+        pipe = Krea2Pipeline.from_pretrained(device="cpu")
+        with pytest.raises(QuantizationError, match="needs an NVIDIA GPU with FP8 tensor cores"):
+            pipe.quantize_text_encoder("fp8-dynamic")
+
+
+def test_generate_with_the_text_encoder_in_fp8(tmp_path, capsys):
+    out = tmp_path / "apple.png"
+    args = ["generate", "red apple", "--device", "cpu", "--variant", "turbo", "--out", str(out)]
+    assert main([*args, "--text-encoder-quantization", "fp8"]) == 0
+    fp8 = np.asarray(Image.open(out)).astype(np.float64)
+    assert main(args) == 0
+    bf = np.asarray(Image.open(out)).astype(np.float64)
+    assert fp8.shape == bf.shape and _psnr(bf, fp8) > 30.0
+    with pytest.raises(SystemExit) as exited:
+        main([*args, "--text-encoder-quantization", "int4"])
+    err = capsys.readouterr().err
+    assert (
+        exited.value.code == 2 and "--text-encoder-quantization: invalid choice: 'int4'" in err and "fp8-dynamic" in err
+    )
