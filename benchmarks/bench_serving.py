@@ -91,9 +91,12 @@ SERVERS = {
     "fp8": ["--quantization", "fp8"],
     "fp8-attn-bf16": ["--quantization", "fp8", "--quantization-exclude", "attn_qkv", "attn_out"],
     "fp8-te": ["--quantization", "fp8", "--text-encoder-quantization", "fp8"],
+    "fp8-te-dynamic": ["--quantization", "fp8", "--text-encoder-quantization", "fp8-dynamic"],
 }
 """Server kinds: their `dicache serve` flags. fp8-attn-bf16 is the FP8 default of 2026-12-01 (attention
-projections in bf16), still reachable with --quantization-exclude; fp8-te adds the text encoder in FP8."""
+projections in bf16), still reachable with --quantization-exclude; fp8-te adds the text encoder's weights in FP8
+(computed in bf16), fp8-te-dynamic its FP8 GEMMs (the meaning of `--text-encoder-quantization fp8` until
+2026-12-03)."""
 
 
 # ----------------------------------------------------------------------------------------------------- model folder

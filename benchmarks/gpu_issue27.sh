@@ -2,7 +2,7 @@
 # Issue 27 on one H200: every target measured with the product's flags, each step one device call (< 10 min),
 # each printing its tables and appending them to benchmarks/RESULTS.md.
 #
-#   bash benchmarks/gpu_issue27.sh STEP [STEP ...]   # STEP: wheels | check | fp8 | speed | serve | workers | alloc | all
+#   bash benchmarks/gpu_issue27.sh STEP [STEP ...]   # STEP: wheels | check | textenc | fp8 | speed | serve | workers | alloc | all
 #
 # The machine has torch 2.11 but not torchao, fastapi, uvicorn, pydantic(-settings): carry them as wheels in .whl
 # (made here, on any x86-64 or Arm machine with pip; about 6.4 MB, within the 64 MiB a call carries):
@@ -19,6 +19,8 @@
 # and run the steps in few calls with carry [".whl"]. Steps and what each measures (targets of issue 27):
 #   check    the GPU tests: FP8 linears, and the server's phases on CUDA streams of their own giving the bytes of the
 #            pipeline call, alone and with requests in flight (pytest -m gpu)                          (~2 min)
+#   textenc  bench_text_encoder: the full-size text encoder's encode time, weight bytes and activation peak in bf16,
+#            with FP8 weight storage (--text-encoder-quantization fp8) and FP8 GEMMs (fp8-dynamic)       (~1 min)
 #   fp8      bench_fp8 fidelity (>= 35 dB mean, worst prompt reported) and block time of the FP8 default (attention
 #            projections bf16), of all-FP8, and of q in FP8 too (attn_kv,attn_out kept bf16: the choice the CPU
 #            emulation puts at about 35 dB on Raw 28), with the block output's error against bf16 (fast accumulation)
@@ -37,7 +39,7 @@
 #            without the text encoder in FP8                                                          (~3 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_issue27.sh wheels|check|fp8|speed|serve|workers|alloc|all ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_issue27.sh wheels|check|textenc|fp8|speed|serve|workers|alloc|all ..." >&2; exit 2; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 results=${OUT:-/tmp}/results_new.md  # the new sections alone, written as each benchmark ends (append them to
 # benchmarks/RESULTS.md here, without their "# Benchmark results" first line): a call cut short keeps what it finished
@@ -50,6 +52,10 @@ wheels() {
 
 check() {
   timeout 150 python3 -m pytest -m gpu tests/test_fp8_gpu.py tests/test_server_stages.py -p no:cacheprovider
+}
+
+textenc() {
+  timeout 150 python3 benchmarks/bench_text_encoder.py --results "$results"
 }
 
 fp8() {
@@ -88,9 +94,9 @@ alloc() {
     ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} --results "$results"
 }
 
-[ "$*" = all ] && set -- check fp8 speed serve workers alloc
+[ "$*" = all ] && set -- check textenc fp8 speed serve workers alloc
 for step in "$@"; do
-  case "$step" in wheels | check | fp8 | speed | serve | workers | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
+  case "$step" in wheels | check | textenc | fp8 | speed | serve | workers | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
 done
 wheels
 status=0

@@ -55,14 +55,15 @@ def test_fp8_with_caching_and_compile_does_not_recompile_after_warm_up():
     torch._dynamo.reset()
 
 
-def test_text_encoder_fp8_stores_fp8_weights_and_stays_close():
+@pytest.mark.parametrize("method", ["fp8", "fp8-dynamic"])
+def test_text_encoder_fp8_stores_fp8_weights_and_stays_close(method):
     from dicache.server.memory import module_bytes
 
     ref_pipe = Krea2Pipeline.from_pretrained(device="cuda")
     pipe = Krea2Pipeline.from_pretrained(device="cuda")
     model = pipe.text_encoder.text_encoder
     before = module_bytes(model, torch.device("cuda", torch.cuda.current_device()))
-    names = pipe.quantize_text_encoder("fp8")
+    names = pipe.quantize_text_encoder(method)
     assert names and all(n.startswith("language_model.layers.") for n in names)
     assert module_bytes(model, torch.device("cuda", torch.cuda.current_device())) < before
     ref, got = generate(ref_pipe), generate(pipe)
