@@ -88,7 +88,7 @@ def measure(folder: pathlib.Path, method: str, args, reference: torch.Tensor | N
         "method": method,
         "encode_ms": round(1e3 * statistics.median(times), 2),
         "encode_ms_min": round(1e3 * min(times), 2),
-        "weights_gb": round(module_bytes(encoder.text_encoder, device) / 1e9, 3),
+        "weights_gb": round(module_bytes(encoder.text_encoder, encoder.device) / 1e9, 3),
         "activation_peak_gb": round(peak / 1e9, 3),
         "tokens": int(mask.sum()),
     }

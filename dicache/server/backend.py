@@ -46,6 +46,7 @@ from ..offload.settings import OffloadLimits, OffloadSettings
 from ..settings.cache_config import CacheConfig
 from ..settings.profiles import cache_config as read_cache_config
 from ..sweep.flops import request_flops
+from . import png
 from .generation import Defaults, GenerationSpec
 from .memory import release_cached_memory
 from .stages import GenerationStages, inline
@@ -95,7 +96,7 @@ def to_float_images(images: Any) -> np.ndarray:
 
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 PNG_COMPRESS_LEVEL = 1
-"""zlib level of the PNG files served: 1 encodes several times faster than PIL's default 6 for files about a tenth
+"""zlib level of the PNG files served: 1 encodes several times faster than the usual 6 for files about a tenth
 larger; PNG is lossless at every level (the pixels are the same)."""
 
 
@@ -112,10 +113,11 @@ def encode_pixels(pixels: np.ndarray, output_format: str = "png", quality: int =
     (`quality` in percent, 0..100)."""
     if output_format not in _PIL_FORMATS:
         raise ValueError(f"output_format={output_format!r} is invalid: must be one of {', '.join(_PIL_FORMATS)}")
+    if output_format == "png":  # dicache.server.png: a tenth of Pillow's time (its module docstring says why)
+        return png.encode_png(pixels, PNG_COMPRESS_LEVEL)
     buffer = io.BytesIO()
-    options = {"compress_level": PNG_COMPRESS_LEVEL} if output_format == "png" else {"quality": int(quality)}
     Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(
-        buffer, format=_PIL_FORMATS[output_format], **options
+        buffer, format=_PIL_FORMATS[output_format], quality=int(quality)
     )
     return buffer.getvalue()
 
