@@ -92,11 +92,12 @@ SERVERS = {
     "fp8-attn-bf16": ["--quantization", "fp8", "--quantization-exclude", "attn_qkv", "attn_out"],
     "fp8-te": ["--quantization", "fp8", "--text-encoder-quantization", "fp8"],
     "fp8-te-dynamic": ["--quantization", "fp8", "--text-encoder-quantization", "fp8-dynamic"],
+    "fp8-te-w1": ["--quantization", "fp8", "--text-encoder-quantization", "fp8", "--workers", "1"],
 }
 """Server kinds: their `dicache serve` flags. fp8-attn-bf16 is the FP8 default of 2026-12-01 (attention
 projections in bf16), still reachable with --quantization-exclude; fp8-te adds the text encoder's weights in FP8
 (computed in bf16), fp8-te-dynamic its FP8 GEMMs (the meaning of `--text-encoder-quantization fp8` until
-2026-12-03)."""
+2026-12-03); fp8-te-w1 is fp8-te with one worker (beside fp8-te in one run: workers 2 against 1)."""
 
 
 # ----------------------------------------------------------------------------------------------------- model folder
@@ -286,10 +287,12 @@ def load(url: str, variant: str, cache: str, concurrency: int, requests: int, si
         }
         for i in range(requests)
     ]
+    gc_before = server_gc(url)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         answers = list(pool.map(lambda b: one_request(url, b), bodies))
     wall = time.perf_counter() - start
+    gc_after = server_gc(url)
     latencies = sorted(seconds for seconds, _, _ in answers)
     same = None
     for body, (_, digest, _) in zip(bodies, answers):
@@ -305,8 +308,21 @@ def load(url: str, variant: str, cache: str, concurrency: int, requests: int, si
         "latency_p99_s": round(p99, 3),
         "throughput_req_s": round(requests / wall, 3),
         "same_bytes": same,
-        "time_goes": where_time_goes(answers),
+        "time_goes": {
+            **where_time_goes(answers),
+            **(
+                {"gc_pause_s": round((gc_after - gc_before) / requests, 4)} if None not in (gc_before, gc_after) else {}
+            ),
+        },
     }
+
+
+def server_gc(url: str) -> float | None:
+    """Seconds the server's garbage collector has paused so far (`/v1/server_info` "gc"), None if not reported."""
+    import httpx
+
+    pauses = httpx.get(f"{url}/v1/server_info", timeout=30).json().get("gc", {}).get("pause_s")
+    return None if pauses is None else sum(pauses)
 
 
 # ----------------------------------------------------------------------------------------------------- main
@@ -422,7 +438,8 @@ def markdown(results: dict, args, command: str) -> str:
     if goes:
         keys = list(dict.fromkeys(k for r in goes for k in r["time_goes"]))
         lines += ["", "Where a request's time goes (mean seconds; phases from the answers' `timings.phases`, "
-                  "`phase_wait`: waiting for a phase busy with another request, `outside`: latency minus the "
+                  "`phase_wait`: waiting for a phase busy with another request, `gc_pause`: the server's garbage "
+                  "collections (any thread, per request), `outside`: latency minus the "
                   "worker's time and the queue: HTTP, the event loop, the client):", ""]  # fmt: skip
         lines += ["| server | cache | concurrency | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 3)]
         lines += [

@@ -33,7 +33,8 @@
 #            and 20 (>= 1.35 req/s) with SGLang's default pattern, the recommended Turbo setting (the moonshot,
 #            <= 0.6 s at concurrency 1), same-seed bytes across concurrency, peak memory (<= 28 GB) with its
 #            breakdown, where each request's time goes; $SERVER_ARGS are added to the servers' flags   (~7 min)
-#   workers  the fp8-te server with --workers 1, Turbo concurrency 1 and 20 (2 workers no slower alone) (~3 min)
+#   workers  the fp8-te server with 2 workers (the default) and with --workers 1 side by side, Turbo concurrency 1 and
+#            20, SGLang's default pattern and the recommended setting (2 workers no slower alone)      (~6 min)
 #   alloc    the fp8 server (text encoder bf16) with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: whether the
 #            allocator's slack (peak reserved - peak allocated, 4.5 GB on 2026-12-03) shrinks enough for 28 GB
 #            without the text encoder in FP8                                                          (~3 min)
@@ -83,9 +84,9 @@ serve() {
 }
 
 workers() {
-  timeout 260 python3 benchmarks/bench_serving.py --servers fp8-te --workers 1 --variants turbo --caches sglang \
-    --requests-c1 5 --requests-c20 20 --start-timeout 240 ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} \
-    --results "$results"
+  timeout 560 python3 benchmarks/bench_serving.py --servers fp8-te fp8-te-w1 --variants turbo \
+    --caches sglang recommended --requests-c1 5 --requests-c20 20 --start-timeout 240 \
+    ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} --results "$results"
 }
 
 alloc() {

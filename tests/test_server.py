@@ -143,6 +143,7 @@ def test_openai_client_round_trip(server, client, backend):
     assert info["cache"]["sources"]["max_warmup_steps"] == "env SGLANG_CACHE_DIT_WARMUP"
     assert info["cache"]["settings"]["residual_diff_threshold"] == 0.5
     assert info["limits"]["max_n"] == 2 and info["limits"]["api_key_set"] is False
+    assert len(info["gc"]["collections"]) == 3 and len(info["gc"]["pause_s"]) == 3  # the collector's pauses
 
 
 def engine_run(pipe, case, variant):

@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         return run_ray(args)
     try:  # the serve extra (fastapi, uvicorn); runner.serve is read here, when called (tests swap it)
         from ..server import create_app, load_backend
+        from ..server.gc_pauses import freeze_start_up_objects
         from ..server.memory import release_cached_memory
         from ..server.runner import ensure_descriptors, exposure_warnings, serve
     except ModuleNotFoundError as exc:
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compile:  # every rank warms up the same way, before serving, so the first request is not the slow one
         print(f"warm-up (compile): {backend.warm_up()}", flush=True)
     release_cached_memory(backend.pipe.device)  # what quantisation and the warm-up left reserved; peaks from here
+    freeze_start_up_objects()  # full collections then skip the model's objects (gc_pauses says why)
     backend = lockstep(backend, ctx)
     if backend is None:  # a follower rank: it replayed rank 0's requests until rank 0 closed
         ctx.shutdown()

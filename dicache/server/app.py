@@ -29,6 +29,7 @@ from .auth import ApiKeyMiddleware
 from .body_limit import BodyLimitMiddleware
 from .drain import Drain, DrainMiddleware
 from .errors import ApiError, install_error_handlers
+from .gc_pauses import GC_PAUSES
 from .generation import Defaults, GenerationSpec, resolve
 from .handling import GenerationProbe, await_job, job_runner, parse_generation_request, response_body, submit
 from .jobs import JobQueue
@@ -108,6 +109,7 @@ def create_app(
     cancelled at shutdown before the drain), e.g. a Ray replica following its driver's drain (`ray.drain.follow`)."""
     settings = settings or ServerSettings()
     metrics = metrics or ServerMetrics()
+    GC_PAUSES.install()
     metrics.set_model_info(model_info(backend, settings))
     started = int(time.time())
 
@@ -249,6 +251,7 @@ def create_app(
                 "profile": profile_source(backend.cache_config),
             },
             "memory": memory_breakdown(getattr(backend, "pipe", None)),
+            "gc": GC_PAUSES.snapshot(),
         }
 
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
