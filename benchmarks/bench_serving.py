@@ -12,7 +12,7 @@ process as a user sees it). Random weights never pass a real threshold, so "defa
 threshold), which is what a trained model with easy steps gets at most.
 
     python benchmarks/bench_serving.py --results benchmarks/RESULTS.md            # H200: ~6 min
-    python benchmarks/bench_serving.py --tiny --device cpu --servers bf16          # logic check on a CPU (minutes)
+    python benchmarks/bench_serving.py --tiny --device cpu --servers none          # logic check on a CPU (minutes)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import inspect
+import itertools
 import json
 import os
 import pathlib
@@ -270,15 +271,23 @@ def where_time_goes(answers: list[tuple[float, str, dict]]) -> dict:
     return mean
 
 
-def load(url: str, variant: str, cache: str, concurrency: int, requests: int, size: int, seen: dict) -> dict:
+def fresh_prompt(base: str, count: int) -> str:
+    """`base` lengthened by `count` words: a prompt whose token count the server has not met (count 0: `base`)."""
+    return base if count == 0 else f"{base}, {' '.join(['detailed'] * count)}"
+
+
+def load(
+    url: str, variant: str, cache: str, concurrency: int, requests: int, size: int, seen: dict, fresh=None
+) -> dict:
     """Latency and throughput of `requests` generations from `concurrency` clients. `seen`: (variant, cache, seed)
     -> fingerprint of earlier runs; `same_bytes` says whether every repeated (variant, cache, seed) gave the bytes
     it gave before (the same-seed guarantee across concurrency), None when nothing repeated; `time_goes`: where a
-    request's time went on average (`where_time_goes`)."""
+    request's time went on average (`where_time_goes`). `fresh`: an iterator of word counts (`fresh_prompt`) giving
+    every request a prompt length the server has not met, instead of the five `PROMPTS` every run repeats."""
     steps, guidance = VARIANTS[variant]
     bodies = [
         {
-            "prompt": PROMPTS[i % len(PROMPTS)],
+            "prompt": fresh_prompt(PROMPTS[0], next(fresh)) if fresh is not None else PROMPTS[i % len(PROMPTS)],
             "size": f"{size}x{size}",
             "num_inference_steps": steps,
             "guidance_scale": guidance,
@@ -296,7 +305,7 @@ def load(url: str, variant: str, cache: str, concurrency: int, requests: int, si
     latencies = sorted(seconds for seconds, _, _ in answers)
     same = None
     for body, (_, digest, _) in zip(bodies, answers):
-        key = (variant, cache, body["seed"])
+        key = (variant, cache, body["seed"], body["prompt"])
         if key in seen:
             same = (same is not False) and seen[key] == digest
         seen.setdefault(key, digest)
@@ -382,13 +391,14 @@ def run(args) -> dict:
                 print(f"server {server}: ready in {ready_s:.1f} s: {command}", flush=True)
                 memory.reset()  # from here on: the serving-time peak (loading and warm-up reported above)
                 warmed, seen = set(), {}
+                fresh = itertools.count(1) if args.fresh_prompts else None
                 for variant, cache, concurrency, requests in plan(args):
                     if variant not in warmed:  # one untimed request of each variant
                         load(url, variant, cache, 1, 1, size, seen)
                         warmed.add(variant)
                     row = {"server": server, "variant": variant}
                     row.update(cache=cache, concurrency=concurrency)
-                    row.update(load(url, variant, cache, concurrency, requests, size, seen))
+                    row.update(load(url, variant, cache, concurrency, requests, size, seen, fresh))
                     row["server_peak_GB"] = memory.peak_gb
                     row.update(memory_columns(server_memory(url), memory.peak_gb))
                     results["runs"].append(row)
@@ -415,6 +425,7 @@ def markdown(results: dict, args, command: str) -> str:
         f"Machine: {device}; model: {'tiny (embedded configs)' if args.tiny else 'full-size Krea-2'} with random "
         f"weights (`--load-format dummy`), {'128' if args.tiny else '1024'}², workers {args.workers or 'default'}, "
         f"{'compiled' if args.compile else 'eager'}"
+        f"{', every request a new prompt length (--fresh-prompts)' if args.fresh_prompts else ''}"
         + (
             f", PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}"
             if "PYTORCH_CUDA_ALLOC_CONF" in os.environ
@@ -476,6 +487,13 @@ def main(argv=None) -> int:
     p.add_argument("--requests-c1", type=int, default=3)
     p.add_argument("--requests-c20", type=int, default=20)
     p.add_argument("--raw-requests", type=int, default=1)
+    p.add_argument(
+        "--fresh-prompts",
+        action="store_true",
+        help="every timed request a prompt of a token count the server has not met yet (the first prompt lengthened "
+        "word by word; no same-seed repeats then) instead of the five prompts every run repeats: the cost of new "
+        "prompt lengths",
+    )
     p.add_argument("--workers", type=int, default=None, help="the server's --workers (default: the server's)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--start-timeout", type=float, default=600)

@@ -2,7 +2,7 @@
 # Issue 27 on one H200: every target measured with the product's flags, each step one device call (< 10 min),
 # each printing its tables and appending them to benchmarks/RESULTS.md.
 #
-#   bash benchmarks/gpu_issue27.sh STEP [STEP ...]   # STEP: wheels | check | textenc | fp8 | speed | serve | workers | alloc | all
+#   bash benchmarks/gpu_issue27.sh STEP [STEP ...]   # STEP: wheels | check | textenc | fp8 | speed | serve | workers | fresh | alloc | all
 #
 # The machine has torch 2.11 but not torchao, fastapi, uvicorn, pydantic(-settings): carry them as wheels in .whl
 # (made here, on any x86-64 or Arm machine with pip; about 6.4 MB, within the 64 MiB a call carries):
@@ -35,12 +35,14 @@
 #            breakdown, where each request's time goes; $SERVER_ARGS are added to the servers' flags   (~7 min)
 #   workers  the fp8-te server with 2 workers (the default) and with --workers 1 side by side, Turbo concurrency 1 and
 #            20, SGLang's default pattern and the recommended setting (2 workers no slower alone)      (~6 min)
+#   fresh    the fp8-te server, SGLang's pattern, every request a prompt length it has not met (--fresh-prompts)
+#            against the five repeated prompts, side by side: what a new prompt length costs     (~4 min)
 #   alloc    the fp8 server (text encoder bf16) with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: whether the
 #            allocator's slack (peak reserved - peak allocated, 4.5 GB on 2026-12-03) shrinks enough for 28 GB
 #            without the text encoder in FP8                                                          (~3 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_issue27.sh wheels|check|textenc|fp8|speed|serve|workers|alloc|all ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_issue27.sh wheels|check|textenc|fp8|speed|serve|workers|fresh|alloc|all ..." >&2; exit 2; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 results=${OUT:-/tmp}/results_new.md  # the new sections alone, written as each benchmark ends (append them to
 # benchmarks/RESULTS.md here, without their "# Benchmark results" first line): a call cut short keeps what it finished
@@ -89,6 +91,15 @@ workers() {
     ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} --results "$results"
 }
 
+fresh() {
+  timeout 330 python3 benchmarks/bench_serving.py --servers fp8-te --variants turbo --caches sglang \
+    --requests-c1 5 --requests-c20 20 --start-timeout 240 ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} \
+    --results "$results"
+  timeout 330 python3 benchmarks/bench_serving.py --servers fp8-te --variants turbo --caches sglang \
+    --requests-c1 5 --requests-c20 20 --start-timeout 240 --fresh-prompts ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} \
+    --results "$results"
+}
+
 alloc() {
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 260 python3 benchmarks/bench_serving.py --servers fp8 \
     --variants turbo --caches sglang --requests-c1 5 --requests-c20 20 --start-timeout 240 \
@@ -97,7 +108,7 @@ alloc() {
 
 [ "$*" = all ] && set -- check textenc fp8 speed serve workers alloc
 for step in "$@"; do
-  case "$step" in wheels | check | textenc | fp8 | speed | serve | workers | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
+  case "$step" in wheels | check | textenc | fp8 | speed | serve | workers | fresh | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
 done
 wheels
 status=0
