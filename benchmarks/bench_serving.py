@@ -9,7 +9,9 @@ caching off and with SGLang's default settings (F1 B0 W4 MC3 RDT 0.24), at concu
 latency mean / median / P99, throughput and the GPU memory the server held at its peak (nvidia-smi, the whole
 process as a user sees it). Random weights never pass a real threshold, so "default" caches nothing there; the
 `sglang` rows force the default settings' pattern (every step the settings allow is cached: an always-passing
-threshold), which is what a trained model with easy steps gets at most.
+threshold), which is what a trained model with easy steps gets at most. Before its runs each server answers every
+prompt of `PROMPTS` once, untimed, so the runs meet known prompt lengths; `--fresh-prompts` gives every timed request a
+length the server has not met instead (a new length costs its first-call work: RESULTS.md 2026-12-03).
 
     python benchmarks/bench_serving.py --results benchmarks/RESULTS.md            # H200: ~6 min
     python benchmarks/bench_serving.py --tiny --device cpu --servers none          # logic check on a CPU (minutes)
@@ -393,8 +395,8 @@ def run(args) -> dict:
                 warmed, seen = set(), {}
                 fresh = itertools.count(1) if args.fresh_prompts else None
                 for variant, cache, concurrency, requests in plan(args):
-                    if variant not in warmed:  # one untimed request of each variant
-                        load(url, variant, cache, 1, 1, size, seen)
+                    if variant not in warmed:  # untimed: each of PROMPTS once (the runs then meet known lengths)
+                        load(url, variant, cache, 1, len(PROMPTS), size, seen)
                         warmed.add(variant)
                     row = {"server": server, "variant": variant}
                     row.update(cache=cache, concurrency=concurrency)

@@ -35,8 +35,8 @@
 #            breakdown, where each request's time goes; $SERVER_ARGS are added to the servers' flags   (~7 min)
 #   workers  the fp8-te server with 2 workers (the default) and with --workers 1 side by side, Turbo concurrency 1 and
 #            20, SGLang's default pattern and the recommended setting (2 workers no slower alone)      (~6 min)
-#   fresh    the fp8-te server, SGLang's pattern, every request a prompt length it has not met (--fresh-prompts)
-#            against the five repeated prompts, side by side: what a new prompt length costs     (~4 min)
+#   fresh    the fp8-te server, every request a prompt length it has not met (--fresh-prompts): against `serve`'s
+#            fp8-te rows (the five prompts, each met once untimed before the runs), what a new length costs (~4 min)
 #   alloc    the fp8 server (text encoder bf16) with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: whether the
 #            allocator's slack (peak reserved - peak allocated, 4.5 GB on 2026-12-03) shrinks enough for 28 GB
 #            without the text encoder in FP8                                                          (~3 min)
@@ -92,10 +92,7 @@ workers() {
 }
 
 fresh() {
-  timeout 330 python3 benchmarks/bench_serving.py --servers fp8-te --variants turbo --caches sglang \
-    --requests-c1 5 --requests-c20 20 --start-timeout 240 ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} \
-    --results "$results"
-  timeout 330 python3 benchmarks/bench_serving.py --servers fp8-te --variants turbo --caches sglang \
+  timeout 330 python3 benchmarks/bench_serving.py --servers fp8-te --variants turbo --caches sglang recommended \
     --requests-c1 5 --requests-c20 20 --start-timeout 240 --fresh-prompts ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} \
     --results "$results"
 }
@@ -106,7 +103,7 @@ alloc() {
     ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} --results "$results"
 }
 
-[ "$*" = all ] && set -- check textenc fp8 speed serve workers alloc
+[ "$*" = all ] && set -- check textenc fp8 speed serve workers fresh alloc
 for step in "$@"; do
   case "$step" in wheels | check | textenc | fp8 | speed | serve | workers | fresh | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
 done
