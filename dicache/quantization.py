@@ -232,13 +232,12 @@ def quantize_text_encoder(model: nn.Module, method: str = "fp8") -> list[str]:
 def fp8_weight_storage(model: nn.Module, names: set[str]) -> None:
     """torchao's FP8 weight-only quantisation (`Float8WeightOnlyConfig`, one scale per output channel) on the linears
     of `model` named in `names`, in place: the weights are stored in `float8_e4m3fn` and each call dequantises them
-    to the activation dtype before an ordinary GEMM. Works on any device."""
+    to the activation dtype before an ordinary GEMM. Works on any device. Leaves torch.compile's settings alone (the
+    text encoder is not compiled; torchao would otherwise turn on its slower-compiling tuning for the whole process)."""
     _import_torchao("FP8 weight storage")
-    from torchao.quantization import Float8WeightOnlyConfig, PerRow, quantize_
+    from torchao.quantization import Float8WeightOnlyConfig, PerRow
 
-    quantize_(model, Float8WeightOnlyConfig(granularity=PerRow()), filter_fn=lambda module, fqn: fqn in names)
-    if next(model.parameters()).is_cuda:
-        torch.cuda.empty_cache()  # the bf16 weights just replaced stay reserved by the caching allocator otherwise
+    _quantize_linears(model, names, Float8WeightOnlyConfig(granularity=PerRow(), set_inductor_config=False))
 
 
 FP8_ACTIVATION_FLOOR = 1e-12
@@ -251,11 +250,17 @@ floor are scaled exactly as before."""
 def fp8_linears(model: nn.Module, names: set[str]) -> None:
     """torchao's dynamic FP8 (module docstring) on the linears of `model` named in `names`, in place."""
     check_fp8_support(next(model.parameters()).device)
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
-    quantize_(
-        model,
-        Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=FP8_ACTIVATION_FLOOR),
-        filter_fn=lambda module, fqn: fqn in names,
-    )
-    torch.cuda.empty_cache()  # the bf16 weights just replaced stay reserved by the caching allocator otherwise
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=FP8_ACTIVATION_FLOOR)
+    _quantize_linears(model, names, config)
+
+
+def _quantize_linears(model: nn.Module, names: set[str], config) -> None:
+    """torchao's `quantize_` with `config` on the linears of `model` named in `names`, then the replaced weights'
+    memory handed back."""
+    from torchao.quantization import quantize_
+
+    quantize_(model, config, filter_fn=lambda module, fqn: fqn in names)
+    if next(model.parameters()).is_cuda:
+        torch.cuda.empty_cache()  # the bf16 weights just replaced stay reserved by the caching allocator otherwise

@@ -34,7 +34,11 @@ def test_fp8_weight_storage_quarters_the_float32_weights_and_stays_close():
     model = pipe.text_encoder.text_encoder
     ref = _image(pipe)
     before = module_bytes(model, CPU)
+    inductor = torch._inductor.config
+    tuning = (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions)
     names = pipe.quantize_text_encoder("fp8")
+    # torch.compile's process-wide settings untouched (torchao's default would turn its slower tuning on)
+    assert (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions) == tuning
     assert names and all(n.startswith("language_model.layers.") for n in names)
     layer = model.get_submodule(names[0])
     assert layer.weight.qdata.dtype == torch.float8_e4m3fn and layer.weight.scale.shape == (layer.out_features, 1)
