@@ -75,7 +75,7 @@ def encode_png(pixels: np.ndarray, level: int = 1, threads: int | None = None) -
         threads = min(MAX_THREADS, max(1, len(data) // MIN_BAND_BYTES))
     bands = max(1, min(int(threads), height))
     edges = [filtered.shape[1] * (height * i // bands) for i in range(bands + 1)]
-    parts = [data[a:b] for a, b in zip(edges[:-1], edges[1:])]
+    parts = [memoryview(data)[a:b] for a, b in zip(edges[:-1], edges[1:])]  # no copies
     last = [i == bands - 1 for i in range(bands)]
     if bands == 1:
         deflated = [_deflate_band(parts[0], level, True)]
