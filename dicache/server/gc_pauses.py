@@ -1,12 +1,12 @@
-"""Python's garbage collector in a long-running server: the objects of start-up frozen out of its passes, and its
-pauses counted.
+"""Python's garbage collector in a long-running server: the objects of start-up frozen out of its passes, and its pauses
+counted.
 
-A loaded, compiled pipeline leaves some 500 000 Python objects (modules, parameters, compiled graphs and their
-guards). A full (generation 2) collection walks all of them: about 0.2 s on one core, a pause that holds the GIL,
-so it stalls whichever phase is launching kernels. `freeze_start_up_objects()` collects once and moves every object
-alive then to the permanent generation (`gc.freeze`), which later collections skip; what requests allocate is
-collected as before. `GCPauses` counts collections and their seconds per generation (`/v1/server_info` "gc"; with
-the freeze, 0.7 ms per Turbo request in the full-size FP8 server, benchmarks/RESULTS.md 2026-12-03).
+A loaded, compiled pipeline leaves some 500 000 Python objects (modules, parameters, compiled graphs and their guards).
+A full (generation 2) collection walks all of them: about 0.2 s on a 2-core CPU (`bench_server_cpu.py`), a pause that
+holds the GIL, so it stalls whichever phase is launching kernels. `freeze_start_up_objects()` collects once and moves
+every object alive then to the permanent generation (`gc.freeze`), which later collections skip; what requests allocate
+is collected as before. `GCPauses` counts collections and their seconds per generation (`/v1/server_info` "gc"; with the
+freeze, 0.7 ms per Turbo request in the full-size FP8 server, benchmarks/RESULTS.md 2026-12-03).
 """
 
 from __future__ import annotations

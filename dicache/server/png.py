@@ -1,8 +1,9 @@
 """PNG files of served images, written in a few milliseconds: uint8 pixels -> PNG bytes.
 
-Why not Pillow's PNG writer: on a 1024² RGB image it takes 80–110 ms at zlib level 1 (55–85 ms even at level 0,
-its per-row filter search) on one core, which was a fifth of a Turbo request's latency in `dicache serve`
-(benchmarks/RESULTS.md, issue 27). Here the filter is one vectorised pass and the deflate runs on several threads:
+Why not Pillow's PNG writer: a 1024² image from the random-weights model (noise-like) took 0.18 s as the image phase
+of `dicache serve` on the H200's host, a sixth of a Turbo request, and this writer 0.03 s there; on a 2-core CPU it is
+2.5× (noise) to 4× (a smooth image) faster than Pillow (benchmarks/RESULTS.md, issue 27, `bench_server_cpu.py`).
+Here the filter is one vectorised pass and the deflate runs on several threads:
 
 - every row uses PNG filter 2 ("Up": the byte minus the byte above, modulo 256; the first row's "above" is zeros);
 - the filtered rows are split into `threads` bands, each deflated on its own thread (zlib releases the GIL) with a

@@ -1,0 +1,114 @@
+"""The server's CPU-side costs around a generation (issue 27), on this machine's CPU:
+
+- `png`: writing a 1024² RGB image as PNG at `PNG_COMPRESS_LEVEL`, with Pillow and with `dicache.server.png` (one
+  thread, and its default threads), on a noise-like image (what a random-weights model makes) and a smooth one;
+- `gc`: the Python objects a loaded, compiled server backend leaves (the embedded checkpoint) and the time of one full
+  garbage collection, before and after `freeze_start_up_objects()`.
+
+    python benchmarks/bench_server_cpu.py [--results benchmarks/RESULTS.md]
+
+Prints a table and appends it to --results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import io
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from publish import command_line, publish  # noqa: E402
+
+from dicache.server.backend import PNG_COMPRESS_LEVEL  # noqa: E402
+from dicache.server.png import MAX_THREADS, encode_png  # noqa: E402
+
+
+def _ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(1e3 * statistics.median(times), 1)
+
+
+def _pillow(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    return buffer.getvalue()
+
+
+def section_png(reps: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:1024, 0:1024]
+    images = {
+        "noise": rng.integers(0, 256, (1024, 1024, 3), dtype=np.uint8),
+        "smooth": np.stack([x // 4, y // 4, (x + y) // 8], axis=-1).astype(np.uint8),
+    }
+    rows = ["| image | writer | ms (median) | KiB |", "|---|---|---|---|"]
+    for name, pixels in images.items():
+        writers = {
+            "Pillow": lambda p=pixels: _pillow(p),
+            "dicache.server.png, 1 thread": lambda p=pixels: encode_png(p, PNG_COMPRESS_LEVEL, 1),
+            f"dicache.server.png, default (up to {MAX_THREADS} threads)": lambda p=pixels: encode_png(
+                p, PNG_COMPRESS_LEVEL
+            ),
+        }
+        for writer, fn in writers.items():
+            rows.append(f"| {name} | {writer} | {_ms(fn, reps)} | {len(fn()) // 1024} |")
+    return rows
+
+
+def section_gc() -> list[str]:
+    from dicache.server.backend import load_backend
+    from dicache.server.gc_pauses import freeze_start_up_objects
+
+    backend = load_backend(None, "turbo", device="cpu", compile=True)
+    backend.warm_up()
+    objects = len(gc.get_objects())
+    before = _ms(gc.collect, 3)
+    frozen = freeze_start_up_objects()
+    after = _ms(gc.collect, 3)
+    gc.unfreeze()
+    backend.close()
+    return [
+        "| objects tracked | full collection (ms) | objects frozen | full collection after the freeze (ms) |",
+        "|---|---|---|---|",
+        f"| {objects} | {before} | {frozen} | {after} |",
+    ]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sections", default="png,gc")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--results", default=None)
+    args = p.parse_args(argv)
+    text = [
+        f"\n## Server CPU costs (`bench_server_cpu.py`), {datetime.datetime.now():%Y-%m-%d %H:%M}\n",
+        f"Command: `{command_line('bench_server_cpu.py', argv)}`  ",
+        f"Machine: {platform.machine()} CPU ({os.cpu_count()} cores), Python {platform.python_version()}\n",
+    ]
+    sections = args.sections.split(",")
+    if "png" in sections:
+        text += [f"PNG of a 1024² RGB image at zlib level {PNG_COMPRESS_LEVEL}:", "", *section_png(args.reps), ""]
+    if "gc" in sections:
+        text += ["Garbage collection with a loaded, compiled backend (embedded checkpoint):", "", *section_gc(), ""]
+    publish("\n".join(text), args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
