@@ -106,14 +106,17 @@ class PromptEmbeddings:
 
 
 def exclusion_choices(args) -> dict[str, QuantizationSpec]:
-    """`--exclude` (one choice, groups as separate words) and `--compare` (choices, groups comma-separated;
-    "default": the product's default exclusions, "none": every block linear in FP8), by label."""
-    choices = [args.exclude] if args.exclude else []
-    choices += [[] if c == "default" else c.split(",") for c in args.compare or []]
+    """`--exclude` (one FP8 choice, groups as separate words) and `--compare` (choices `[METHOD:]GROUPS`: METHOD fp8
+    (the default) or int8; GROUPS comma-separated; "default": the method's default exclusions, "none": every block
+    linear quantised), by label."""
+    choices = [("fp8", args.exclude)] if args.exclude else []
+    for choice in args.compare or []:
+        method, _, groups = choice.rpartition(":")
+        choices.append((method or "fp8", [] if groups == "default" else groups.split(",")))
     specs = {}
-    for groups in choices:
-        spec = parse_quantization("fp8", groups or None)
-        specs[f"fp8 excluding {' '.join(spec.exclude) or 'nothing'}"] = spec
+    for method, groups in choices:
+        spec = parse_quantization(method, groups or None)
+        specs[f"{method} excluding {' '.join(spec.exclude) or 'nothing'}"] = spec
     return specs
 
 
@@ -170,9 +173,11 @@ EMULATED_SCHEMES = {
     "row": EmulatedScheme(),
     "block": EmulatedScheme(ACTIVATION_BLOCK, WEIGHT_BLOCK),
     "hadamard": EmulatedScheme(rotation_block=DEFAULT_MAX_BLOCK),
+    "int8": EmulatedScheme(fmt="int8"),
 }
 """FP8 scalings compared in emulation: torchao's per-row (activations per token, weights per output channel; the
-product's), 1x128 activation / 128x128 weight blocks, and per-row after a Hadamard rotation of the input axis."""
+product's), 1x128 activation / 128x128 weight blocks, per-row after a Hadamard rotation of the input axis, and
+symmetric INT8 per row (torchao's dynamic INT8: same scale layout, 8-bit integers instead of e4m3)."""
 EMULATED_DEFAULT = (
     "row:all", "block:all", "hadamard:all", "row:attn_qkv", "row:*.attn.to_q", "row:*.attn.to_k", "row:*.attn.to_v",
     "row:attn_out", "row:attn_gate,ff_in,ff_out", "hadamard:attn_qkv,attn_out",
@@ -188,7 +193,6 @@ def section_emulated(args, results: dict) -> list[dict]:
     decoder-layer linears, as `--text-encoder-quantization fp8` picks them) compute in emulated FP8 with SCHEME;
     PSNR against the same pipeline in its own dtype (bf16), same seeds."""
     from dicache.fp8_emulation import emulate_fp8, restore_linears
-    from dicache.quantization import selected_linears
 
     samples = heldout()[: args.num_prompts]
     pipe = Krea2Pipeline.from_pretrained(device=args.device, dtype=torch.bfloat16)
@@ -198,24 +202,22 @@ def section_emulated(args, results: dict) -> list[dict]:
     refs = {name: sample(pipe, samples, *sched, None, embeds) for name, sched in schedules.items()}
     rows = []
     for config in args.emulate:
-        scheme, _, groups = config.partition(":")
-        if groups == TEXT_ENCODER:  # the text encoder's decoder-layer linears: its outputs change, so re-encode
-            model = pipe.text_encoder.text_encoder
-            names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-            names = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in TEXT_ENCODER_FP8_INCLUDE)]
-        else:
-            model = pipe.transformer  # among the block linears only, as `--quantization-exclude` selects them
-            blocks = set(selected_linears(model, QuantizationSpec(exclude=())))
-            include = DEFAULT_FP8_INCLUDE if groups == "all" else tuple(groups.split(","))
-            names = [n for n in selected_linears(model, QuantizationSpec(include=include, exclude=())) if n in blocks]
-        emulate_fp8(model, names, EMULATED_SCHEMES[scheme])
-        config_embeds = PromptEmbeddings(pipe, samples) if model is not pipe.transformer else embeds
-        row = {"scheme": scheme, "fp8_groups": groups, "linears": len(names)}
+        emulated = []  # (model, names) per part; a later part re-emulates the linears it shares with an earlier one
+        for part in config.split("+"):
+            scheme, _, groups = part.partition(":")
+            model, names = _emulated_linears(pipe, groups)
+            emulate_fp8(model, names, EMULATED_SCHEMES[scheme])
+            emulated.append((model, names))
+        names = sorted({name for _, part_names in emulated for name in part_names})
+        encoder_changed = any(model is not pipe.transformer for model, _ in emulated)
+        config_embeds = PromptEmbeddings(pipe, samples) if encoder_changed else embeds
+        row = {"config": config, "linears": len(names)}
         for name, sched in schedules.items():
             values = psnr(sample(pipe, samples, *sched, None, config_embeds), refs[name])
             row[f"{name}_mean_dB"] = round(sum(values) / len(values), 2)
             row[f"{name}_worst_dB"] = round(min(values), 2)
-        restore_linears(model)
+        for model, _ in emulated:
+            restore_linears(model)
         rows.append(row)
         print(f"emulated: {row}", flush=True)
     results["emulated_note"] = (
@@ -224,6 +226,20 @@ def section_emulated(args, results: dict) -> list[dict]:
         "bf16 at the same seed"
     )
     return rows
+
+
+def _emulated_linears(pipe: Krea2Pipeline, groups: str) -> tuple[torch.nn.Module, list[str]]:
+    """The model and linear names an `--emulate` part's GROUPS select."""
+    from dicache.quantization import selected_linears
+
+    if groups == TEXT_ENCODER:  # the text encoder's decoder-layer linears: its outputs change, so re-encode
+        model = pipe.text_encoder.text_encoder
+        names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        return model, [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in TEXT_ENCODER_FP8_INCLUDE)]
+    model = pipe.transformer  # among the block linears only, as `--quantization-exclude` selects them
+    blocks = set(selected_linears(model, QuantizationSpec(exclude=())))
+    include = DEFAULT_FP8_INCLUDE if groups == "all" else tuple(groups.split(","))
+    return model, [n for n in selected_linears(model, QuantizationSpec(include=include, exclude=())) if n in blocks]
 
 
 def section_layers(args, results: dict) -> list[dict]:
@@ -311,8 +327,15 @@ def timed_ms(fn, seconds: float = 3.0) -> float:
     return (time.perf_counter() - start) / n * 1e3
 
 
+FUSED_INT8 = "int8 all, int_mm fused with its rescale"
+"""The block-section variant compiled with inductor's `force_fuse_int_mm_with_mul` (torchao's recommended setting:
+the int32 GEMM and its rescale in one Triton kernel instead of cuBLAS's GEMM and a separate elementwise kernel)."""
+
+
 def section_block(args, results: dict) -> list[dict]:
     import copy
+
+    import torch._inductor.config
 
     from dicache.models.krea2.transformer import Krea2TransformerBlock, keeps_fp32
     from dicache.models.loading import materialize_random
@@ -336,6 +359,8 @@ def section_block(args, results: dict) -> list[dict]:
     rope = (angles.cos(), angles.sin())
     variants: dict[str, QuantizationSpec | None] = {"bf16": None, "fp8 default": QuantizationSpec()}
     variants["fp8 all"] = QuantizationSpec(exclude=())
+    variants["int8 all"] = QuantizationSpec("int8", exclude=())
+    variants[FUSED_INT8] = QuantizationSpec("int8", exclude=())
     costly = costliest_groups(results.get("fidelity") or [], 2)
     for i in range(len(costly)):  # the costliest group kept in bf16, then the two costliest
         variants[f"fp8 all but {' '.join(costly[: i + 1])}"] = QuantizationSpec(exclude=tuple(costly[: i + 1]))
@@ -347,8 +372,9 @@ def section_block(args, results: dict) -> list[dict]:
             if spec is not None:
                 quantize_transformer(stack, spec)
             compiled = torch.compile(stack.transformer_blocks[0], fullgraph=True)
-            ms = timed_ms(lambda c=compiled: c(x, temb, rope))
-            out = compiled(x, temb, rope).float() - x.float()  # the block's own contribution (the residual)
+            with torch._inductor.config.patch(force_fuse_int_mm_with_mul=label == FUSED_INT8):
+                ms = timed_ms(lambda c=compiled: c(x, temb, rope))
+                out = compiled(x, temb, rope).float() - x.float()  # the block's own contribution (the residual)
             reference = out if reference is None else reference
             bf16_ms = bf16_ms or ms
             row = {"config": label, "ms_per_block": round(ms, 3), "speedup_vs_bf16": round(bf16_ms / ms, 3)}
@@ -360,7 +386,8 @@ def section_block(args, results: dict) -> list[dict]:
     results["block_note"] = (
         "one full-size block (6144 wide, 48/12 heads, SwiGLU 16384), random weights, 4144 tokens, compiled, back to "
         "back; residual_snr_dB: the block's output minus its input against bf16's (torchao's FP8 GEMMs, fast "
-        "accumulation included, at the full size's long inputs); first/last-block exclusion costs 2/28 of "
+        "accumulation included, and INT8 GEMMs, at the full size's long inputs); first/last-block exclusion costs "
+        "2/28 of "
         "(bf16 - fp8 all) per forward"
     )
     return rows
@@ -411,7 +438,8 @@ def main(argv=None) -> int:
         nargs="+",
         default=None,
         metavar="CHOICE",
-        help="exclusion choices to measure, each comma-separated groups or globs, 'none' (all FP8) or 'default'",
+        help="choices to measure, each [METHOD:]GROUPS: METHOD fp8 (default) or int8; GROUPS comma-separated groups or "
+        "globs kept in bf16, 'none' (every block linear quantised) or 'default' (the method's default)",
     )
     parser.add_argument("--device", default="cuda", help="layers / emulated sections: where to run (cpu works)")
     parser.add_argument("--layer-prompts", type=int, default=2, help="layers section: prompts whose inputs are kept")

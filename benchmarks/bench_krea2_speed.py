@@ -49,7 +49,7 @@ import dicache  # noqa: E402
 from dicache.engine.policies.step_mask import preset_mask  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler  # noqa: E402
-from dicache.quantization import parse_quantization  # noqa: E402
+from dicache.quantization import QUANTIZATION_METHODS, parse_quantization  # noqa: E402
 
 SECTIONS = ("forward", "masks", "sglang", "overhead", "profile")
 # the step-mask presets; masks are cache-dit's (cache_dit.steps_mask) when it is importable, else ours
@@ -72,16 +72,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--quantization",
         default="none",
-        choices=("none", "fp8"),
-        help="quantize our transformer (pipe.quantize, default exclusions) before compiling; diffusers stays bf16",
+        choices=("none", *QUANTIZATION_METHODS),
+        help="quantize our transformer (pipe.quantize, the method's default exclusions) before compiling; diffusers "
+        "stays bf16",
     )
     p.add_argument(
         "--quantization-exclude",
         nargs="+",
         default=None,
         metavar="GROUP_OR_GLOB",
-        help="block linears kept in bf16 under --quantization fp8, replacing the defaults (as `dicache serve` takes "
-        "it; `none`: every block linear in FP8)",
+        help="block linears kept in bf16 under --quantization, replacing the defaults (as `dicache serve` takes "
+        "it; `none`: every block linear quantised)",
     )
     p.add_argument("--raw-steps", type=int, default=50)
     p.add_argument("--turbo-steps", type=int, default=8)

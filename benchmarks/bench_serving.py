@@ -96,11 +96,14 @@ SERVERS = {
     "fp8-te": ["--quantization", "fp8", "--text-encoder-quantization", "fp8"],
     "fp8-te-dynamic": ["--quantization", "fp8", "--text-encoder-quantization", "fp8-dynamic"],
     "fp8-te-w1": ["--quantization", "fp8", "--text-encoder-quantization", "fp8", "--workers", "1"],
+    "int8": ["--quantization", "int8"],
+    "int8-te": ["--quantization", "int8", "--text-encoder-quantization", "fp8"],
 }
 """Server kinds: their `dicache serve` flags. fp8-attn-bf16 is the FP8 default of 2026-12-01 (attention
 projections in bf16), still reachable with --quantization-exclude; fp8-te adds the text encoder's weights in FP8
 (computed in bf16), fp8-te-dynamic its FP8 GEMMs (the meaning of `--text-encoder-quantization fp8` until
-2026-12-03); fp8-te-w1 is fp8-te with one worker (beside fp8-te in one run: workers 2 against 1)."""
+2026-12-03); fp8-te-w1 is fp8-te with one worker (beside fp8-te in one run: workers 2 against 1); int8 / int8-te:
+every block linear in INT8 (and the text encoder's weights in FP8)."""
 
 
 # ----------------------------------------------------------------------------------------------------- model folder

@@ -2,7 +2,8 @@
 # Issue 27 on one H200: every target measured with the product's flags, each step one device call (< 10 min),
 # each printing its tables and appending them to benchmarks/RESULTS.md.
 #
-#   bash benchmarks/gpu_issue27.sh STEP [STEP ...]   # STEP: wheels | check | textenc | fp8 | speed | serve | workers | fresh | alloc | all
+#   bash benchmarks/gpu_issue27.sh STEP [STEP ...]
+#   # STEP: wheels | check | textenc | fp8 | int8 | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc | all
 #
 # The machine has torch 2.11 but not torchao, fastapi, uvicorn, pydantic(-settings): carry them as wheels in .whl
 # (made here, on any x86-64 or Arm machine with pip; about 6.4 MB, within the 64 MiB a call carries):
@@ -25,6 +26,15 @@
 #            projections bf16), of all-FP8, and of q in FP8 too (attn_kv,attn_out kept bf16: the choice the CPU
 #            emulation puts at about 35 dB on Raw 28), with the block output's error against bf16 (fast accumulation)
 #                                                                                                       (~5 min)
+#   int8     bench_fp8 fidelity of the FP8 default against INT8 on every block linear (--quantization int8), and the
+#            block time of bf16, FP8 (default, all), INT8 (all; cuBLAS GEMM + rescale, and fused in one Triton kernel)
+#                                                                                                       (~5 min)
+#   speedint8  bench_krea2_speed compiled with --quantization int8: one forward and Turbo / Raw, SGLang's pattern
+#                                                                                                       (~3 min)
+#   length   probe_prompt_length: a new prompt length's first-call cost, per part of a request, in the warmed-up
+#            backend of `dicache serve` (FP8, text encoder FP8)                                         (~2 min)
+#   serveint8  bench_serving with the int8-te server: Turbo c1 / c20, SGLang's pattern and the recommended setting
+#                                                                                                       (~4 min)
 #   speed    bench_krea2_speed compiled: one forward (<= 0.125 s) and Turbo / Raw under SGLang's default pattern
 #            (Turbo denoise <= 0.65 s), for each exclusion choice in $SPEED_EXCLUDES (';'-separated
 #            --quantization-exclude values, `default` for none given; default: "attn_kv attn_out;default") (~3 min each)
@@ -42,7 +52,7 @@
 #            without the text encoder in FP8                                                          (~3 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_issue27.sh wheels|check|textenc|fp8|speed|serve|workers|fresh|alloc|all ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_issue27.sh STEP ... (see the header)" >&2; exit 2; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 results=${OUT:-/tmp}/results_new.md  # the new sections alone, written as each benchmark ends (append them to
 # benchmarks/RESULTS.md here, without their "# Benchmark results" first line): a call cut short keeps what it finished
@@ -63,6 +73,26 @@ textenc() {
 
 fp8() {
   timeout 330 python3 benchmarks/bench_fp8.py --sections fidelity,block --compare default none attn_kv,attn_out \
+    --results "$results"
+}
+
+int8() {
+  timeout 340 python3 benchmarks/bench_fp8.py --sections fidelity,block --compare default int8:default \
+    --results "$results"
+}
+
+speedint8() {
+  timeout 240 python3 benchmarks/bench_krea2_speed.py --mode compiled --sections forward,sglang --no-diffusers \
+    --quantization int8 --results "$results" --out "${OUT:-/tmp}/speed_int8.json"
+}
+
+length() {
+  timeout 240 python3 benchmarks/probe_prompt_length.py --quantization fp8 --text-encoder-fp8 --results "$results"
+}
+
+serveint8() {
+  timeout 400 python3 benchmarks/bench_serving.py --servers int8-te --variants turbo --caches sglang recommended \
+    --requests-c1 5 --requests-c20 20 --start-timeout 240 ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} \
     --results "$results"
 }
 
@@ -103,9 +133,9 @@ alloc() {
     ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} --results "$results"
 }
 
-[ "$*" = all ] && set -- check textenc fp8 speed serve workers fresh alloc
+[ "$*" = all ] && set -- check textenc fp8 int8 speed speedint8 length serve serveint8 workers fresh alloc
 for step in "$@"; do
-  case "$step" in wheels | check | textenc | fp8 | speed | serve | workers | fresh | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
+  case "$step" in wheels | check | textenc | fp8 | int8 | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
 done
 wheels
 status=0

@@ -1,9 +1,13 @@
-"""FP8 weights for a loaded transformer: a property of the model, applied once after loading (docs/architecture.md §9).
+"""8-bit weights for a loaded transformer: a property of the model, applied once after loading (docs/architecture.md
+§9).
 
 `quantize_transformer(model, "fp8")` turns the selected `nn.Linear`s into FP8 e4m3 linears through torchao
 (`Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`): weights stored in FP8 with one scale per output
-channel, activations quantised per row at run time, GEMMs on FP8 tensor cores. Everything else (the engine, the
-offloader, `torch.compile`) sees ordinary modules.
+channel, activations quantised per row at run time, GEMMs on FP8 tensor cores. `"int8"` does the same with symmetric
+INT8 (`Int8DynamicActivationInt8WeightConfig`, per-row activation and per-channel weight scales, integer GEMMs with
+int32 accumulation): on Krea-2 it is far more accurate than e4m3 (eight significant bits instead of four, and the
+activations have no large outliers), so every block linear can take it. Everything else (the engine, the offloader,
+`torch.compile`) sees ordinary modules.
 
 Which linears are quantised is data: `QuantizationSpec.include` (glob patterns over qualified module names) minus
 `exclude`. The defaults quantise the transformer blocks' linears and keep everything else in bf16 (embeddings,
@@ -28,8 +32,8 @@ from torch import nn
 
 from .errors import DicacheError
 
-QUANTIZATION_METHODS = ("fp8",)
-"""Accepted values of `--quantization` besides none (SGLang's flag name and value)."""
+QUANTIZATION_METHODS = ("fp8", "int8")
+"""Accepted values of `--quantization` besides none (SGLang's flag name; fp8 is SGLang's value too)."""
 
 FP8_MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (8.9) and Hopper (9.0) or newer."""
@@ -44,6 +48,11 @@ embedded checkpoint 35.37 dB mean (worst 27.41) on Raw 28 and 39.81 dB (worst 35
 block 4.1 % faster than with q in bf16 too (benchmarks/RESULTS.md "FP8 fidelity and speed by layer group",
 2026-12-03). The 2026-12-01 default (all attention projections in bf16) is
 `--quantization-exclude attn_qkv attn_out`."""
+
+DEFAULT_EXCLUDE: dict[str, tuple[str, ...]] = {"fp8": DEFAULT_FP8_EXCLUDE, "int8": ()}
+"""Block linears each method keeps in bf16 unless `--quantization-exclude` says otherwise. INT8 keeps none: with
+every block linear in INT8 the embedded checkpoint stays at about 42 dB (Raw 28) / 45 dB (8 steps) against bf16 in
+emulation, against 36 / 39 dB for the FP8 default (benchmarks/RESULTS.md, issue 27)."""
 
 LAYER_GROUPS: dict[str, tuple[str, ...]] = {
     "attn_qkv": ("*.attn.to_q", "*.attn.to_k", "*.attn.to_v"),
@@ -76,20 +85,23 @@ def _import_torchao(what: str) -> None:
 class QuantizationSpec:
     """A validated quantization request.
 
-    method: "fp8".
+    method: "fp8" or "int8" (`QUANTIZATION_METHODS`).
     include / exclude: glob patterns (or `LAYER_GROUPS` names) over the transformer's qualified module names; a
-        linear is quantised iff it matches some include pattern and no exclude pattern.
+        linear is quantised iff it matches some include pattern and no exclude pattern. `exclude=None` takes the
+        method's default (`DEFAULT_EXCLUDE`).
     """
 
     method: str = "fp8"
     include: tuple[str, ...] = DEFAULT_FP8_INCLUDE
-    exclude: tuple[str, ...] = DEFAULT_FP8_EXCLUDE
+    exclude: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
             raise QuantizationError(
                 f"quantization={self.method!r} is invalid: must be one of none, {', '.join(QUANTIZATION_METHODS)}"
             )
+        if self.exclude is None:
+            object.__setattr__(self, "exclude", DEFAULT_EXCLUDE[self.method])
         for what, patterns in (("include", self.include), ("exclude", self.exclude)):
             if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
                 raise QuantizationError(
@@ -110,7 +122,9 @@ def parse_quantization(method: str | None, exclude: Sequence[str] | None = None)
     """
     if method is None or str(method).strip().lower() in ("", "none"):
         if exclude:
-            raise QuantizationError("quantization exclusions were given without --quantization fp8")
+            raise QuantizationError(
+                f"quantization exclusions were given without --quantization ({', '.join(QUANTIZATION_METHODS)})"
+            )
         return None
     method = str(method).strip().lower()
     if exclude is None:
@@ -182,7 +196,10 @@ def quantize_transformer(model: nn.Module, spec: QuantizationSpec | str) -> list
     names = set(selected_linears(model, spec))
     if not names:
         raise QuantizationError(f"quantization={spec.method!r}: the include/exclude patterns select no linear")
-    fp8_linears(model, names)
+    if spec.method == "int8":
+        int8_linears(model, names)
+    else:
+        fp8_linears(model, names)
     model.quantization = spec
     return sorted(names)
 
@@ -254,6 +271,38 @@ def fp8_linears(model: nn.Module, names: set[str]) -> None:
 
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=FP8_ACTIVATION_FLOOR)
     _quantize_linears(model, names, config)
+
+
+INT8_MIN_CAPABILITY = (8, 0)
+"""INT8 GEMMs through `torch._int_mm` on CUDA: Ampere (8.0) or newer."""
+
+
+def check_int8_support(device: torch.device | str) -> None:
+    """Raise `QuantizationError` unless INT8 linears can run on `device`: the CPU, or CUDA of capability >= 8.0;
+    torchao installed."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < INT8_MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise QuantizationError(
+            f"quantization='int8' needs compute capability >= 8.0 on CUDA; {torch.cuda.get_device_name(device)} has "
+            f"{major}.{minor}. Drop --quantization on this GPU."
+        )
+    if device.type not in ("cuda", "cpu"):
+        raise QuantizationError(f"quantization='int8' runs on CUDA or the CPU; the model is on {device.type!r}")
+    _import_torchao("quantization='int8'")
+
+
+def int8_linears(model: nn.Module, names: set[str]) -> None:
+    """torchao's dynamic symmetric INT8 on the linears of `model` named in `names`, in place: weights stored in INT8
+    with one scale per output channel, activations quantised per row at run time (an all-zero row gets torchao's
+    smallest scale and stays zeros), products accumulated in int32 and rescaled to the input dtype. torch.compile's
+    settings are left alone (torchao would otherwise turn on its slower-compiling tuning for the whole process)."""
+    check_int8_support(next(model.parameters()).device)
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, PerRow
+
+    _quantize_linears(
+        model, names, Int8DynamicActivationInt8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    )
 
 
 def _quantize_linears(model: nn.Module, names: set[str], config) -> None:

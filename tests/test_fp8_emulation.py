@@ -109,3 +109,27 @@ def test_text_encoder_fp8_is_checked_before_anything_runs(capsys):
         quantize_text_encoder(torch.nn.Linear(2, 2))
     code = main(["generate", "x", "--device", "cpu", "--text-encoder-quantization", "fp8", "--dit-cpu-offload"])
     assert code == 2 and "cannot be combined with the memory options" in capsys.readouterr().err
+
+
+def test_emulated_int8_matches_torchaos_int8_linear_on_the_cpu():
+    pytest.importorskip("torchao")
+    from dicache.quantization import int8_linears
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 64, bias=False))
+    x = torch.randn(8, 256)
+    x[2] = 0.0
+    emulate_fp8(model, ["0"], EmulatedScheme(fmt="int8"))
+    emulated = model(x)
+    restore_linears(model)
+    exact = model(x)
+    int8_linears(model, {"0"})
+    real = model(x)
+    # the same scales and integers but where x / scale falls within float rounding of a half (torchao multiplies by
+    # the reciprocal): a rare one-step difference
+    assert ((emulated - real).norm() / real.norm()).item() < 1e-3
+    assert not emulated[2].any()
+    relative = ((emulated - exact).norm() / exact.norm()).item()
+    assert 1e-4 < relative < 0.02  # eight significant bits: well under e4m3's few per cent
+    with pytest.raises(ValueError, match="fmt='int4' is invalid"):
+        fake_quantize(x, PER_ROW, "int4")

@@ -86,3 +86,21 @@ def test_an_all_zero_input_row_gives_zeros_not_nan():
     assert torch.isfinite(got).all() and bool((got[3] == 0).all())
     others = torch.cat([got[:3], got[4:]]).float()
     assert (others - torch.cat([ref[:3], ref[4:]]).float()).norm() / others.norm() < 0.1
+
+
+def test_int8_compiled_with_caching_stays_close_to_bf16_and_does_not_recompile():
+    torch._dynamo.reset()
+    ref_pipe = Krea2Pipeline.from_pretrained(device="cuda")
+    pipe = Krea2Pipeline.from_pretrained(device="cuda", quantization="int8", compile=True)
+    pipe.set_progress_bar_config(disable=True)
+    weights = [m.weight for n, m in pipe.transformer.named_modules() if n.endswith(("to_k", "to_out.0", "ff.down"))]
+    assert weights and all(w.qdata.dtype == torch.int8 for w in weights)
+    ref, got = generate(ref_pipe), generate(pipe)
+    assert not np.array_equal(ref, got) and psnr(ref, got) > 38.0  # FP8 on every linear: about 32 dB
+    dicache.enable(pipe, {"max_warmup_steps": 2, "residual_diff_threshold": 0.5})
+    generate(pipe, "a much longer prompt with more words in it", "turbo", 8)
+    before = counters["stats"]["unique_graphs"]
+    generate(pipe, "dog", "turbo", 8)
+    assert dicache.stats(pipe).cached_calls > 0 and counters["stats"]["unique_graphs"] == before
+    dicache.disable(pipe)
+    torch._dynamo.reset()

@@ -56,16 +56,18 @@ class SpeedOptions(FlagOptions):
         "none",
         flag="--quantization",
         choices=("none", *QUANTIZATION_METHODS),
-        help="fp8: the transformer blocks' linears run FP8 e4m3 (per-row activation, per-channel weight scales; "
-        "torchao; needs an Ada/Hopper GPU and `pip install 'dicache[fp8]'`); weights stored in FP8",
+        help="the transformer blocks' linears in 8 bits, weights stored so (per-row activation and per-channel weight "
+        "scales; torchao: `pip install 'dicache[fp8]'`). fp8: FP8 e4m3 GEMMs, needs an Ada/Hopper GPU; attention k, v "
+        "and output projections stay bf16 by default. int8: INT8 GEMMs with int32 accumulation, every block linear, "
+        "far closer to bf16 than fp8 (CUDA >= 8.0, or the CPU)",
     )
     quantization_exclude: list[str] | None = option(
         None,
         flag="--quantization-exclude",
         metavar="GROUP_OR_GLOB",
-        help="block linears kept in bf16 under --quantization fp8, replacing the defaults: group names "
+        help="block linears kept in bf16 under --quantization, replacing the method's defaults: group names "
         f"({', '.join(LAYER_GROUPS)}) or glob patterns over module names, e.g. 'transformer_blocks.*.attn.to_gate'; "
-        f"'{NO_EXCLUSIONS}': every block linear in FP8",
+        f"'{NO_EXCLUSIONS}': every block linear quantised",
     )
     compile: bool = option(
         False,
