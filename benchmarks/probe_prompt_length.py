@@ -109,8 +109,8 @@ def main(argv=None) -> int:
         f"Command: `{command_line('probe_prompt_length.py', argv)}`  ",
         f"Machine: {device}, torch {torch.__version__}; {'tiny' if args.tiny else 'full-size'} Krea-2, random weights, "
         f"{size}², quantization {args.quantization}{', text encoder FP8' if args.text_encoder_fp8 else ''}, compiled "
-        f"and warmed up as `dicache serve` does (graphs {warm.get('graphs_compiled')}); each prompt new to the process; "
-        "generate: SGLang's default cache pattern, Turbo 8 steps\n",
+        f"and warmed up as `dicache serve` does (graphs {warm.get('graphs_compiled')}); each prompt new to the "
+        "process; generate: SGLang's default cache pattern, Turbo 8 steps\n",
         "| " + " | ".join(keys) + " |",
         "|" + "---|" * len(keys),
     ]
