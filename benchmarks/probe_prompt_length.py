@@ -37,6 +37,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quantization", default="fp8", choices=("none", *QUANTIZATION_METHODS))
     p.add_argument("--text-encoder-fp8", action="store_true")
+    p.add_argument(
+        "--prepare-text-lengths",
+        default="true",
+        choices=("true", "false"),
+        help="as `dicache serve --prepare-text-lengths`: meet every prompt length before the timed calls",
+    )
     p.add_argument("--lengths", default="4,9,15,22,30", help="words per new prompt, comma-separated")
     p.add_argument("--tiny", action="store_true", help="the embedded checkpoint's configs (a logic check, any device)")
     p.add_argument("--device", default="cuda")
@@ -58,7 +64,8 @@ def main(argv=None) -> int:
         backend.pipe.quantize_text_encoder("fp8")
     backend.pipe.compile()
     warm = backend.warm_up()
-    print(f"loaded and warmed up in {time.perf_counter() - start:.1f} s: {warm}", flush=True)
+    prepared = backend.prepare_text_lengths() if args.prepare_text_lengths == "true" else {}
+    print(f"loaded and warmed up in {time.perf_counter() - start:.1f} s: {warm}, lengths: {prepared}", flush=True)
     pipe = backend.pipe
 
     def timed(fn):
@@ -109,8 +116,9 @@ def main(argv=None) -> int:
         f"Command: `{command_line('probe_prompt_length.py', argv)}`  ",
         f"Machine: {device}, torch {torch.__version__}; {'tiny' if args.tiny else 'full-size'} Krea-2, random weights, "
         f"{size}², quantization {args.quantization}{', text encoder FP8' if args.text_encoder_fp8 else ''}, compiled "
-        f"and warmed up as `dicache serve` does (graphs {warm.get('graphs_compiled')}); each prompt new to the "
-        "process; generate: SGLang's default cache pattern, Turbo 8 steps\n",
+        f"and warmed up as `dicache serve` does (graphs {warm.get('graphs_compiled')}); prompt lengths prepared: "
+        f"{prepared or 'no'}; each prompt new to the process; generate: SGLang's default cache pattern, Turbo 8 "
+        "steps\n",
         "| " + " | ".join(keys) + " |",
         "|" + "---|" * len(keys),
     ]

@@ -99,3 +99,9 @@ def test_the_replica_options_are_the_serve_commands_declarations():
         ReplicaOptions(torch_threads=0)
     with pytest.raises(ConfigError, match=r"argument --torch-threads: '0' is invalid: must be an integer >= 1"):
         parse_serve_argv(["--torch-threads", "0"])
+
+
+def test_prepare_text_lengths_is_on_by_default_and_can_be_turned_off():
+    assert parse_serve_argv([]).prepare_text_lengths is True
+    assert parse_serve_argv(["--prepare-text-lengths", "false"]).prepare_text_lengths is False
+    assert ReplicaOptions(prepare_text_lengths=False).prepare_text_lengths is False

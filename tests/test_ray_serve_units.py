@@ -687,10 +687,14 @@ def test_replica_applies_speed_options_in_order():
             calls.append(("warm_up",))
             return {}
 
+        def prepare_text_lengths(self):
+            calls.append(("prepare_text_lengths",))
+            return {}
+
     ReplicaSpec(quantization="q", compile=True).apply_speed(Backend())
-    assert calls == [("quantize", "q"), ("compile",), ("warm_up",)]
+    assert calls == [("quantize", "q"), ("compile",), ("warm_up",), ("prepare_text_lengths",)]
     calls.clear()
-    ReplicaSpec().apply_speed(Backend())
+    ReplicaSpec(prepare_text_lengths=False).apply_speed(Backend())
     assert calls == []
 
 

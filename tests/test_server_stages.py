@@ -214,3 +214,33 @@ def test_serve_runs_two_requests_at_once_unless_offloaded():
     explicit = parsed("--dit-cpu-offload", "--workers", "2")
     with pytest.raises(ConfigError, match="--workers 2 is invalid with the memory options"):
         offload_settings(explicit, workers=settings_from_args(explicit).workers)
+
+
+def test_prepared_text_lengths_run_on_cuda_in_the_denoise_thread_and_change_no_bytes(pipe):
+    """On CUDA the staged backend meets every prompt length on its denoise thread (where requests will meet them);
+    elsewhere, and unstaged, it does nothing. Either way a request's bytes stay those of an unprepared backend."""
+    request = spec("an owl at night", 3, cache=CacheConfig.defaults())
+    backend = backend_of(pipe, staged=True)
+    try:
+        before = backend.generate(request)
+        threads = []
+        block = pipe.transformer.transformer_blocks[0]
+        handle = block.register_forward_pre_hook(lambda *_: threads.append(threading.current_thread()))
+        try:
+            prepared = backend.prepare_text_lengths()
+        finally:
+            handle.remove()
+        after = backend.generate(request)
+        if pipe.device.type == "cuda":
+            assert prepared["lengths"] == len(pipe.text_lengths()) == len(threads)
+            assert set(threads) == {backend.stages().thread_of("denoise")}
+        else:
+            assert prepared == {} and threads == []
+        assert outputs(after) == outputs(before)
+    finally:
+        backend.close()
+    unstaged = backend_of(pipe, staged=False)
+    try:
+        assert unstaged.prepare_text_lengths() == {}
+    finally:
+        unstaged.close()

@@ -102,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
         apply_speed_options(backend.pipe, args)
     if args.compile:  # every rank warms up the same way, before serving, so the first request is not the slow one
         print(f"warm-up (compile): {backend.warm_up()}", flush=True)
+    if args.prepare_text_lengths:  # after the compile warm-up: the compiled blocks then take any length
+        prepared = backend.prepare_text_lengths()
+        if prepared:
+            print(f"prompt lengths prepared: {prepared}", flush=True)
     release_cached_memory(backend.pipe.device)  # what quantisation and the warm-up left reserved; peaks from here
     freeze_start_up_objects()  # full collections then skip the model's objects (gc_pauses says why)
     backend = lockstep(backend, ctx)

@@ -8,6 +8,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+SHAPE_FREE_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""SDPA backends with no set-up per input shape, in order of preference. cuDNN's attention (torch's first choice on
+Hopper) builds a plan for each new shape, 50-75 ms on an H200 and again on each thread (benchmarks/RESULTS.md,
+`probe_sdpa_plans.py`): right for the transformer blocks, whose shape changes only with the prompt length and which
+run it dozens of times per request, but not for the text path, which runs once per request at the prompt's length."""
 
 
 def gqa_attention(
@@ -29,3 +36,14 @@ def gqa_attention(
     folded = query.reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, head_dim)
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=key_mask[:, None, None, :])
     return out.reshape(batch, q_heads, q_len, head_dim)
+
+
+def shape_free_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`gqa_attention` restricted on CUDA to `SHAPE_FREE_BACKENDS`: the same contract and result up to the kernels'
+    rounding, with no first-call cost at a new shape (elsewhere it is `gqa_attention`). The text path's kernel."""
+    if not query.is_cuda:
+        return gqa_attention(query, key, value, key_mask)
+    with sdpa_kernel(list(SHAPE_FREE_BACKENDS)):
+        return gqa_attention(query, key, value, key_mask)

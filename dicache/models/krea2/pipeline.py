@@ -229,6 +229,21 @@ class Krea2Pipeline(PipelineOptimizations):
         self.progress = not disable
 
     # ------------------------------------------------------------------ text
+    def text_lengths(self) -> range:
+        """Every count of real text tokens a prompt can give (`Krea2TextEncoder.num_valid_tokens`): from the empty
+        prompt's (the template's suffix alone) to `max_sequence_length`."""
+        if self.text_encoder is None:
+            raise ValueError("this pipeline has no text encoder: its text lengths are unknown")
+        return range(self.text_encoder.suffix_len, self.text_encoder.max_sequence_length + 1)
+
+    def prepare_text_lengths(self, height: int | None = None, width: int | None = None) -> int:
+        """Meet every prompt length once at this size (default: the default size), on this thread, so that no
+        request pays a length's first-call set-up (`Krea2Transformer.prepare_text_lengths`). Returns the lengths."""
+        default_height, default_width = self.default_size
+        rows, cols = self.latent_grid(height or default_height, width or default_width)
+        positions = self.position_ids(rows, cols, self.device)[-rows * cols :]
+        return self.transformer.prepare_text_lengths(positions, self.text_lengths())
+
     def encode_prompt(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.text_encoder is None:
             raise ValueError("this pipeline has no text encoder: pass prompt_embeds and prompt_embeds_mask")

@@ -19,13 +19,14 @@ from __future__ import annotations
 import inspect
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dicache.models.krea2.attention import gqa_attention
+from dicache.models.krea2.attention import gqa_attention, shape_free_attention
 from dicache.models.loading import CheckpointError, load_component
 
 # Submodule names whose weights stay float32 when the model runs in bf16/fp16 (diffusers' `_keep_in_fp32_modules`).
@@ -129,12 +130,14 @@ class SwiGLU(nn.Module):
 
 
 class TextFusionBlock(nn.Module):
-    """Pre-norm transformer block of the text fusion stage: no RoPE, no time modulation."""
+    """Pre-norm transformer block of the text fusion stage: no RoPE, no time modulation. Its attention runs on the
+    shape-free SDPA backends (`shape_free_attention`): its shapes follow the prompt length."""
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, intermediate_size: int, eps: float) -> None:
         super().__init__()
         self.norm1 = RMSNorm(dim, eps)
         self.attn = Attention(dim, num_heads, num_kv_heads, eps)
+        self.attn.kernel = shape_free_attention
         self.norm2 = RMSNorm(dim, eps)
         self.ff = SwiGLU(dim, intermediate_size)
 
@@ -488,6 +491,24 @@ class Krea2Transformer(nn.Module):
         tokens, key_mask = pack_valid_tokens(encoder_hidden_states, encoder_attention_mask)
         tokens = self.txt_in(self.text_fusion(tokens.to(self.dtype), key_mask))
         return TextConditioning(tokens, key_mask)
+
+    @torch.no_grad()
+    def prepare_text_lengths(self, image_positions: torch.Tensor, text_lengths: Iterable[int], batch: int = 1) -> int:
+        """Run the first block once at each joint sequence length `n + N` (`n` in `text_lengths`, `N` image tokens
+        at `image_positions` `(N, 3)`) on random inputs, so that set-up tied to the sequence length is done now
+        rather than in a request: cuDNN's attention plan for the shape (50-75 ms each on an H200, kept per thread;
+        the blocks share the shape, so one block stands for all). Run it on the thread that will denoise, after
+        any compile warm-up (the compiled blocks then take a symbolic length). Returns the number of lengths run."""
+        image_positions = image_positions.to(self.device)
+        timestep = torch.ones(batch, device=self.device)
+        temb_mod = self.time_mod_proj(F.gelu(self.time_embed(timestep, self.dtype), approximate="tanh"))
+        block, count = self.transformer_blocks[0], 0
+        for n in text_lengths:
+            rotary_emb = self.rotary_emb(image_positions, num_leading_zeros=n)
+            joint = torch.randn(batch, n + image_positions.shape[0], self.hidden_size, device=self.device)
+            block(joint.to(self.dtype), temb_mod, rotary_emb, None)
+            count += 1
+        return count
 
     # -- denoiser ---------------------------------------------------------------------------------------------------
 

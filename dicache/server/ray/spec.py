@@ -39,6 +39,7 @@ class ReplicaSpec:
     load_format: str = "auto"
     quantization: Any = None  # a validated `QuantizationSpec` (`--quantization fp8`) or None
     compile: bool = False
+    prepare_text_lengths: bool = True  # `--prepare-text-lengths` (CUDA only: PipelineBackend.prepare_text_lengths)
     drain_board: str | None = None  # the driver's `drain.DrainBoard` actor; None: no driver to follow
 
     @property
@@ -63,10 +64,15 @@ class ReplicaSpec:
 
     def apply_speed(self, backend: Any) -> Any:
         """`--quantization` then `--compile` on a loaded (and, for a group, split) backend, as `dicache serve` does;
-        with `--compile` the replica warms up before it reports healthy. Returns the backend."""
+        with `--compile` the replica warms up, and with `--prepare-text-lengths` (on CUDA) it meets every prompt
+        length, before it reports healthy. Returns the backend."""
         if self.quantization is not None:
             backend.pipe.quantize(self.quantization)
         if self.compile:
             backend.pipe.compile()
             log.info("replica warm-up (compile): %s", backend.warm_up())
+        if self.prepare_text_lengths:
+            prepared = backend.prepare_text_lengths()
+            if prepared:
+                log.info("replica prompt lengths prepared: %s", prepared)
         return backend
