@@ -87,7 +87,7 @@ speedint8() {
 }
 
 length() {
-  timeout 300 python3 benchmarks/probe_prompt_length.py --quantization fp8 --text-encoder-fp8 --results "$results"
+  timeout 300 python3 benchmarks/probe_prompt_length.py --lengths 6,17,28 --quantization fp8 --text-encoder-fp8 --results "$results"
 }
 
 serveint8() {
