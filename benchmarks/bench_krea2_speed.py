@@ -8,7 +8,9 @@ padded to 512 with 48 real tokens; denoising only (latent output, no text encode
   (slow/medium/fast/ultra), Fn=1 Bn=0 static, ours vs diffusers + cache-dit, same masks on both sides; W=0 so that the
   mask alone decides and both sides compute the same steps.
 - sglang: the default settings' pattern when every allowed step is cached (Fn=1 Bn=0 W=4 MC=3, dynamic decisions
-  with an always-passing threshold): Turbo 5 of 8 computed, Raw 15 of 50 per branch.
+  with an always-passing threshold): Turbo 5 of 8 computed, Raw 15 of 50 per branch. `cached_s` times the whole
+  pipeline call (text conditioning, starting noise, denoising; latents out), `cached_denoise_s` the denoising phase
+  alone (`run_denoise`, what `dicache serve` reports as its denoise phase).
 - overhead: Turbo 8 plain vs hooks measuring the diff at every step with nothing cached.
 - the same with the transformer blocks compiled (both sides), with recompilations counted after warm-up.
 - profile: the top kernels of one full and one cached forward.
@@ -241,6 +243,19 @@ class Bench:
             kw.update(variant="turbo", guidance_scale=1.0)
         return lambda: self.pipe(**kw)
 
+    def ours_denoise_run(self, steps: int, cfg: bool):
+        """The denoising phase alone (`run_denoise`, as `dicache serve`'s denoise phase runs it): the call's plan,
+        text conditioning and starting noise are made once, outside the timed function."""
+        variant, scale = ("raw", 4.5) if cfg else ("turbo", 1.0)
+        plan = self.pipe.plan_call(1, self.size, self.size, steps, scale, 1, "latent", variant)
+        with torch.no_grad():
+            negative = {"negative_prompt_embeds": self.ne, "negative_prompt_embeds_mask": self.nm} if cfg else {}
+            cond, uncond = self.pipe.condition(
+                plan, None, prompt_embeds=self.pe, prompt_embeds_mask=self.pm, **negative
+            )
+        latents = self.pipe.starting_latents(plan, seed=0)
+        return lambda: self.pipe.run_denoise(plan, cond, uncond, latents)
+
     def ref_run(self, steps: int, cfg: bool):
         kw = dict(
             prompt_embeds=self.pe,
@@ -416,6 +431,9 @@ class Bench:
             dicache.enable(self.pipe, config)
             cached = self.timed(self.ours_run(steps, cfg), self.reps(steps), warm_key=("ours", steps, cfg, tag))
             st = dicache.stats(self.pipe)
+            denoise = self.timed(
+                self.ours_denoise_run(steps, cfg), self.reps(steps), warm_key=("ours", steps, cfg, tag)
+            )
             dicache.disable(self.pipe)
             row = {
                 "steps": steps,
@@ -424,6 +442,7 @@ class Bench:
                 "plain_tflops": self.tflops(self.plain_flops(steps, cfg), plain["s"]),
                 "cached_s": cached["s"],
                 "cached_tflops": self.tflops(self.run_flops(st), cached["s"]),
+                "cached_denoise_s": denoise["s"],
                 "computed_per_branch": {k: len(b.computed_steps) for k, b in st.branches.items()},
                 "sglang_seed_docs_s": sglang_s,
                 "peak_GiB": cached["peak_GiB"],
