@@ -505,6 +505,11 @@ def test_quantization_axis_cli_errors(checkpoint, tmp_path, capsys):
     base = ["sweep", "--model", str(checkpoint), "--out", str(tmp_path), "--no-progress", "--quick"]
     assert main([*base, "--quantization", "fp8", "--methods", "ours"]) == 2
     assert "pass --dtype bfloat16" in capsys.readouterr().err
+    assert main([*base, "--quantization", "int8", "--methods", "ours"]) == 2
+    assert "method 'ours-int8' (--quantization int8) is measured against bf16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--quantization", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
     if not torch.cuda.is_available():  # bf16 on a CPU: FP8 itself cannot run, said before sweeping
         assert main([*base, "--quantization", "fp8", "--methods", "ours", "--dtype", "bfloat16"]) == 2
         assert "quantization='fp8' needs an NVIDIA GPU" in capsys.readouterr().err

@@ -98,11 +98,12 @@ class SweepOptions(FlagOptions):
         metavar="F",
         help="compute fractions where the baselines run and the report's bins sit (default 0.3 0.4 ... 0.8)",
     )
-    quantization: list[Literal["none", "fp8"]] | None = option(
+    quantization: list[Literal[("none", *S.QUANTIZED_METHODS)]] | None = option(
         None,
         flag="--quantization",
-        help="the quantization axis: fp8 adds the method ours-fp8 (the model in FP8, uncached and with every cell, "
-        "measured against the bf16 references; needs --dtype bfloat16 and a GPU with FP8) (default: none)",
+        help="the quantization axis: fp8 / int8 add the method ours-fp8 / ours-int8 (the model in FP8 / INT8, uncached "
+        "and with every cell, measured against the bf16 references; needs --dtype bfloat16; FP8 needs a GPU with FP8, "
+        "INT8 runs on the CPU too) (default: none)",
     )
     device: str | None = option(
         None, flag="--device", default_text="cpu", help="torch device for both pipelines, e.g. cuda"

@@ -24,6 +24,7 @@ METHOD_NAMES = {
     "ours": "dicache (ours)",
     "cache-dit": "cache-dit",
     "ours-fp8": "dicache + FP8",
+    "ours-int8": "dicache + INT8",
     "fewer-steps": "fewer steps, Euler",
     "heun": "fewer steps, Heun",
     "curved": "curved step reuse",

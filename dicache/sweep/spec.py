@@ -26,12 +26,12 @@ from .prompts import make_samples as make_samples
 from .prompts import read_prompts as read_prompts
 from .settings import ALIASES, GRID_KEYS, RECOMMENDED_BUDGETS, cell_label, recommended
 
-METHODS = ("ours", "cache-dit", "ours-fp8")
-"""Cached methods a sweep can run (over the grid's cells; cache-dit over `cachedit_grid` when given). `ours-fp8` is
-ours on the model quantized to FP8 (`--quantization fp8`), measured against the unquantized references; it also runs
-uncached (`policy never`), which isolates what FP8 alone costs."""
-QUANTIZED_METHODS = {"fp8": "ours-fp8"}
+QUANTIZED_METHODS = {"fp8": "ours-fp8", "int8": "ours-int8"}
 """`--quantization` values (besides none) and the method each adds."""
+METHODS = ("ours", "cache-dit", *QUANTIZED_METHODS.values())
+"""Cached methods a sweep can run (over the grid's cells; cache-dit over `cachedit_grid` when given). `ours-fp8` /
+`ours-int8` are ours on the model quantized to FP8 / INT8 (`--quantization fp8|int8`), measured against the
+unquantized references; each also runs uncached (`policy never`), which isolates what the quantization alone costs."""
 UNCACHED_CELL_OVERRIDES = {"policy": "never"}
 SOLVER_BASELINES = ("euler", "heun", "curved")
 """Same-compute baselines without a cache (`dicache.sweep.solvers`): fewer-steps Euler, fewer-steps Heun, `curved`."""
