@@ -157,3 +157,20 @@ def test_random_weights_give_norms_their_identity_gain_and_compute_on_real_value
     assert text.float().abs().amax(dim=-1).min() > 0  # no all-zero text row
     out = pipe("a red fox", num_inference_steps=2, height=64, width=64, seed=0, output_type="pt").images
     assert torch.isfinite(out).all() and out.std() > 0
+
+
+def test_compile_takes_the_vae_decoder_too():
+    """`pipe.compile()` compiles the VAE decoder with the blocks (its elementwise passes fuse); the images stay the
+    eager pipeline's (dynamo's eager backend: the same kernels), and `vae=False` leaves the decoder alone."""
+    torch._dynamo.reset()
+    eager = Krea2Pipeline.from_pretrained()
+    pipe = Krea2Pipeline.from_pretrained().compile(backend="eager")
+    assert pipe.vae.decoder._compiled_call_impl is not None
+    assert eager.vae.decoder._compiled_call_impl is None
+    graphs = counters["stats"]["unique_graphs"]
+    kwargs = dict(seed=4, num_inference_steps=2, height=64, width=64, output_type="pt")
+    assert torch.equal(pipe("a kite", **kwargs).images, eager("a kite", **kwargs).images)
+    assert counters["stats"]["unique_graphs"] > graphs
+    other = Krea2Pipeline.from_pretrained().compile(backend="eager", vae=False)
+    assert other.vae.decoder._compiled_call_impl is None
+    torch._dynamo.reset()

@@ -48,10 +48,23 @@ class PipelineOptimizations:
             raise QuantizationError("text encoder quantization: this pipeline has no text encoder")
         return quantize_text_encoder(getattr(encoder, "text_encoder", encoder), method)
 
-    def compile(self: _Pipe, *, dynamic: bool | None = None, backend: str = "inductor") -> _Pipe:
-        """`torch.compile` the transformer blocks (see `Krea2Transformer.compile_blocks`); the first call at a new
-        shape compiles (tens of seconds at full size), later calls reuse the graphs. Returns self."""
+    def compile(
+        self: _Pipe, *, dynamic: bool | None = None, backend: str = "inductor", vae: bool | None = None
+    ) -> _Pipe:
+        """`torch.compile` the transformer blocks (see `Krea2Transformer.compile_blocks`) and the VAE decoder; the first
+        call at a new shape compiles (tens of seconds at full size), later calls reuse the graphs. Returns self.
+
+        vae: compile the VAE decoder too (None: unless the pipeline is offloaded, whose VAE moves between devices).
+        Its work is mostly memory-bound elementwise passes (channel RMSNorm in float32, SiLU, residual adds over
+        full-resolution activations) that compiling fuses."""
         self.transformer.compile_blocks(dynamic=dynamic, backend=backend)
+        decoder = getattr(getattr(self, "vae", None), "decoder", None)
+        if vae is None:
+            vae = decoder is not None and getattr(self, "offload", None) is None
+        if vae:
+            if decoder is None:
+                raise ValueError("compile(vae=True): this pipeline has no VAE decoder")
+            decoder.compile(dynamic=dynamic, backend=backend)
         return self
 
     # ------------------------------------------------------------------ memory
