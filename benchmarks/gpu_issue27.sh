@@ -18,8 +18,9 @@
 # (fastapi 0.165 also needs opentelemetry-api, which needs importlib-metadata and lazy-importer; typing-extensions
 # 4.16 for pydantic-core: add `opentelemetry-api==1.45.2 importlib-metadata==10.2.0 lazy-importer typing-extensions==4.16.0`)
 # and run the steps in few calls with carry [".whl"]. Steps and what each measures (targets of issue 27):
-#   check    the GPU tests: FP8 linears, and the server's phases on CUDA streams of their own giving the bytes of the
-#            pipeline call, alone and with requests in flight (pytest -m gpu)                          (~2 min)
+#   check    the GPU tests: FP8 and INT8 linears, the server's phases on CUDA streams of their own giving the bytes of
+#            the pipeline call, alone and with requests in flight, prompt lengths prepared on the denoise thread, the
+#            text path's shape-free attention, the compiled VAE decoder (pytest -m gpu)                  (~4 min)
 #   textenc  bench_text_encoder: the full-size text encoder's encode time, weight bytes and activation peak in bf16,
 #            with FP8 weight storage (--text-encoder-quantization fp8) and FP8 GEMMs (fp8-dynamic)       (~1 min)
 #   fp8      bench_fp8 fidelity (>= 35 dB mean, worst prompt reported) and block time of the FP8 default (attention
@@ -64,7 +65,8 @@ wheels() {
 }
 
 check() {
-  timeout 150 python3 -m pytest -m gpu tests/test_fp8_gpu.py tests/test_server_stages.py -p no:cacheprovider
+  timeout 300 python3 -m pytest -m gpu tests/test_fp8_gpu.py tests/test_server_stages.py tests/test_prompt_lengths.py \
+    tests/test_compile_gpu.py -p no:cacheprovider
 }
 
 textenc() {
