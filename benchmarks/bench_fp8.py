@@ -221,8 +221,9 @@ def section_emulated(args, results: dict) -> list[dict]:
         rows.append(row)
         print(f"emulated: {row}", flush=True)
     results["emulated_note"] = (
-        f"embedded checkpoint in bf16 on {args.device}, FP8 e4m3 emulated in float32 (exact accumulation; "
-        f"dicache.fp8_emulation), {len(samples)} held-out prompts (own seeds) in one batch, 128 px; PSNR against "
+        f"embedded checkpoint in bf16 on {args.device}, FP8 e4m3 (INT8 for int8: parts) emulated in float32 (exact "
+        "accumulation; dicache.fp8_emulation), "
+        f"{len(samples)} held-out prompts (own seeds) in one batch, 128 px; PSNR against "
         "bf16 at the same seed"
     )
     return rows
