@@ -365,7 +365,9 @@ def section_block(args, results: dict) -> list[dict]:
     costly = costliest_groups(results.get("fidelity") or [], 2)
     for i in range(len(costly)):  # the costliest group kept in bf16, then the two costliest
         variants[f"fp8 all but {' '.join(costly[: i + 1])}"] = QuantizationSpec(exclude=tuple(costly[: i + 1]))
-    variants.update(exclusion_choices(args))
+    for label, spec in exclusion_choices(args).items():  # a choice equal to a variant above is timed once
+        if spec not in variants.values():
+            variants[label] = spec
     rows, bf16_ms, reference = [], None, None
     with torch.no_grad():
         for label, spec in variants.items():
