@@ -244,3 +244,20 @@ def test_prepared_text_lengths_run_on_cuda_in_the_denoise_thread_and_change_no_b
         assert unstaged.prepare_text_lengths() == {}
     finally:
         unstaged.close()
+
+
+def test_the_denoise_stream_outranks_the_others_on_cuda(pipe):
+    """On CUDA each phase has its own stream and the denoising loop's has the higher priority (so overlapping
+    requests' encoding and decoding fit around it); off CUDA there are no streams."""
+    from dicache.server.stages import PHASES, GenerationStages
+
+    stages = GenerationStages(pipe.device)
+    try:
+        streams = stages._streams
+        if pipe.device.type != "cuda":
+            assert set(streams) == set(PHASES) and all(s is None for s in streams.values())
+            return
+        assert len({id(s) for s in streams.values()}) == len(PHASES)
+        assert streams["denoise"].priority < streams["encode"].priority == streams["decode"].priority == 0
+    finally:
+        stages.close()
