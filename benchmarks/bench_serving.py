@@ -281,6 +281,30 @@ def fresh_prompt(base: str, count: int) -> str:
     return base if count == 0 else f"{base}, {' '.join(['detailed'] * count)}"
 
 
+def request_body(prompt: str, variant: str, cache: str, size: int, seed: int) -> dict:
+    """The JSON body of one `/v1/images/generations` request: `variant`'s steps and guidance, `CACHE_MODES[cache]`."""
+    steps, guidance = VARIANTS[variant]
+    return {
+        "prompt": prompt,
+        "size": f"{size}x{size}",
+        "num_inference_steps": steps,
+        "guidance_scale": guidance,
+        "seed": seed,
+        **CACHE_MODES[cache],
+    }
+
+
+def backend_spec(backend, body: dict):
+    """The `GenerationSpec` the server would run for `body` on `backend` (`dicache.server.generation.resolve` with
+    the default server settings): for in-process probes of the server's backend."""
+    from dicache.server.generation import resolve
+    from dicache.server.schemas import ImageGenerationRequest
+    from dicache.server.settings import ServerSettings
+
+    request = ImageGenerationRequest(**body)
+    return resolve(request, ServerSettings(), backend.defaults, backend.cache_config, backend.num_blocks)
+
+
 def load(
     url: str, variant: str, cache: str, concurrency: int, requests: int, size: int, seen: dict, fresh=None
 ) -> dict:
@@ -289,16 +313,14 @@ def load(
     it gave before (the same-seed guarantee across concurrency), None when nothing repeated; `time_goes`: where a
     request's time went on average (`where_time_goes`). `fresh`: an iterator of word counts (`fresh_prompt`) giving
     every request a prompt length the server has not met, instead of the five `PROMPTS` every run repeats."""
-    steps, guidance = VARIANTS[variant]
     bodies = [
-        {
-            "prompt": fresh_prompt(PROMPTS[0], next(fresh)) if fresh is not None else PROMPTS[i % len(PROMPTS)],
-            "size": f"{size}x{size}",
-            "num_inference_steps": steps,
-            "guidance_scale": guidance,
-            "seed": i,
-            **CACHE_MODES[cache],
-        }
+        request_body(
+            fresh_prompt(PROMPTS[0], next(fresh)) if fresh is not None else PROMPTS[i % len(PROMPTS)],
+            variant,
+            cache,
+            size,
+            seed=i,
+        )
         for i in range(requests)
     ]
     gc_before = server_gc(url)

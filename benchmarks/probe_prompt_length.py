@@ -23,12 +23,11 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_serving import CACHE_MODES, write_model_folder  # noqa: E402
+from bench_serving import backend_spec, request_body, write_model_folder  # noqa: E402
 from publish import command_line, publish  # noqa: E402
 
 from dicache.quantization import QUANTIZATION_METHODS, parse_quantization  # noqa: E402
 from dicache.server.backend import load_backend  # noqa: E402
-from dicache.server.generation import GenerationSpec  # noqa: E402
 
 WORDS = ("a", "quiet", "harbor", "town", "at", "dawn", "with", "fishing", "boats", "mist", "over", "the", "water")
 
@@ -78,20 +77,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         return out, round(time.perf_counter() - t0, 4)
 
-    def spec_for(prompt: str) -> GenerationSpec:
-        mode = CACHE_MODES["sglang"]
-        return GenerationSpec(
-            prompt=prompt,
-            negative_prompt=None,
-            n=1,
-            width=size,
-            height=size,
-            num_inference_steps=8,
-            guidance_scale=1.0,
-            seed=0,
-            cache=backend.cache_config.merged({**mode["cache_dit_params"], "enable_cache": True}),
-            variant="turbo",
-        )
+    def spec_for(prompt: str):
+        return backend_spec(backend, request_body(prompt, "turbo", "sglang", size, seed=0))
 
     rows = []
     for count in (int(n) for n in args.lengths.split(",")):

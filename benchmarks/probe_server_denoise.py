@@ -24,13 +24,12 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_serving import CACHE_MODES, write_model_folder  # noqa: E402
+from bench_serving import backend_spec, request_body, write_model_folder  # noqa: E402
 from publish import command_line, publish  # noqa: E402
 
 import dicache  # noqa: E402
 from dicache.quantization import parse_quantization  # noqa: E402
 from dicache.server.backend import load_backend  # noqa: E402
-from dicache.server.generation import GenerationSpec  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -67,20 +66,8 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    def spec_for(mode: str) -> GenerationSpec:
-        overrides = dict(CACHE_MODES[mode].get("cache_dit_params", {}), enable_cache=CACHE_MODES[mode]["enable_cache"])
-        return GenerationSpec(
-            prompt="a red apple on a wooden table",
-            negative_prompt=None,
-            n=1,
-            width=size,
-            height=size,
-            num_inference_steps=8,
-            guidance_scale=1.0,
-            seed=0,
-            cache=backend.cache_config.merged(overrides),
-            variant="turbo",
-        )
+    def spec_for(mode: str):
+        return backend_spec(backend, request_body("a red apple on a wooden table", "turbo", mode, size, seed=0))
 
     def loop(spec, encoded) -> dict:
         marks = []
