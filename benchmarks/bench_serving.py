@@ -294,6 +294,24 @@ def request_body(prompt: str, variant: str, cache: str, size: int, seed: int) ->
     }
 
 
+def warmed_backend(tiny: bool, device: str, quantization: str | None, text_encoder_fp8: bool):
+    """In-process, the backend `dicache serve --load-format dummy --compile [--quantization Q]
+    [--text-encoder-quantization fp8]` builds on a config-only folder (`write_model_folder`), quantised, compiled and
+    warmed up as the server does before serving. Returns `(backend, size, warm-up summary)`; size 1024 (128 tiny)."""
+    from dicache.quantization import parse_quantization
+    from dicache.server.backend import load_backend
+
+    folder = write_model_folder(pathlib.Path(tempfile.mkdtemp()) / "krea2-config", tiny)
+    backend = load_backend(str(folder), "turbo", device=device, load_format="dummy")
+    spec = parse_quantization(quantization, None)
+    if spec is not None:
+        backend.pipe.quantize(spec)
+    if text_encoder_fp8:
+        backend.pipe.quantize_text_encoder("fp8")
+    backend.pipe.compile()
+    return backend, 128 if tiny else 1024, backend.warm_up()
+
+
 def backend_spec(backend, body: dict):
     """The `GenerationSpec` the server would run for `body` on `backend` (`dicache.server.generation.resolve` with
     the default server settings): for in-process probes of the server's backend."""

@@ -16,18 +16,16 @@ import json
 import os
 import pathlib
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_serving import backend_spec, request_body, write_model_folder  # noqa: E402
+from bench_serving import backend_spec, request_body, warmed_backend  # noqa: E402
 from publish import command_line, publish  # noqa: E402
 
-from dicache.quantization import QUANTIZATION_METHODS, parse_quantization  # noqa: E402
-from dicache.server.backend import load_backend  # noqa: E402
+from dicache.quantization import QUANTIZATION_METHODS  # noqa: E402
 
 WORDS = ("a", "quiet", "harbor", "town", "at", "dawn", "with", "fishing", "boats", "mist", "over", "the", "water")
 
@@ -38,8 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--text-encoder-fp8", action="store_true")
     p.add_argument(
         "--prepare-text-lengths",
-        default="true",
-        choices=("true", "false"),
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="as `dicache serve --prepare-text-lengths`: meet every prompt length before the timed calls",
     )
     p.add_argument("--lengths", default="4,9,15,22,30", help="words per new prompt, comma-separated")
@@ -51,19 +49,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    folder = write_model_folder(pathlib.Path(tempfile.mkdtemp()) / "krea2-config", args.tiny)
-    size = 128 if args.tiny else 1024
     cuda = args.device.startswith("cuda")
     start = time.perf_counter()
-    backend = load_backend(str(folder), "turbo", device=args.device, load_format="dummy")
-    spec_q = parse_quantization(args.quantization, None)
-    if spec_q is not None:
-        backend.pipe.quantize(spec_q)
-    if args.text_encoder_fp8:
-        backend.pipe.quantize_text_encoder("fp8")
-    backend.pipe.compile()
-    warm = backend.warm_up()
-    prepared = backend.prepare_text_lengths() if args.prepare_text_lengths == "true" else {}
+    backend, size, warm = warmed_backend(args.tiny, args.device, args.quantization, args.text_encoder_fp8)
+    prepared = backend.prepare_text_lengths() if args.prepare_text_lengths else {}
     print(f"loaded and warmed up in {time.perf_counter() - start:.1f} s: {warm}, lengths: {prepared}", flush=True)
     pipe = backend.pipe
 

@@ -17,19 +17,16 @@ import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_serving import backend_spec, request_body, write_model_folder  # noqa: E402
+from bench_serving import backend_spec, request_body, warmed_backend  # noqa: E402
 from publish import command_line, publish  # noqa: E402
 
 import dicache  # noqa: E402
-from dicache.quantization import parse_quantization  # noqa: E402
-from dicache.server.backend import load_backend  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -44,18 +41,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    folder = write_model_folder(pathlib.Path(tempfile.mkdtemp()) / "krea2-config", args.tiny)
-    size = 128 if args.tiny else 1024
     cuda = args.device.startswith("cuda")
     start = time.perf_counter()
-    backend = load_backend(str(folder), "turbo", device=args.device, load_format="dummy")
-    spec_q = parse_quantization("fp8", None) if cuda else None
-    if spec_q is not None:
-        backend.pipe.quantize(spec_q)
-    if args.text_encoder_fp8 and cuda:
-        backend.pipe.quantize_text_encoder("fp8")
-    backend.pipe.compile()
-    warm = backend.warm_up()
+    backend, size, warm = warmed_backend(
+        args.tiny, args.device, "fp8" if cuda else None, args.text_encoder_fp8 and cuda
+    )
     from torch._dynamo.utils import counters
 
     print(f"loaded and warmed up in {time.perf_counter() - start:.1f} s: {warm}", flush=True)
