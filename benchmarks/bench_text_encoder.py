@@ -1,6 +1,7 @@
 """The text encoder's precision options (`--text-encoder-quantization`, issue 27): for each method, one prompt's
-encode time (the server's `encode` phase less the starting noise), the encoder's weight bytes, the encode's activation
-peak, and the error of its output (Krea-2's 12 tapped hidden states) against the same weights in the model dtype.
+encode time (the server's `encode` phase less the starting noise) eagerly and replayed from CUDA graphs (what
+`pipe.compile()` / `--compile` turn on, on a GPU), the encoder's weight bytes, the encode's activation peak, the graph's
+memory pool, and the error of its output (Krea-2's 12 tapped hidden states) against the same weights in the model dtype.
 
 Full-size Qwen3-VL-4B (as Krea-2 uses it: the language model, 36 layers; random weights from its config alone,
 `--load-format dummy`) on a GPU for speed and memory, or the embedded checkpoint's trained tiny encoder (`--tiny`, any
@@ -82,7 +83,26 @@ def measure(folder: pathlib.Path, method: str, args, reference: torch.Tensor | N
             hidden, mask = encoder.encode(PROMPT)
             sync()
             times.append(time.perf_counter() - t0)
-    peak = (torch.cuda.max_memory_allocated(device) - base) if cuda else 0
+        peak = (torch.cuda.max_memory_allocated(device) - base) if cuda else 0
+        graphs = {}
+        if cuda:  # the same encoder replayed from CUDA graphs: its values must be the eager ones
+            eager = hidden.clone()
+            torch.cuda.empty_cache()
+            reserved = torch.cuda.memory_reserved(device)
+            encoder.use_cuda_graphs()
+            for _ in range(3):
+                hidden, mask = encoder.encode(PROMPT)
+            sync()
+            graphs["graph_pool_gb"] = round((torch.cuda.memory_reserved(device) - reserved) / 1e9, 3)
+            graphs["graphs_same_bits"] = bool(torch.equal(hidden, eager))
+            replay_times = []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                hidden, mask = encoder.encode(PROMPT)
+                sync()
+                replay_times.append(time.perf_counter() - t0)
+            graphs["graphs_ms"] = round(1e3 * statistics.median(replay_times), 2)
+            graphs["graphs_ms_min"] = round(1e3 * min(replay_times), 2)
     out = hidden[mask].float().cpu()
     row = {
         "method": method,
@@ -91,6 +111,7 @@ def measure(folder: pathlib.Path, method: str, args, reference: torch.Tensor | N
         "weights_gb": round(module_bytes(encoder.text_encoder, encoder.device) / 1e9, 3),
         "activation_peak_gb": round(peak / 1e9, 3),
         "tokens": int(mask.sum()),
+        **graphs,
     }
     if reference is not None:
         err = (out - reference).norm() / reference.norm()
@@ -127,15 +148,17 @@ def main(argv=None) -> int:
         f"\n## Text encoder precision (`bench_text_encoder.py`), {datetime.datetime.now():%Y-%m-%d %H:%M}\n",
         f"Command: `{command_line('bench_text_encoder.py', argv)}`  ",
         f"Machine: {device}, torch {torch.__version__}; {size}, one prompt padded to the encoder's sequence length, "
-        "eager; SNR of the tapped hidden states (real tokens) against `none`\n",
-        "| --text-encoder-quantization | encode (median, ms) | min (ms) | weights (GB) | activation peak (GB) "
-        "| SNR (dB) |",
-        "|---|---|---|---|---|---|",
+        "eager and (on a GPU) replayed from CUDA graphs (`use_cuda_graphs`, as `--compile` does; same bits: the "
+        "replay's output equals the eager one); SNR of the tapped hidden states (real tokens) against `none`\n",
+        "| --text-encoder-quantization | encode (median, ms) | min (ms) | CUDA graphs (median, ms) | min (ms) "
+        "| same bits | graph pool (GB) | weights (GB) | activation peak (GB) | SNR (dB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         text.append(
-            f"| {r['method']} | {r['encode_ms']} | {r['encode_ms_min']} | {r['weights_gb']} | "
-            f"{r['activation_peak_gb']} | {r.get('snr_db', '')} |"
+            f"| {r['method']} | {r['encode_ms']} | {r['encode_ms_min']} | {r.get('graphs_ms', '')} | "
+            f"{r.get('graphs_ms_min', '')} | {r.get('graphs_same_bits', '')} | {r.get('graph_pool_gb', '')} | "
+            f"{r['weights_gb']} | {r['activation_peak_gb']} | {r.get('snr_db', '')} |"
         )
     publish("\n".join(text) + "\n", args.results)
     out_dir = pathlib.Path(os.environ.get("OUT", "."))

@@ -20,9 +20,11 @@
 # and run the steps in few calls with carry [".whl"]. Steps and what each measures (targets of issue 27):
 #   check    the GPU tests: FP8 and INT8 linears, the server's phases on CUDA streams of their own giving the bytes of
 #            the pipeline call, alone and with requests in flight, prompt lengths prepared on the denoise thread, the
-#            text path's shape-free attention, the compiled VAE decoder (pytest -m gpu)                  (~4 min)
-#   textenc  bench_text_encoder: the full-size text encoder's encode time, weight bytes and activation peak in bf16,
-#            with FP8 weight storage (--text-encoder-quantization fp8) and FP8 GEMMs (fp8-dynamic)       (~1 min)
+#            text path's shape-free attention, the compiled VAE decoder, the text encoder replayed from CUDA graphs
+#            (pytest -m gpu)                                                                               (~4 min)
+#   textenc  bench_text_encoder: the full-size text encoder's encode time (eager and from CUDA graphs), weight bytes,
+#            activation peak and graph pool in bf16, with FP8 weight storage (--text-encoder-quantization fp8)
+#            and FP8 GEMMs (fp8-dynamic)                                                                 (~1 min)
 #   fp8      bench_fp8 fidelity (>= 35 dB mean, worst prompt reported) and block time of the FP8 default (attention
 #            projections bf16), of all-FP8, and of q in FP8 too (attn_kv,attn_out kept bf16: the choice the CPU
 #            emulation puts at about 35 dB on Raw 28), with the block output's error against bf16 (fast accumulation)
@@ -65,8 +67,8 @@ wheels() {
 }
 
 check() {
-  timeout 300 python3 -m pytest -m gpu tests/test_fp8_gpu.py tests/test_server_stages.py tests/test_prompt_lengths.py \
-    tests/test_compile_gpu.py -p no:cacheprovider
+  timeout 360 python3 -m pytest -m gpu tests/test_fp8_gpu.py tests/test_server_stages.py tests/test_prompt_lengths.py \
+    tests/test_compile_gpu.py tests/test_text_graphs_gpu.py -p no:cacheprovider
 }
 
 textenc() {

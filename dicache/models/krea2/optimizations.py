@@ -49,22 +49,46 @@ class PipelineOptimizations:
         return quantize_text_encoder(getattr(encoder, "text_encoder", encoder), method)
 
     def compile(
-        self: _Pipe, *, dynamic: bool | None = None, backend: str = "inductor", vae: bool | None = None
+        self: _Pipe,
+        *,
+        dynamic: bool | None = None,
+        backend: str = "inductor",
+        vae: bool | None = None,
+        text_encoder: bool | None = None,
     ) -> _Pipe:
-        """`torch.compile` the transformer blocks (see `Krea2Transformer.compile_blocks`) and the VAE decoder; the first
-        call at a new shape compiles (tens of seconds at full size), later calls reuse the graphs. Returns self.
+        """`torch.compile` the transformer blocks (see `Krea2Transformer.compile_blocks`) and the VAE decoder, and
+        replay the text encoder from CUDA graphs; the first call at a new shape compiles (tens of seconds at full
+        size) or captures, later calls reuse the graphs. Returns self.
 
         vae: compile the VAE decoder too (None: unless the pipeline is offloaded, whose VAE moves between devices).
         Its work is mostly memory-bound elementwise passes (channel RMSNorm in float32, SiLU, residual adds over
-        full-resolution activations) that compiling fuses."""
+        full-resolution activations) that compiling fuses.
+        text_encoder: CUDA graphs of the text encoder's forward (`Krea2TextEncoder.use_cuda_graphs`; None: when it
+        is on a CUDA device and the pipeline is not offloaded). It runs once per prompt at one padded shape, so its
+        eager time is the CPU launching a few hundred kernels; replayed, only the GPU's. Same values as eager.
+        Call after any quantisation."""
+        offloaded = getattr(self, "offload", None) is not None
         self.transformer.compile_blocks(dynamic=dynamic, backend=backend)
         decoder = getattr(getattr(self, "vae", None), "decoder", None)
         if vae is None:
-            vae = decoder is not None and getattr(self, "offload", None) is None
+            vae = decoder is not None and not offloaded
         if vae:
             if decoder is None:
                 raise ValueError("compile(vae=True): this pipeline has no VAE decoder")
             decoder.compile(dynamic=dynamic, backend=backend)
+        encoder = getattr(self, "text_encoder", None)
+        if text_encoder is None:
+            text_encoder = encoder is not None and encoder.device.type == "cuda" and not offloaded
+        if text_encoder:
+            if encoder is None:
+                raise ValueError("compile(text_encoder=True): this pipeline has no text encoder")
+            if encoder.device.type != "cuda" or offloaded:
+                where = "offloaded" if offloaded else f"on {encoder.device}"
+                raise ValueError(
+                    f"compile(text_encoder=True): the text encoder's CUDA graphs need it resident on a CUDA device; "
+                    f"it is {where}"
+                )
+            encoder.use_cuda_graphs()
         return self
 
     # ------------------------------------------------------------------ memory
@@ -98,6 +122,9 @@ class PipelineOptimizations:
         """
         settings = OffloadSettings.given(settings, options)
         limits = OffloadLimits(max_height, max_width, max_images, cfg, size_source)
+        encoder = getattr(self, "text_encoder", None)
+        if getattr(encoder, "cuda_graphs", False):  # its graphs read the weights where they were captured
+            encoder.use_cuda_graphs(False)
         return memory.enable_offload(self, settings, limits, device, cache_config).plan
 
     def disable_offload(self) -> None:

@@ -21,6 +21,7 @@ import threading
 import torch
 
 from dicache.models.loading import CheckpointError, check_load_format, default_dtype, read_json, resolve_component_dir
+from dicache.models.static_graphs import StaticGraphs
 
 KREA2_PROMPT_PREFIX = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -29,6 +30,9 @@ KREA2_PROMPT_PREFIX = (
 KREA2_PROMPT_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
 # Hidden-state taps of Qwen3-VL-4B (36 layers) used by Krea-2; diffusers' default when model_index.json has none.
 KREA2_SELECT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
+CUDA_GRAPH_ATTENTION = ("sdpa", "eager")
+"""transformers attention implementations the encoder can be captured with: their masks are built in
+`Krea2TextEncoder._attention_mask` (flash attention unpads with host synchronisations)."""
 
 
 class Krea2TextEncoder:
@@ -50,6 +54,7 @@ class Krea2TextEncoder:
         # requests (server workers) would pad each other's prompts. One call at a time.
         self._tokenizer_lock = threading.Lock()
         self.text_encoder = text_encoder
+        self._graphs: StaticGraphs | None = None
         self.select_layers = tuple(int(i) for i in select_layers)
         self.max_sequence_length = int(max_sequence_length)
         self.prefix_len, self.suffix_len = template_token_counts(tokenizer)
@@ -115,21 +120,67 @@ class Krea2TextEncoder:
         """Prompts -> `(hidden_states (B, L, num_layers, D), mask (B, L) bool)` on the encoder's device and dtype.
 
         Identical to diffusers' `Krea2Pipeline.get_text_hidden_states(prompts, L)`. Padded positions hold encoder
-        outputs too; `mask` marks the real tokens (prompt, then the suffix after the padding).
+        outputs too; `mask` marks the real tokens (prompt, then the suffix after the padding). With CUDA graphs on
+        (`use_cuda_graphs`) the forward is replayed from a graph: the same values, without the kernel launches.
         """
         input_ids, mask = self.tokenize(prompts)
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        forward = self._graphs if self._graphs is not None else self.tapped_hidden_states
+        return forward(input_ids, mask), mask[:, self.prefix_len :]
+
+    def tapped_hidden_states(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Token ids `(B, T)` and bool mask `(B, T)` of the full template (`tokenize`, on the encoder's device) ->
+        the tapped hidden states `(B, T - prefix_len, num_layers, D)`. No host synchronisation: capturable."""
         # Positions count real tokens only, shared by the three mRoPE axes (text has t = h = w).
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
         outputs = self.text_encoder(
             input_ids=input_ids,
-            attention_mask=mask,
+            attention_mask=self._attention_mask(mask),
             position_ids=positions.unsqueeze(0).expand(3, -1, -1),
             output_hidden_states=True,
             use_cache=False,  # one pass, nothing to decode after it: no key/value cache to fill
         )
         hidden_states = torch.stack([outputs.hidden_states[i] for i in self.select_layers], dim=2)
-        return hidden_states[:, self.prefix_len :], mask[:, self.prefix_len :]
+        return hidden_states[:, self.prefix_len :]
+
+    def _attention_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """The `(B, 1, T, T)` causal-and-padding mask transformers would build from `mask` for the encoder's
+        attention (bool for SDPA, additive float for eager), built here without its data-dependent checks (they
+        synchronise with the host); other attention implementations get `mask` itself."""
+        implementation = getattr(_text_config(self.text_encoder), "_attn_implementation", None)
+        if implementation not in CUDA_GRAPH_ATTENTION:
+            return mask
+        length = mask.shape[-1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+        allowed = causal[None, None] & mask[:, None, None, :]
+        if implementation == "sdpa":
+            return allowed
+        dtype = self.text_encoder.get_input_embeddings().weight.dtype  # the activations' (never quantised)
+        blocked = torch.zeros(allowed.shape, dtype=dtype, device=mask.device)
+        return blocked.masked_fill(~allowed, torch.finfo(dtype).min)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether `encode` replays CUDA graphs of the forward (on a CUDA device)."""
+        return self._graphs is not None
+
+    def use_cuda_graphs(self, enabled: bool = True, max_graphs: int = 4) -> None:
+        """Replay the forward from CUDA graphs, one per batch size (`dicache.models.static_graphs.StaticGraphs`):
+        captured on the first CUDA call at each batch size (up to `max_graphs`; more run eagerly), recaptured if the
+        weights are replaced (quantised). The values are the eager forward's; a CPU encoder runs eagerly. Needs the
+        encoder's attention to be SDPA or eager; do not move the weights between devices (offloading) while on."""
+        if not enabled:
+            self._graphs = None
+            return
+        implementation = getattr(_text_config(self.text_encoder), "_attn_implementation", None)
+        if implementation not in CUDA_GRAPH_ATTENTION:
+            raise ValueError(
+                f"text encoder CUDA graphs: attention implementation {implementation!r} is not supported; "
+                f"allowed: {', '.join(CUDA_GRAPH_ATTENTION)}"
+            )
+        self._graphs = StaticGraphs(
+            self.tapped_hidden_states, weights=self.text_encoder.parameters, max_graphs=max_graphs
+        )
 
     @classmethod
     def from_pretrained(
