@@ -209,8 +209,8 @@ TEXT_ENCODER_FP8_INCLUDE: tuple[str, ...] = ("language_model.layers.*",)
 the MLP); the embedding table stays bf16."""
 
 TEXT_ENCODER_QUANTIZATION_METHODS: dict[str, str] = {
-    "fp8": "weights stored in FP8 e4m3 (one scale per output channel) and dequantised to bf16 in each call, GEMMs in "
-    "bf16: the weights' bytes halved at about bf16's speed and fidelity",
+    "fp8": "weights stored in FP8 e4m3 (one power-of-two scale per output channel), converted to bf16 in each call, "
+    "GEMMs in bf16: the weights' bytes halved at about bf16's fidelity",
     "fp8-dynamic": "FP8 GEMMs as --quantization fp8 (activations quantised per row at run time): the same bytes, "
     "slower in the text encoder's eager once-per-request pass (torchao's per-call quantisation)",
 }
@@ -247,14 +247,12 @@ def quantize_text_encoder(model: nn.Module, method: str = "fp8") -> list[str]:
 
 
 def fp8_weight_storage(model: nn.Module, names: set[str]) -> None:
-    """torchao's FP8 weight-only quantisation (`Float8WeightOnlyConfig`, one scale per output channel) on the linears
-    of `model` named in `names`, in place: the weights are stored in `float8_e4m3fn` and each call dequantises them
-    to the activation dtype before an ordinary GEMM. Works on any device. Leaves torch.compile's settings alone (the
-    text encoder is not compiled; torchao would otherwise turn on its slower-compiling tuning for the whole process)."""
-    _import_torchao("FP8 weight storage")
-    from torchao.quantization import Float8WeightOnlyConfig, PerRow
+    """The linears of `model` named in `names` with their weights stored in FP8 e4m3 (one power-of-two scale per
+    output channel) and multiplied in the activation dtype, in place (`dicache.fp8_storage`). Works on any device,
+    without torchao."""
+    from .fp8_storage import store_linears_in_fp8
 
-    _quantize_linears(model, names, Float8WeightOnlyConfig(granularity=PerRow(), set_inductor_config=False))
+    store_linears_in_fp8(model, names)
 
 
 FP8_ACTIVATION_FLOOR = 1e-12

@@ -1,5 +1,6 @@
-"""`--text-encoder-quantization fp8` on a CPU: the text encoder's decoder-layer weights stored in FP8 (torchao's
-weight-only FP8), computed in the activation dtype; `fp8-dynamic` (FP8 GEMMs) needs an FP8 GPU (test_fp8_gpu.py)."""
+"""`--text-encoder-quantization fp8` on a CPU: the text encoder's decoder-layer weights stored in FP8
+(`dicache.fp8_storage`), computed in the activation dtype; `fp8-dynamic` (FP8 GEMMs) needs an FP8 GPU
+(test_fp8_gpu.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import torch
 from PIL import Image
 
 from dicache.cli import main
+from dicache.fp8_storage import Float8StoredLinear, power_of_two_scales
 from dicache.models.krea2 import Krea2Pipeline
 from dicache.quantization import TEXT_ENCODER_FP8_INCLUDE, QuantizationError, quantize_text_encoder
 from dicache.server.memory import module_bytes
 
-torchao = pytest.importorskip("torchao")
 CPU = torch.device("cpu")
 
 
@@ -41,7 +42,8 @@ def test_fp8_weight_storage_quarters_the_float32_weights_and_stays_close():
     assert (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions) == tuning
     assert names and all(n.startswith("language_model.layers.") for n in names)
     layer = model.get_submodule(names[0])
-    assert layer.weight.qdata.dtype == torch.float8_e4m3fn and layer.weight.scale.shape == (layer.out_features, 1)
+    assert isinstance(layer, Float8StoredLinear) and layer.weight.dtype == torch.float8_e4m3fn
+    assert layer.scale.shape == (layer.out_features, 1)
     linear_bytes = sum(model.get_submodule(n).in_features * model.get_submodule(n).out_features for n in names)
     assert before - module_bytes(model, CPU) >= 0.9 * 3 * linear_bytes  # float32 (4 bytes) to FP8 (1) per weight
     got, again = _image(pipe), _image(pipe)
@@ -56,6 +58,7 @@ def test_the_text_encoder_methods_are_checked_and_dynamic_fp8_needs_a_gpu():
         quantize_text_encoder(torch.nn.Linear(2, 2), "int8")
     with pytest.raises(QuantizationError, match=re.escape(f"no linear of Linear matches {TEXT_ENCODER_FP8_INCLUDE}")):
         quantize_text_encoder(torch.nn.Linear(2, 2))
+    pytest.importorskip("torchao")
     if not torch.cuda.is_available():
         pipe = Krea2Pipeline.from_pretrained(device="cpu")
         with pytest.raises(QuantizationError, match="needs an NVIDIA GPU with FP8 tensor cores"):
@@ -76,3 +79,33 @@ def test_generate_with_the_text_encoder_in_fp8(tmp_path, capsys):
     assert (
         exited.value.code == 2 and "--text-encoder-quantization: invalid choice: 'int4'" in err and "fp8-dynamic" in err
     )
+
+
+def test_float8_stored_linear_is_the_scaled_e4m3_weight_exactly():
+    """Power-of-two scales bring each row's peak into (224, 448] (e4m3's top binade: no precision lost to the scale),
+    and the layer computes exactly x @ (q * s).T: e4m3 -> float32 and the scaling are exact."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 24, dtype=torch.float64)
+    with torch.no_grad():
+        linear.weight.mul_(torch.logspace(-6, 3, 24, dtype=torch.float64)[:, None])  # rows of very different sizes
+        linear.weight[5] = 0.0  # an all-zero row
+    stored = Float8StoredLinear.from_linear(linear)
+    scale = power_of_two_scales(linear.weight)
+    assert torch.equal(stored.scale, scale) and torch.equal(torch.log2(scale), torch.log2(scale).round())
+    peaks = stored.weight.float().abs().amax(dim=1)
+    assert ((peaks > 224) & (peaks <= 448)).sum() == 23 and peaks[5] == 0
+    dequantized = stored.weight.double() * stored.scale.double()
+    x = torch.randn(7, 64, dtype=torch.float64)
+    torch.testing.assert_close(stored(x), x @ dequantized.T + linear.bias, rtol=1e-12, atol=0)
+    # e4m3's four significant bits: every weight within half a step (2^-4 relative) of the original, or, below
+    # e4m3's normal range (2^-6 of the scale), within half its subnormal step (2^-10 of the scale)
+    error = (dequantized - linear.weight.detach()).abs()
+    bound = torch.maximum(linear.weight.detach().abs() * 2**-4, stored.scale.double() * 2**-10)
+    assert (error <= bound).all()
+    assert torch.equal(stored(torch.zeros(1, 64, dtype=torch.float64))[0], linear.bias.detach())
+    assert stored.weight.element_size() == 1 and stored(x.float()).dtype == torch.float32
+
+
+def test_float8_stored_linear_rejects_what_it_cannot_hold():
+    with pytest.raises(ValueError, match=r"expected a 2-D float8_e4m3fn weight \(out, in\) and a \(out, 1\) scale"):
+        Float8StoredLinear(torch.zeros(4, 3), torch.ones(4, 1))

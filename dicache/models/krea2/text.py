@@ -14,6 +14,7 @@ The prefix and suffix token counts are measured with the tokenizer (34 and 5 for
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import threading
@@ -178,8 +179,11 @@ class Krea2TextEncoder:
                 f"text encoder CUDA graphs: attention implementation {implementation!r} is not supported; "
                 f"allowed: {', '.join(CUDA_GRAPH_ATTENTION)}"
             )
+        model = self.text_encoder
         self._graphs = StaticGraphs(
-            self.tapped_hidden_states, weights=self.text_encoder.parameters, max_graphs=max_graphs
+            self.tapped_hidden_states,
+            weights=lambda: itertools.chain(model.parameters(), model.buffers()),  # FP8-stored weights are buffers
+            max_graphs=max_graphs,
         )
 
     @classmethod
