@@ -194,8 +194,12 @@ def test_the_prebuilt_answer_is_the_models_json():
     full = ImagesResponse(data=[ImageObject(b64_json=b, sha256=h) for b, h in zip(images, digests)], **fields)
     built = response_body(ImagesResponse(data=[], **fields), images_json(images, digests))
     assert json.loads(built) == json.loads(full.model_dump_json())
-    with pytest.raises(ValueError, match="base64 and hex digests only"):
-        images_json(['a"b'], ["00"])
+    for unsafe in ('a"b', "a\\b", "a\nb", "a\x01b", "aéb", "a?b"):
+        with pytest.raises(ValueError, match="base64 and hex digests only"):
+            images_json([unsafe], ["00"])
+        with pytest.raises(ValueError, match="base64 and hex digests only"):
+            images_json(["QUJD"], [unsafe])
+    assert images_json([], []) == b"[]" and json.loads(images_json([""], ["00"])) == [{"b64_json": "", "sha256": "00"}]
 
 
 def test_serve_runs_two_requests_at_once_unless_offloaded():

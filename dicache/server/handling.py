@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
@@ -31,7 +31,6 @@ from .settings import ServerSettings
 log = logging.getLogger("dicache.server")
 
 DISCONNECT_POLL_S = 0.05
-_JSON_SAFE = re.compile(r"[A-Za-z0-9+/=]*")
 _EMPTY_DATA = b'"data":[]'
 
 
@@ -104,20 +103,31 @@ def job_runner(backend: Any, metrics: ServerMetrics) -> Callable[[Job], Any]:
 
 def images_json(images_b64: list[str], digests: list[str]) -> bytes:
     """The response's `data` list as JSON bytes (`ImageObject` fields), built directly: base64 text and hex digests
-    need no escaping, so the multi-megabyte strings are copied once instead of validated and escaped."""
-    for text in (*images_b64, *digests):
-        if not _JSON_SAFE.fullmatch(text):
-            raise ValueError("images_json: base64 and hex digests only")
-    objects = (f'{{"b64_json":"{b64}","sha256":"{digest}"}}' for b64, digest in zip(images_b64, digests))
-    return f"[{','.join(objects)}]".encode("ascii")
+    need no escaping, so the multi-megabyte strings are copied once instead of validated and escaped. Each string is
+    checked to need no escaping (ASCII, no quote, backslash or control character) in a few C-speed passes: a 4 MB
+    image costs about 2 ms here against 9 ms with a regular expression (issue 27: it counts in every request)."""
+    parts = [b"["]
+    for i, (b64, digest) in enumerate(zip(images_b64, digests)):
+        b64_bytes, digest_bytes = _json_safe_bytes(b64), _json_safe_bytes(digest)
+        parts += [b"," if i else b"", b'{"b64_json":"', b64_bytes, b'","sha256":"', digest_bytes, b'"}']
+    parts.append(b"]")
+    return b"".join(parts)
+
+
+def _json_safe_bytes(text: str) -> bytes:
+    """`text` as ASCII bytes that a JSON string holds unescaped, or ValueError (base64 and hex digits are)."""
+    data = text.encode("ascii", errors="replace")  # a non-ASCII character becomes "?", refused below
+    if b"?" in data or b'"' in data or b"\\" in data or (data and int(np.frombuffer(data, np.uint8).min()) < 0x20):
+        raise ValueError("images_json: base64 and hex digests only")
+    return data
 
 
 def response_body(response: BaseModel, data_json: bytes) -> bytes:
     """`response` (built with an empty `data` list, its first list field) as JSON bytes with `data_json` as `data`."""
-    head = response.model_dump_json().encode()
-    if _EMPTY_DATA not in head:
+    before, found, after = response.model_dump_json().encode().partition(_EMPTY_DATA)
+    if not found:
         raise ValueError("response_body: the response has no empty 'data' list to fill")
-    return head.replace(_EMPTY_DATA, b'"data":' + data_json, 1)
+    return b"".join((before, b'"data":', data_json, after))  # the image bytes copied once, on the event loop
 
 
 class GenerationProbe:
