@@ -70,48 +70,44 @@ def measure(folder: pathlib.Path, method: str, args, reference: torch.Tensor | N
         if cuda:
             torch.cuda.synchronize(device)
 
+    def timed(encode, prefix: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """`args.reps` timed calls of `encode`: the last output and `{prefix}_ms` (median), `{prefix}_ms_min`."""
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            hidden, mask = encode(PROMPT)
+            sync()
+            times.append(time.perf_counter() - t0)
+        ms = {f"{prefix}_ms": round(1e3 * statistics.median(times), 2), f"{prefix}_ms_min": round(1e3 * min(times), 2)}
+        return hidden, mask, ms
+
     with torch.inference_mode():
         for _ in range(3):
-            hidden, mask = encoder.encode(PROMPT)
+            encoder.encode(PROMPT)
         sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device) if cuda else 0
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            hidden, mask = encoder.encode(PROMPT)
-            sync()
-            times.append(time.perf_counter() - t0)
+        hidden, mask, times = timed(encoder.encode, "encode")
         peak = (torch.cuda.max_memory_allocated(device) - base) if cuda else 0
-        graphs = {}
         if cuda:  # the same encoder replayed from CUDA graphs: its values must be the eager ones
             eager = hidden.clone()
             torch.cuda.empty_cache()
             reserved = torch.cuda.memory_reserved(device)
             encoder.use_cuda_graphs()
             for _ in range(3):
-                hidden, mask = encoder.encode(PROMPT)
+                encoder.encode(PROMPT)
             sync()
-            graphs["graph_pool_gb"] = round((torch.cuda.memory_reserved(device) - reserved) / 1e9, 3)
-            graphs["graphs_same_bits"] = bool(torch.equal(hidden, eager))
-            replay_times = []
-            for _ in range(args.reps):
-                t0 = time.perf_counter()
-                hidden, mask = encoder.encode(PROMPT)
-                sync()
-                replay_times.append(time.perf_counter() - t0)
-            graphs["graphs_ms"] = round(1e3 * statistics.median(replay_times), 2)
-            graphs["graphs_ms_min"] = round(1e3 * min(replay_times), 2)
+            times["graph_pool_gb"] = round((torch.cuda.memory_reserved(device) - reserved) / 1e9, 3)
+            hidden, mask, replayed = timed(encoder.encode, "graphs")
+            times.update(replayed, graphs_same_bits=bool(torch.equal(hidden, eager)))
     out = hidden[mask].float().cpu()
     row = {
         "method": method,
-        "encode_ms": round(1e3 * statistics.median(times), 2),
-        "encode_ms_min": round(1e3 * min(times), 2),
+        **times,
         "weights_gb": round(module_bytes(encoder.text_encoder, encoder.device) / 1e9, 3),
         "activation_peak_gb": round(peak / 1e9, 3),
         "tokens": int(mask.sum()),
-        **graphs,
     }
     if reference is not None:
         err = (out - reference).norm() / reference.norm()
