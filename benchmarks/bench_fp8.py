@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from publish import command_line, publish  # noqa: E402
+from publish import command_line, markdown_table, publish  # noqa: E402
 
 from dicache.fp8_emulation import ACTIVATION_BLOCK, WEIGHT_BLOCK, EmulatedScheme  # noqa: E402
 from dicache.hadamard import DEFAULT_MAX_BLOCK  # noqa: E402
@@ -422,10 +422,7 @@ def markdown(results: dict, command: str) -> str:
         if not rows:
             continue
         lines.append(f"### {name}: {results.get(name + '_note', '')}\n")
-        keys = list(rows[0])
-        lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-        lines.append("")
+        lines += [*markdown_table(rows, list(rows[0])), ""]
     return "\n".join(lines)
 
 
@@ -457,6 +454,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--results", default=None)
     args = parser.parse_args(argv)
+    unknown = sorted(
+        {part.partition(":")[0] for config in args.emulate for part in config.split("+")} - set(EMULATED_SCHEMES)
+    )
+    if unknown:
+        parser.error(f"--emulate: unknown scheme(s) {', '.join(unknown)}; allowed: {', '.join(EMULATED_SCHEMES)}")
     try:
         import torchao
 

@@ -46,6 +46,7 @@ from bench_krea2_forward import (  # noqa: E402
     text_path_flops,
 )
 from probe_forward_time import gpu_clock  # noqa: E402
+from publish import command_line, markdown_table, publish  # noqa: E402
 
 import dicache  # noqa: E402
 from dicache.engine.policies.step_mask import preset_mask  # noqa: E402
@@ -533,10 +534,7 @@ def markdown(results: dict, command: str) -> str:
             lines += [f"### {name}\n", "```", data["full"], "```", "```", data["cached"], "```\n"]
             continue
         rows = data if isinstance(data, list) else [data]
-        keys = list(rows[0])
-        lines += [f"### {name}\n", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-        lines.append("")
+        lines += [f"### {name}\n", *markdown_table(rows, list(rows[0])), ""]
     if "compile" in results:
         lines.append(f"Compile: {json.dumps(results['compile'])}\n")
     return "\n".join(lines)
@@ -549,15 +547,7 @@ def main(argv=None) -> int:
     bench.out_path = pathlib.Path(out)
     results = bench.run()
     bench.save()
-    command = "python benchmarks/bench_krea2_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = markdown(results, command.strip())
-    print(text)
-    if args.results:
-        path = pathlib.Path(args.results)
-        if not path.exists():
-            path.write_text("# Benchmark results\n")
-        with path.open("a") as fh:
-            fh.write(text)
+    publish(markdown(results, command_line("bench_krea2_speed.py", argv)), args.results)
     return 0
 
 

@@ -52,6 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_krea2_forward import TINY_CONFIG, build_models  # noqa: E402
+from publish import command_line, markdown_table, publish  # noqa: E402
 
 import dicache  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
@@ -636,8 +637,7 @@ def markdown(results: dict, command: str) -> str:
     ]
     for name, plan in results["plans"].items():
         lines.append(f"| {name} | " + " | ".join(str(plan.get(k, "")) for k in PLAN_COLUMNS) + " |")
-    lines += ["", "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
-    lines += ["| " + " | ".join(str(r.get(k, "")) for k in COLUMNS) + " |" for r in results["rows"]]
+    lines += ["", *markdown_table(results["rows"], COLUMNS)]
     lines += [
         "",
         "ratio_vs_resident: against ours fully resident without a cap, same workload and cache (CFG batched). "
@@ -658,15 +658,7 @@ def main(argv=None) -> int:
     results = bench.run()
     results["setup"]["wall_s"] = round(time.perf_counter() - start, 1)
     bench.save()
-    command = "python benchmarks/bench_offload.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = markdown(results, command.strip())
-    print(text)
-    if args.results:
-        path = pathlib.Path(args.results)
-        if not path.exists():
-            path.write_text("# Benchmark results\n")
-        with path.open("a") as fh:
-            fh.write(text)
+    publish(markdown(results, command_line("bench_offload.py", argv)), args.results)
     return 0
 
 

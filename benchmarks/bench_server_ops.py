@@ -38,7 +38,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_serving import CACHE_MODES, ROOT, VARIANTS, free_port, wait_healthy, write_model_folder  # noqa: E402
-from publish import command_line, publish  # noqa: E402
+from publish import command_line, markdown_table, publish  # noqa: E402
 
 API_KEY = "bench-ops-7f3c2a9e41d0"
 
@@ -254,10 +254,7 @@ def run(args) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    keys = list(rows[0])
-    return ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)] + [
-        "| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows
-    ]
+    return markdown_table(rows, list(rows[0]))
 
 
 def markdown(results: dict, args, command: str) -> str:

@@ -41,7 +41,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from publish import command_line, publish  # noqa: E402
+from publish import command_line, markdown_table, publish  # noqa: E402
 
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT  # noqa: E402
 from dicache.server.memory import COMPONENTS  # noqa: E402
@@ -487,9 +487,7 @@ def markdown(results: dict, args, command: str) -> str:
     ]
     rows = [{k: v for k, v in r.items() if k != "time_goes"} for r in results["runs"]]
     if rows:
-        keys = list(dict.fromkeys(k for r in rows for k in r))
-        lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+        lines += markdown_table(rows)
     goes = [r for r in results["runs"] if r.get("time_goes")]
     if goes:
         keys = list(dict.fromkeys(k for r in goes for k in r["time_goes"]))

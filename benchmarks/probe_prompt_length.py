@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_serving import backend_spec, request_body, warmed_backend  # noqa: E402
-from publish import command_line, publish  # noqa: E402
+from publish import command_line, markdown_table, publish  # noqa: E402
 
 from dicache.quantization import QUANTIZATION_METHODS  # noqa: E402
 
@@ -95,10 +95,8 @@ def main(argv=None) -> int:
         f"and warmed up as `dicache serve` does (graphs {warm.get('graphs_compiled')}); prompt lengths prepared: "
         f"{prepared or 'no'}; each prompt new to the process; generate: SGLang's default cache pattern, Turbo 8 "
         "steps\n",
-        "| " + " | ".join(keys) + " |",
-        "|" + "---|" * len(keys),
+        *markdown_table(rows, keys),
     ]
-    text += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
     publish("\n".join(text) + "\n", args.results)
     out = pathlib.Path(os.environ.get("OUT", "."))
     (out / "probe_prompt_length.json").write_text(json.dumps(rows, indent=1))

@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from publish import command_line, publish  # noqa: E402
+from publish import command_line, markdown_table, publish  # noqa: E402
 
 BACKENDS = {
     "default": None,
@@ -98,10 +98,8 @@ def main(argv=None) -> int:
         f"Machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; "
         "bf16; first_s / again_s: the first and second call at that shape on the main thread; other_thread_s: the "
         "same shape next, on a new thread\n",
-        "| " + " | ".join(keys) + " |",
-        "|" + "---|" * len(keys),
+        *markdown_table(rows, keys),
     ]
-    text += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
     publish("\n".join(text) + "\n", args.results)
     return 0
 

@@ -1,11 +1,11 @@
-"""What a benchmark's `main` ends with: the command line it was run with, and its Markdown section printed and
-appended to a results file (`--results`, usually benchmarks/RESULTS.md)."""
+"""What a benchmark's `main` ends with: the command line it was run with, its tables in Markdown, and its section
+printed and appended to a results file (`--results`, usually benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
@@ -15,8 +15,23 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
 
 
 def publish(text: str, results: str | pathlib.Path | None) -> None:
-    """Print `text` and append it to `results` when given."""
+    """Print `text` and append it to `results` when given (a new file starts with a "# Benchmark results" title)."""
     print(text)
     if results:
-        with open(results, "a") as fh:
+        path = pathlib.Path(results)
+        if not path.exists():
+            path.write_text("# Benchmark results\n")
+        with path.open("a") as fh:
             fh.write(text)
+
+
+def markdown_table(rows: Sequence[Mapping], keys: Sequence[str] | None = None) -> list[str]:
+    """The lines of a Markdown table of `rows`: a header of `keys` (default: every key of the rows, first seen
+    first), the separator, and per row its values as `str` (an empty cell where a row lacks a key)."""
+    if keys is None:
+        keys = list(dict.fromkeys(k for row in rows for k in row))
+    return [
+        "| " + " | ".join(keys) + " |",
+        "|" + "---|" * len(keys),
+        *("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |" for row in rows),
+    ]

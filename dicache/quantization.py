@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .errors import DicacheError
+from .fp8_storage import store_linears_in_fp8
 
 QUANTIZATION_METHODS = ("fp8", "int8")
 """Accepted values of `--quantization` besides none (SGLang's flag name; fp8 is SGLang's value too)."""
@@ -250,8 +251,6 @@ def fp8_weight_storage(model: nn.Module, names: set[str]) -> None:
     """The linears of `model` named in `names` with their weights stored in FP8 e4m3 (one power-of-two scale per
     output channel) and multiplied in the activation dtype, in place (`dicache.fp8_storage`). Works on any device,
     without torchao."""
-    from .fp8_storage import store_linears_in_fp8
-
     store_linears_in_fp8(model, names)
 
 

@@ -22,7 +22,13 @@ PACKAGE = ROOT / "dicache"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dicache.errors", "dicache.formatting", "dicache._lazy"),
-    ("dicache.settings", "dicache.quantization", "dicache.hadamard", "dicache.fp8_emulation"),
+    (
+        "dicache.settings",
+        "dicache.quantization",
+        "dicache.fp8_storage",
+        "dicache.hadamard",
+        "dicache.fp8_emulation",
+    ),
     (
         "dicache.engine.policies",
         "dicache.engine.calibrators",
