@@ -495,24 +495,26 @@ def markdown(results: dict, args, command: str) -> str:
                   "`phase_wait`: waiting for a phase busy with another request, `gc_pause`: the server's garbage "
                   "collections (any thread, per request), `outside`: latency minus the "
                   "worker's time and the queue: HTTP, the event loop, the client):", ""]  # fmt: skip
-        lines += ["| server | cache | concurrency | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 3)]
-        lines += [
-            f"| {r['server']} | {r['cache']} | {r['concurrency']} | "
-            + " | ".join(str(r["time_goes"].get(k, "")) for k in keys)
-            + " |"
+        where = [
+            {"server": r["server"], "cache": r["cache"], "concurrency": r["concurrency"], **r["time_goes"]}
             for r in goes
         ]
+        lines += markdown_table(where, ["server", "cache", "concurrency", *keys])
     breakdowns = {name: s.get("memory_at_end") for name, s in results["servers"].items() if s.get("memory_at_end")}
     if breakdowns:
         lines += ["", "GPU memory at the end of each server's runs (GB; `/v1/server_info`, torch's allocator):", ""]
-        lines += ["| server | " + " | ".join(f"weights {c}" for c in COMPONENTS) + " | peak allocated | peak "
-                  "activations | peak reserved | reserve now |", "|" + "---|" * (len(COMPONENTS) + 5)]  # fmt: skip
-        for name, m in breakdowns.items():
-            weights = " | ".join(str(m["weights_GB"].get(c)) for c in COMPONENTS)
-            lines.append(
-                f"| {name} | {weights} | {m['peak_allocated_GB']} | {m['activations_peak_GB']} | "
-                f"{m['peak_reserved_GB']} | {m['reserve_GB']} |"
-            )
+        memory = [
+            {
+                "server": name,
+                **{f"weights {c}": m["weights_GB"].get(c) for c in COMPONENTS},
+                "peak allocated": m["peak_allocated_GB"],
+                "peak activations": m["activations_peak_GB"],
+                "peak reserved": m["peak_reserved_GB"],
+                "reserve now": m["reserve_GB"],
+            }
+            for name, m in breakdowns.items()
+        ]
+        lines += markdown_table(memory)
     return "\n".join(lines) + "\n"
 
 
