@@ -4,6 +4,9 @@
   thread, and its default threads), on a noise-like image (what a random-weights model makes) and a smooth one;
 - `json`: the answer's image list as JSON bytes (`handling.images_json`, run by the worker for every answer) for a
   1024² noise-like PNG in base64, against the regular-expression check and f-string it replaced on 2026-12-03;
+- `client`: what the benchmark client itself adds to a latency: a 4.2 MB answer (one 1024² image in base64) from a
+  local uvicorn app, fetched with a new `httpx.post` per request (`bench_serving.py` until 2026-12-03) and with one
+  kept-alive `httpx.Client` (its `KeptAliveClients`, as load generators do);
 - `gc`: the Python objects a loaded, compiled server backend leaves (the embedded checkpoint) and the time of one full
   garbage collection, before and after `freeze_start_up_objects()`.
 
@@ -100,6 +103,43 @@ def section_json(reps: int) -> list[str]:
     return rows
 
 
+def section_client(reps: int) -> list[str]:
+    import base64
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+    from fastapi import FastAPI, Response
+
+    answer = b'{"data":[{"b64_json":"' + base64.b64encode(np.random.default_rng(0).bytes(3_200_000)) + b'"}]}'
+    app = FastAPI()
+
+    @app.post("/v1/images/generations")
+    async def generate() -> Response:
+        return Response(answer, media_type="application/json")
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/images/generations"
+    rows = ["| client | ms per request (median) | MB |", "|---|---|---|"]
+    with httpx.Client(timeout=60) as kept:
+        for name, post in {
+            "a new httpx.post per request (before)": lambda: httpx.post(url, json={"prompt": "x"}, timeout=60),
+            "one kept-alive httpx.Client (KeptAliveClients)": lambda: kept.post(url, json={"prompt": "x"}),
+        }.items():
+            rows.append(f"| {name} | {_ms(post, reps)} | {len(post().content) / 1e6:.2f} |")
+    server.should_exit = True
+    thread.join(timeout=10)
+    return rows
+
+
 def section_gc() -> list[str]:
     from dicache.server.backend import load_backend
     from dicache.server.gc_pauses import freeze_start_up_objects
@@ -121,7 +161,7 @@ def section_gc() -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sections", default="png,json,gc")
+    p.add_argument("--sections", default="png,json,client,gc")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--results", default=None)
     args = p.parse_args(argv)
@@ -136,6 +176,9 @@ def main(argv=None) -> int:
     if "json" in sections:
         title = "The answer's image list as JSON bytes (one 1024² noise-like PNG in base64):"
         text += [title, "", *section_json(args.reps), ""]
+    if "client" in sections:
+        title = "The benchmark client's own time for a 4.2 MB answer from a local uvicorn app:"
+        text += [title, "", *section_client(args.reps), ""]
     if "gc" in sections:
         text += ["Garbage collection with a loaded, compiled backend (embedded checkpoint):", "", *section_gc(), ""]
     publish("\n".join(text), args.results)

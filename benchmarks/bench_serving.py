@@ -244,12 +244,14 @@ PROMPTS = [
 ]
 
 
-def one_request(url: str, body: dict) -> tuple[float, str, dict]:
-    """(seconds, the image's sha256 fingerprint, the answer's `timings`) of one generation."""
+def one_request(url: str, body: dict, client=None) -> tuple[float, str, dict]:
+    """(seconds, the image's sha256 fingerprint, the answer's `timings`) of one generation, sent with `client` (an
+    `httpx.Client`; None: a new one for this request alone)."""
     import httpx
 
+    post = client.post if client is not None else httpx.post
     start = time.perf_counter()
-    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=1800)
+    r = post(f"{url}/v1/images/generations", json=body, timeout=1800)
     seconds = time.perf_counter() - start
     if r.status_code != 200:
         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
@@ -323,6 +325,35 @@ def backend_spec(backend, body: dict):
     return resolve(request, ServerSettings(), backend.defaults, backend.cache_config, backend.num_blocks)
 
 
+class KeptAliveClients:
+    """One `httpx.Client` per client thread, each keeping its connection alive across its requests, as load
+    generators do (SGLang's `bench_serving` reuses aiohttp sessions; `requests.Session`). Until 2026-12-03 every
+    request was a bare `httpx.post`, which builds a client, its TLS context and a connection each time: about 24 ms
+    of the client's own work counted in every latency (`bench_server_cpu.py --sections client`)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._opened: list = []
+        self._lock = threading.Lock()
+
+    def of_this_thread(self):
+        import httpx
+
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = httpx.Client(timeout=1800)
+            with self._lock:
+                self._opened.append(client)
+        return client
+
+    def __enter__(self) -> KeptAliveClients:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for client in self._opened:
+            client.close()
+
+
 def load(
     url: str, variant: str, cache: str, concurrency: int, requests: int, size: int, seen: dict, fresh=None
 ) -> dict:
@@ -343,8 +374,8 @@ def load(
     ]
     gc_before = server_gc(url)
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        answers = list(pool.map(lambda b: one_request(url, b), bodies))
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool, KeptAliveClients() as clients:
+        answers = list(pool.map(lambda b: one_request(url, b, clients.of_this_thread()), bodies))
     wall = time.perf_counter() - start
     gc_after = server_gc(url)
     latencies = sorted(seconds for seconds, _, _ in answers)
