@@ -47,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=20, help="timed encodes per method (after 3 warm-up ones)")
     p.add_argument("--tiny", action="store_true", help="the embedded checkpoint's trained encoder (fidelity)")
     p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--profile", action="store_true", help="also the top kernels of one eager encode per method (torch.profiler)"
+    )
     p.add_argument("--results", default=None)
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
@@ -90,6 +93,7 @@ def measure(folder: pathlib.Path, method: str, args, reference: torch.Tensor | N
         base = torch.cuda.memory_allocated(device) if cuda else 0
         hidden, mask, times = timed(encoder.encode, "encode")
         peak = (torch.cuda.max_memory_allocated(device) - base) if cuda else 0
+        profile = kernel_profile(encoder, cuda) if args.profile else None
         if cuda:  # the same encoder replayed from CUDA graphs: its values must be the eager ones
             eager = hidden.clone()
             torch.cuda.empty_cache()
@@ -109,6 +113,8 @@ def measure(folder: pathlib.Path, method: str, args, reference: torch.Tensor | N
         "activation_peak_gb": round(peak / 1e9, 3),
         "tokens": int(mask.sum()),
     }
+    if profile is not None:
+        row["profile"] = profile
     if reference is not None:
         err = (out - reference).norm() / reference.norm()
         row["rel_error"] = float(f"{float(err):.3g}")
@@ -118,6 +124,19 @@ def measure(folder: pathlib.Path, method: str, args, reference: torch.Tensor | N
     if cuda:
         torch.cuda.empty_cache()
     return row, out
+
+
+def kernel_profile(encoder: Krea2TextEncoder, cuda: bool) -> str:
+    """The top kernels (or CPU ops) of one eager encode, by total time: where the time of a method goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        encoder.encode(PROMPT)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=70)
 
 
 def main(argv=None) -> int:
@@ -156,6 +175,9 @@ def main(argv=None) -> int:
             f"{r.get('graphs_ms_min', '')} | {r.get('graphs_same_bits', '')} | {r.get('graph_pool_gb', '')} | "
             f"{r['weights_gb']} | {r['activation_peak_gb']} | {r.get('snr_db', '')} |"
         )
+    for r in rows:
+        if "profile" in r:
+            text += ["", f"Top kernels of one eager encode, {r['method']}:", "", "```", r["profile"], "```"]
     publish("\n".join(text) + "\n", args.results)
     out_dir = pathlib.Path(os.environ.get("OUT", "."))
     (out_dir / "bench_text_encoder.json").write_text(json.dumps(rows, indent=1))

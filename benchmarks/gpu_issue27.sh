@@ -24,7 +24,7 @@
 #            (pytest -m gpu; alone in a call: the FP8 tests compile with inductor)                        (~7 min)
 #   textenc  bench_text_encoder: the full-size text encoder's encode time (eager and from CUDA graphs), weight bytes,
 #            activation peak and graph pool in bf16, with FP8 weight storage (--text-encoder-quantization fp8)
-#            and FP8 GEMMs (fp8-dynamic)                                                                 (~1 min)
+#            and FP8 GEMMs (fp8-dynamic), and each method's top kernels (--profile)                       (~2 min)
 #   fp8      bench_fp8 fidelity (>= 35 dB mean, worst prompt reported) and block time of the FP8 default (attention
 #            projections bf16), of all-FP8, and of q in FP8 too (attn_kv,attn_out kept bf16: the choice the CPU
 #            emulation puts at about 35 dB on Raw 28), with the block output's error against bf16 (fast accumulation)
@@ -76,7 +76,7 @@ check() {
 }
 
 textenc() {
-  timeout 150 python3 benchmarks/bench_text_encoder.py --results "$results"
+  timeout 200 python3 benchmarks/bench_text_encoder.py --profile --results "$results"
 }
 
 fp8() {
