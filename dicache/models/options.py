@@ -72,8 +72,9 @@ class SpeedOptions(FlagOptions):
     compile: bool = option(
         False,
         flag="--compile",
-        help="torch.compile the transformer blocks (the first generation at a new shape compiles; `dicache serve` "
-        "does that at start-up for its default size)",
+        help="torch.compile the transformer blocks and the VAE decoder, and on a GPU replay the text encoder from CUDA "
+        "graphs (the first generation at a new shape compiles; `dicache serve` does that at start-up for its default "
+        "size)",
     )
 
 
