@@ -98,3 +98,14 @@ def test_compile_turns_graphs_on_only_for_a_resident_cuda_encoder():
     with pytest.raises(ValueError, match=r"need it resident on a CUDA device; it is on cpu"):
         Krea2Pipeline.from_pretrained().compile(backend="eager", vae=False, text_encoder=True)
     torch._dynamo.reset()
+
+
+def test_encode_prompt_hands_the_mask_over_on_the_host():
+    pipe = Krea2Pipeline.from_pretrained()
+    embeds, mask = pipe.encode_prompt(PROMPTS)
+    assert mask.device.type == "cpu" and mask.dtype == torch.bool
+    assert torch.equal(mask, pipe.text_encoder.encode(PROMPTS)[1])
+    on_host = pipe.text_conditioning(embeds, mask, 2)
+    on_device = pipe.text_conditioning(embeds, mask.to(pipe.device), 2)
+    assert torch.equal(on_host.tokens, on_device.tokens) and torch.equal(on_host.key_mask, on_device.key_mask)
+    assert on_host.tokens.shape[0] == 4 and on_host.key_mask.device == on_host.tokens.device

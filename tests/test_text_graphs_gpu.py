@@ -89,3 +89,22 @@ def test_static_graphs_replay_a_function_without_its_launches():
     assert torch.equal(graphs(x), layers(x))
     assert graphs(x * 2).shape == (8, 64) and graphs.captures == 1
     assert torch.equal(graphs(x * 2), layers(x * 2))
+
+
+def test_text_conditioning_from_the_host_mask_does_not_wait_for_the_encoder():
+    """`encode_prompt` hands the mask over on the host, so packing the real tokens queues its indices behind the
+    still-running encoder instead of synchronising (torch's sync debug mode turns any synchronisation into an
+    error); the conditioning equals the one packed from the mask on the device."""
+    pipe = Krea2Pipeline.from_pretrained(device="cuda")
+    embeds, host_mask = pipe.encode_prompt(["a red apple", "a grinning face in the rain"])
+    assert host_mask.device.type == "cpu" and embeds.device.type == "cuda"
+    reference = pipe.transformer.encode_text(embeds, host_mask.cuda())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packed = pipe.transformer.encode_text(embeds, host_mask)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(packed.tokens, reference.tokens) and torch.equal(packed.key_mask, reference.key_mask)
+    single = pipe.text_conditioning(*pipe.encode_prompt(["a red apple"]), 1)
+    assert single.key_mask is None and single.tokens.device.type == "cuda"

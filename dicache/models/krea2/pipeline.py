@@ -245,9 +245,12 @@ class Krea2Pipeline(PipelineOptimizations):
         return self.transformer.prepare_text_lengths(positions, self.text_lengths())
 
     def encode_prompt(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts -> `(embeds (B, L, layers, D) on the text encoder's device, mask (B, L) bool on the host)`: the mask
+        stays where tokenizing made it, so that `text_conditioning` packs the real tokens without waiting for the
+        encoder's GPU work."""
         if self.text_encoder is None:
             raise ValueError("this pipeline has no text encoder: pass prompt_embeds and prompt_embeds_mask")
-        return self.text_encoder.encode(prompts)
+        return self.text_encoder.encode(prompts, mask_on_host=True)
 
     def text_conditioning(self, embeds: torch.Tensor, mask: torch.Tensor | None, repeat: int) -> TextConditioning:
         """Text fusion + projection once per request and branch; rows repeated for several images per prompt."""
@@ -255,7 +258,7 @@ class Krea2Pipeline(PipelineOptimizations):
             embeds = embeds.repeat_interleave(repeat, dim=0)
             mask = mask.repeat_interleave(repeat, dim=0) if mask is not None else None
         with torch.no_grad():
-            return self.transformer.encode_text(embeds.to(self.device), None if mask is None else mask.to(self.device))
+            return self.transformer.encode_text(embeds.to(self.device), mask)  # the mask is read where it lies
 
     # ------------------------------------------------------------------ latents
     def latent_grid(self, height: int, width: int) -> tuple[int, int]:

@@ -117,17 +117,18 @@ class Krea2TextEncoder:
         return mask[:, self.prefix_len :].sum(dim=1).tolist()
 
     @torch.no_grad()
-    def encode(self, prompts: str | list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompts -> `(hidden_states (B, L, num_layers, D), mask (B, L) bool)` on the encoder's device and dtype.
+    def encode(self, prompts: str | list[str], mask_on_host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts -> `(hidden_states (B, L, num_layers, D), mask (B, L) bool)` on the encoder's device and dtype
+        (`mask_on_host`: the mask on the CPU, as tokenizing made it, which reading costs no device synchronisation).
 
         Identical to diffusers' `Krea2Pipeline.get_text_hidden_states(prompts, L)`. Padded positions hold encoder
         outputs too; `mask` marks the real tokens (prompt, then the suffix after the padding). With CUDA graphs on
         (`use_cuda_graphs`) the forward is replayed from a graph: the same values, without the kernel launches.
         """
-        input_ids, mask = self.tokenize(prompts)
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        input_ids, host_mask = self.tokenize(prompts)
+        input_ids, mask = input_ids.to(self.device), host_mask.to(self.device)
         forward = self._graphs if self._graphs is not None else self.tapped_hidden_states
-        return forward(input_ids, mask), mask[:, self.prefix_len :]
+        return forward(input_ids, mask), (host_mask if mask_on_host else mask)[:, self.prefix_len :]
 
     def tapped_hidden_states(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Token ids `(B, T)` and bool mask `(B, T)` of the full template (`tokenize`, on the encoder's device) ->

@@ -243,20 +243,29 @@ def pack_valid_tokens(x: torch.Tensor, valid: torch.Tensor | None) -> tuple[torc
     valid: `(B, T)` bool or None (all valid). Returns `(packed (B, T', ...), key_mask (B, T') or None)`: with one row,
     or rows of equal valid length, `T'` is that length and no mask is needed; otherwise `T'` is the longest valid
     length and `key_mask` marks each row's real tokens (the remainder holds padding tokens, never attended to).
-    Reads the mask on the host (one sync): call it once per request, not per step.
+    The mask is read where it lies: a mask on the host costs no synchronisation with `x`'s device (the indices are
+    queued to it behind its work, e.g. a text encoder still running); a mask on the device costs one. Call it once
+    per request, not per step.
     """
     if valid is None:
         return x, None
-    valid = valid.to(device=x.device, dtype=torch.bool)
+    valid = valid.to(torch.bool)
     if valid.shape[0] == 1:
-        return x[:, valid[0].nonzero().squeeze(1)], None
+        return x[:, _queued_to(valid[0].nonzero().squeeze(1), x.device)], None
     lengths = valid.sum(dim=1)
     longest = int(lengths.max())
     # A stable sort on "is padding" puts each row's valid positions first, in their original order.
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :longest]
-    packed = x[torch.arange(x.shape[0], device=x.device)[:, None], order]
-    key_mask = torch.arange(longest, device=x.device)[None, :] < lengths[:, None]
-    return packed, (None if bool(key_mask.all()) else key_mask)
+    rows = torch.arange(x.shape[0], device=valid.device)[:, None]
+    packed = x[_queued_to(rows, x.device), _queued_to(order, x.device)]
+    key_mask = torch.arange(longest, device=valid.device)[None, :] < lengths[:, None]
+    return packed, (None if bool(key_mask.all()) else _queued_to(key_mask, x.device))
+
+
+def _queued_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; from the host, a copy queued on the device's current stream without waiting for it
+    (a pageable source is staged before the call returns, so the host tensor may go away at once)."""
+    return tensor.to(device, non_blocking=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
