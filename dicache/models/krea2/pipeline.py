@@ -245,12 +245,15 @@ class Krea2Pipeline(PipelineOptimizations):
         return self.transformer.prepare_text_lengths(positions, self.text_lengths())
 
     def encode_prompt(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompts -> `(embeds (B, L, layers, D) on the text encoder's device, mask (B, L) bool on the host)`: the mask
-        stays where tokenizing made it, so that `text_conditioning` packs the real tokens without waiting for the
-        encoder's GPU work."""
+        """Prompts -> `(embeds (B, L, layers, D) on the text encoder's device, mask (B, L) bool)`. A
+        `Krea2TextEncoder` hands the mask over on the host, where tokenizing made it, so that `text_conditioning` packs
+        the real tokens without waiting for the encoder's GPU work; any other encoder (an object with
+        `encode(prompts)`) returns its mask where it likes."""
         if self.text_encoder is None:
             raise ValueError("this pipeline has no text encoder: pass prompt_embeds and prompt_embeds_mask")
-        return self.text_encoder.encode(prompts, mask_on_host=True)
+        if isinstance(self.text_encoder, Krea2TextEncoder):
+            return self.text_encoder.encode(prompts, mask_on_host=True)
+        return self.text_encoder.encode(prompts)
 
     def text_conditioning(self, embeds: torch.Tensor, mask: torch.Tensor | None, repeat: int) -> TextConditioning:
         """Text fusion + projection once per request and branch; rows repeated for several images per prompt."""
