@@ -108,3 +108,17 @@ def test_text_conditioning_from_the_host_mask_does_not_wait_for_the_encoder():
     assert torch.equal(packed.tokens, reference.tokens) and torch.equal(packed.key_mask, reference.key_mask)
     single = pipe.text_conditioning(*pipe.encode_prompt(["a red apple"]), 1)
     assert single.key_mask is None and single.tokens.device.type == "cuda"
+
+
+def test_a_function_that_synchronises_runs_eagerly_after_one_failed_capture(caplog):
+    def synchronising(x):
+        return x * float(x.sum().item())  # .item() waits for the device: not capturable
+
+    graphs = StaticGraphs(synchronising, weights=lambda: ())
+    x = torch.randn(4, device="cuda")
+    with caplog.at_level("WARNING", logger="dicache.static_graphs"):
+        first = graphs(x)
+    assert torch.equal(first, synchronising(x)) and graphs.num_graphs == 0
+    assert "CUDA graph capture failed" in caplog.text
+    assert torch.equal(graphs(x + 1), synchronising(x + 1))  # eager from then on, no second attempt
+    assert caplog.text.count("CUDA graph capture failed") == 1

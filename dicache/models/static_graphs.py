@@ -11,16 +11,21 @@ its time is the CPU launching them (about 50 ms at full size on an H200), on the
   each clone makes the next caller's stream wait, without a host synchronisation;
 - the graph reads the weights at the addresses they had when captured: if `weights()` yields other tensor objects
   (the module was quantised or replaced), every graph is dropped and captured again;
-- CPU tensors, and signatures beyond `max_graphs`, run `fn` eagerly; replaying gives the eager call's values.
+- CPU tensors, and signatures beyond `max_graphs`, run `fn` eagerly; replaying gives the eager call's values;
+- a signature whose capture fails (`fn` synchronised after all) runs eagerly from then on, with one warning: slower,
+  never different.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Iterable
 
 import torch
+
+log = logging.getLogger("dicache.static_graphs")
 
 
 @dataclasses.dataclass
@@ -52,7 +57,7 @@ class StaticGraphs:
         self.weights = weights
         self.max_graphs = int(max_graphs)
         self.warmup_calls = int(warmup_calls)
-        self._graphs: dict[tuple, _Graph] = {}
+        self._graphs: dict[tuple, _Graph | None] = {}  # None: the capture failed, run eagerly
         self._weights_key: tuple[int, ...] = ()
         self._lock = threading.Lock()
         self.captures = 0
@@ -60,7 +65,8 @@ class StaticGraphs:
 
     @property
     def num_graphs(self) -> int:
-        return len(self._graphs)
+        """Graphs held (signatures whose capture failed not counted)."""
+        return sum(entry is not None for entry in self._graphs.values())
 
     def reset(self) -> None:
         """Drop every graph and its memory pool; the next CUDA call captures again."""
@@ -74,23 +80,33 @@ class StaticGraphs:
             return self.fn(*inputs)
         signature = tuple((tuple(x.shape), x.dtype, x.device) for x in inputs)
         with self._lock:
-            weights_key = tuple(id(w) for w in self.weights())
-            if weights_key != self._weights_key:
-                self._graphs.clear()
-                self._weights_key = weights_key
-            entry = self._graphs.get(signature)
-            if entry is None:
-                if len(self._graphs) >= self.max_graphs:
-                    return self.fn(*inputs)
-                entry = self._graphs[signature] = self._capture(inputs)
-            stream = torch.cuda.current_stream(inputs[0].device)
-            stream.wait_event(entry.done)  # the previous replay's clone has read the output buffer
-            for buffer, x in zip(entry.inputs, inputs):
-                buffer.copy_(x, non_blocking=True)
-            entry.graph.replay()
-            output = entry.output.clone()
-            entry.done.record(stream)
-            return output
+            entry = self._entry(signature, inputs)
+            if entry is not None:
+                stream = torch.cuda.current_stream(inputs[0].device)
+                stream.wait_event(entry.done)  # the previous replay's clone has read the output buffer
+                for buffer, x in zip(entry.inputs, inputs):
+                    buffer.copy_(x, non_blocking=True)
+                entry.graph.replay()
+                output = entry.output.clone()
+                entry.done.record(stream)
+                return output
+        return self.fn(*inputs)  # outside the lock: eager calls of several threads run side by side
+
+    def _entry(self, signature: tuple, inputs: tuple[torch.Tensor, ...]) -> _Graph | None:
+        """The graph of `signature`, captured now if it is new and there is room; None: run eagerly. Under the lock."""
+        weights_key = tuple(id(w) for w in self.weights())
+        if weights_key != self._weights_key:
+            self._graphs.clear()
+            self._weights_key = weights_key
+        if signature not in self._graphs:
+            if len(self._graphs) >= self.max_graphs:
+                return None
+            try:
+                self._graphs[signature] = self._capture(inputs)
+            except RuntimeError as err:  # e.g. an operation that synchronises cannot be captured
+                log.warning("CUDA graph capture failed for inputs %s; running eagerly: %s", signature, err)
+                self._graphs[signature] = None
+        return self._graphs[signature]
 
     def _capture(self, inputs: tuple[torch.Tensor, ...]) -> _Graph:
         device = inputs[0].device
