@@ -18,7 +18,7 @@ Where FP8 cannot run (no CUDA device, compute capability below 8.9, torchao miss
 `QuantizationError` naming what is missing: there is no silent bf16 fallback.
 
 The text encoder (`quantize_text_encoder`) stores its decoder-layer weights in FP8 and computes in bf16 by default
-(`fp8_weight_storage`), or takes the transformer's FP8 GEMMs (`fp8-dynamic`).
+(`fp8_storage.store_linears_in_fp8`), or takes the transformer's FP8 GEMMs (`fp8-dynamic`).
 """
 
 from __future__ import annotations
@@ -243,15 +243,8 @@ def quantize_text_encoder(model: nn.Module, method: str = "fp8") -> list[str]:
     if method == "fp8-dynamic":
         fp8_linears(model, names)
     else:
-        fp8_weight_storage(model, names)
+        store_linears_in_fp8(model, names)
     return sorted(names)
-
-
-def fp8_weight_storage(model: nn.Module, names: set[str]) -> None:
-    """The linears of `model` named in `names` with their weights stored in FP8 e4m3 (one power-of-two scale per
-    output channel) and multiplied in the activation dtype, in place (`dicache.fp8_storage`). Works on any device,
-    without torchao."""
-    store_linears_in_fp8(model, names)
 
 
 FP8_ACTIVATION_FLOOR = 1e-12

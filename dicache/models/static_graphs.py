@@ -68,11 +68,6 @@ class StaticGraphs:
         """Graphs held (signatures whose capture failed not counted)."""
         return sum(entry is not None for entry in self._graphs.values())
 
-    def reset(self) -> None:
-        """Drop every graph and its memory pool; the next CUDA call captures again."""
-        with self._lock:
-            self._graphs.clear()
-
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         if not inputs or not all(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
             return self.fn(*inputs)

@@ -209,7 +209,7 @@ class ServerProcessOptions(FlagOptions):
         True,
         flag="--prepare-text-lengths",
         switch=True,
-        help="on CUDA, before serving: meet every prompt length once at the default size (about 35 s for Krea-2 "
+        help="on CUDA, before serving: meet every prompt length once at the default size (about 25 s for Krea-2 "
         "at 1024² on an H200), so that a prompt of a new length costs no attention set-up in its request (about "
         "60 ms each otherwise, once per length)",
     )
