@@ -296,6 +296,16 @@ def request_body(prompt: str, variant: str, cache: str, size: int, seed: int) ->
     }
 
 
+def add_backend_arguments(parser) -> None:
+    """The flags of an in-process probe of `warmed_backend`: --text-encoder-fp8, --tiny, --device, --results."""
+    parser.add_argument("--text-encoder-fp8", action="store_true")
+    parser.add_argument(
+        "--tiny", action="store_true", help="the embedded checkpoint's configs (a logic check, any device)"
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--results", default=None)
+
+
 def warmed_backend(tiny: bool, device: str, quantization: str | None, text_encoder_fp8: bool):
     """In-process, the backend `dicache serve --load-format dummy --compile [--quantization Q]
     [--text-encoder-quantization fp8]` builds on a config-only folder (`write_model_folder`), quantised, compiled and

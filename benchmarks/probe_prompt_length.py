@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_serving import backend_spec, request_body, warmed_backend  # noqa: E402
+from bench_serving import add_backend_arguments, backend_spec, request_body, warmed_backend  # noqa: E402
 from publish import command_line, markdown_table, publish  # noqa: E402
 
 from dicache.quantization import QUANTIZATION_METHODS  # noqa: E402
@@ -33,7 +33,6 @@ WORDS = ("a", "quiet", "harbor", "town", "at", "dawn", "with", "fishing", "boats
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quantization", default="fp8", choices=("none", *QUANTIZATION_METHODS))
-    p.add_argument("--text-encoder-fp8", action="store_true")
     p.add_argument(
         "--prepare-text-lengths",
         action=argparse.BooleanOptionalAction,
@@ -41,9 +40,7 @@ def parse_args(argv=None):
         help="as `dicache serve --prepare-text-lengths`: meet every prompt length before the timed calls",
     )
     p.add_argument("--lengths", default="4,9,15,22,30", help="words per new prompt, comma-separated")
-    p.add_argument("--tiny", action="store_true", help="the embedded checkpoint's configs (a logic check, any device)")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--results", default=None)
+    add_backend_arguments(p)
     return p.parse_args(argv)
 
 

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_serving import backend_spec, request_body, warmed_backend  # noqa: E402
+from bench_serving import add_backend_arguments, backend_spec, request_body, warmed_backend  # noqa: E402
 from publish import command_line, publish  # noqa: E402
 
 import dicache  # noqa: E402
@@ -31,11 +31,8 @@ import dicache  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--text-encoder-fp8", action="store_true")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--tiny", action="store_true", help="the embedded checkpoint's configs (a logic check, any device)")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--results", default=None)
+    add_backend_arguments(p)
     return p.parse_args(argv)
 
 
