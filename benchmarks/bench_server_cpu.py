@@ -1,7 +1,8 @@
 """The server's CPU-side costs around a generation (issue 27), on this machine's CPU:
 
 - `png`: writing a 1024² RGB image as PNG at `PNG_COMPRESS_LEVEL`, with Pillow and with `dicache.server.png` (one
-  thread, and its default threads), on a noise-like image (what a random-weights model makes) and a smooth one;
+  thread with zlib's default strategy and with its run-length one, and its default threads), on a noise-like image
+  (what a random-weights model makes), a smooth one, that one with noise, and the docs' sample grid upscaled;
 - `json`: the answer's image list as JSON bytes (`handling.images_json`, run by the worker for every answer) for a
   1024² noise-like PNG in base64, against the regular-expression check and f-string it replaced on 2026-12-03;
 - `client`: what the benchmark client itself adds to a latency: a 4.2 MB answer (one 1024² image in base64) from a
@@ -58,14 +59,21 @@ def _pillow(pixels: np.ndarray) -> bytes:
 def section_png(reps: int) -> list[str]:
     rng = np.random.default_rng(0)
     y, x = np.mgrid[0:1024, 0:1024]
+    smooth = np.stack([x // 4, y // 4, (x + y) // 8], axis=-1).astype(np.uint8)
+    grid = Image.open(pathlib.Path(__file__).parents[1] / "docs" / "krea2-tiny-grid.png").convert("RGB")
     images = {
         "noise": rng.integers(0, 256, (1024, 1024, 3), dtype=np.uint8),
-        "smooth": np.stack([x // 4, y // 4, (x + y) // 8], axis=-1).astype(np.uint8),
+        "smooth": smooth,
+        "smooth + noise (σ 3)": np.clip(smooth + rng.normal(0, 3, smooth.shape), 0, 255).astype(np.uint8),
+        "docs/krea2-tiny-grid.png, bicubic to 1024²": np.asarray(grid.resize((1024, 1024), Image.BICUBIC)),
     }
     rows = ["| image | writer | ms (median) | KiB |", "|---|---|---|---|"]
     for name, pixels in images.items():
         writers = {
             "Pillow": lambda p=pixels: _pillow(p),
+            "dicache.server.png, 1 thread, zlib's default strategy": lambda p=pixels: encode_png(
+                p, PNG_COMPRESS_LEVEL, 1, run_length=False
+            ),
             "dicache.server.png, 1 thread": lambda p=pixels: encode_png(p, PNG_COMPRESS_LEVEL, 1),
             f"dicache.server.png, default (up to {MAX_THREADS} threads)": lambda p=pixels: encode_png(
                 p, PNG_COMPRESS_LEVEL

@@ -11,12 +11,20 @@ bytes, for a module that runs once per request (Krea-2's text encoder, `--text-e
   2 written per weight in bf16) and an ordinary GEMM; the scale multiplies the output, which is far smaller than the
   weight at a few hundred tokens.
 
+Compiled (`compile_stored_linears`, which `pipe.compile()` applies with the text encoder's CUDA graphs), the
+conversion is one Triton pass at memory speed, where PyTorch's eager e4m3 -> bf16 copy converts in software (11.1 of
+the 27.6 GPU milliseconds of an FP8-stored full-size encode on an H200, benchmarks/RESULTS.md 2026-12-03 17:15), and
+the scale and bias fold into one pass over the output. The values are the eager ones: the conversion is exact either
+way and the scale a power of two.
+
 Why not torchao's weight-only FP8: it dequantises through float32 (about four times the memory traffic), which made
 the text encoder's encode 2.6× slower than bf16 on an H200 once its launches were gone (CUDA graphs: 44.8 against
 17.5 ms, benchmarks/RESULTS.md 2026-12-03 15:26).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +40,26 @@ def power_of_two_scales(weight: torch.Tensor) -> torch.Tensor:
     amax = weight.detach().abs().amax(dim=1, keepdim=True).float()
     amax = amax.clamp(min=torch.finfo(torch.float32).tiny)
     return torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+
+
+def stored_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`Float8StoredLinear`'s arithmetic: `x (..., in)` -> `(x @ weight.T) * scale + bias` `(..., out)` in x's dtype;
+    weight `(out, in)` e4m3, scale `(out, 1)` float32, bias `(out,)` or None."""
+    y = F.linear(x, weight.to(x.dtype)) * scale.view(-1).to(x.dtype)
+    return y if bias is None else y + bias.to(x.dtype)
+
+
+_compiled: dict[object, Callable[..., torch.Tensor]] = {}
+
+
+def compiled_stored_linear(backend: str | Callable = "inductor") -> Callable[..., torch.Tensor]:
+    """`stored_linear` under `torch.compile` (shapes symbolic: one graph serves every layer and token count), one
+    per backend, shared by all the layers of the process."""
+    if backend not in _compiled:
+        _compiled[backend] = torch.compile(stored_linear, backend=backend, dynamic=True, fullgraph=True)
+    return _compiled[backend]
 
 
 class Float8StoredLinear(nn.Module):
@@ -50,6 +78,8 @@ class Float8StoredLinear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale.float())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.arithmetic: Callable[..., torch.Tensor] = stored_linear
+        """`stored_linear` or its compiled form (`compile_stored_linears`)."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Float8StoredLinear:
@@ -60,8 +90,7 @@ class Float8StoredLinear(nn.Module):
         return cls(quantized, scale, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight.to(x.dtype)) * self.scale.view(-1).to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        return self.arithmetic(x, self.weight, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -80,3 +109,12 @@ def store_linears_in_fp8(model: nn.Module, names: set[str]) -> None:
         del linear
     if any(t.is_cuda for t in model.buffers()):
         torch.cuda.empty_cache()
+
+
+def compile_stored_linears(model: nn.Module, backend: str | Callable = "inductor") -> int:
+    """Run every `Float8StoredLinear` of `model` through `compiled_stored_linear(backend)` (module docstring: why);
+    returns how many. The first call at a new input rank or batch of 1 compiles; the values stay the eager ones."""
+    layers = [m for m in model.modules() if isinstance(m, Float8StoredLinear)]
+    for layer in layers:
+        layer.arithmetic = compiled_stored_linear(backend)
+    return len(layers)

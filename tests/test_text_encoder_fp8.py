@@ -109,3 +109,21 @@ def test_float8_stored_linear_is_the_scaled_e4m3_weight_exactly():
 def test_float8_stored_linear_rejects_what_it_cannot_hold():
     with pytest.raises(ValueError, match=r"expected a 2-D float8_e4m3fn weight \(out, in\) and a \(out, 1\) scale"):
         Float8StoredLinear(torch.zeros(4, 3), torch.ones(4, 1))
+
+
+def test_compiled_stored_linears_keep_the_eager_values_with_one_graph_per_bias_choice():
+    from torch._dynamo.testing import CompileCounter
+
+    from dicache.fp8_storage import compile_stored_linears, store_linears_in_fp8
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32, bias=False))
+    store_linears_in_fp8(model, {"0", "2"})
+    short, long = torch.randn(2, 5, 64), torch.randn(2, 9, 64)
+    eager = model(short), model(long)
+    counter = CompileCounter()
+    assert compile_stored_linears(model, counter) == 2
+    assert all(m.arithmetic is model[0].arithmetic for m in (model[0], model[2]))  # one function for every layer
+    torch.testing.assert_close(model(short), eager[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(model(long), eager[1], rtol=0, atol=1e-6)  # a new token count: no new graph
+    assert counter.frame_count == 2  # with and without a bias

@@ -8,12 +8,19 @@ import threading
 import pytest
 import torch
 
+from dicache.fp8_storage import Float8StoredLinear, compile_stored_linears
 from dicache.models.krea2 import Krea2Pipeline
 from dicache.models.krea2.checkpoints import EMBEDDED_CHECKPOINT
 from dicache.models.krea2.text import Krea2TextEncoder
 from dicache.models.static_graphs import StaticGraphs
+from dicache.quantization import quantize_text_encoder
 
 pytestmark = pytest.mark.gpu
+
+
+def _stored_linears(encoder):
+    return [m for m in encoder.text_encoder.modules() if isinstance(m, Float8StoredLinear)]
+
 
 PROMPTS = ["a red apple", "a grinning face in the rain", "two kites over a grey sea, one of them torn", ""]
 
@@ -60,6 +67,22 @@ def test_threads_on_their_own_streams_get_their_own_prompts():
     for (worker, i), hidden in results.items():
         assert torch.equal(hidden, eager[PROMPTS[(worker + i) % len(PROMPTS)]]), (worker, i)
     assert encoder._graphs.captures == 1
+
+
+def test_compiled_fp8_storage_replays_the_eager_bits():
+    encoder = Krea2TextEncoder.from_pretrained(EMBEDDED_CHECKPOINT, device="cuda")
+    quantize_text_encoder(encoder.text_encoder, "fp8")
+    eager = {p: encoder.encode([p])[0] for p in PROMPTS}
+    assert encoder.compile() == len(_stored_linears(encoder))
+    for prompt in PROMPTS:
+        assert torch.equal(encoder.encode([prompt])[0], eager[prompt]), prompt
+    assert encoder._graphs.captures == 1
+    # a full-size layer's shape (Qwen3-VL-4B's MLP), through inductor's conversion kernel: the eager bits
+    layer = Float8StoredLinear.from_linear(torch.nn.Linear(2560, 9728, bias=False, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(1, 300, 2560, device="cuda", dtype=torch.bfloat16)
+    eager_out = layer(x)
+    compile_stored_linears(layer)
+    assert torch.equal(layer(x), eager_out)
 
 
 def test_quantising_after_the_capture_recaptures():

@@ -63,9 +63,10 @@ class PipelineOptimizations:
         vae: compile the VAE decoder too (None: unless the pipeline is offloaded, whose VAE moves between devices).
         Its work is mostly memory-bound elementwise passes (channel RMSNorm in float32, SiLU, residual adds over
         full-resolution activations) that compiling fuses.
-        text_encoder: CUDA graphs of the text encoder's forward (`Krea2TextEncoder.use_cuda_graphs`; None: when it
-        is on a CUDA device and the pipeline is not offloaded). It runs once per prompt at one padded shape, so its
-        eager time is the CPU launching a few hundred kernels; replayed, only the GPU's. Same values as eager.
+        text_encoder: CUDA graphs of the text encoder's forward, its FP8-stored linears compiled
+        (`Krea2TextEncoder.compile`; None: when it is on a CUDA device and the pipeline is not offloaded). It runs
+        once per prompt at one padded shape, so its eager time is the CPU launching a few hundred kernels; replayed,
+        only the GPU's. Same values as eager.
         Call after any quantisation."""
         offloaded = getattr(self, "offload", None) is not None
         self.transformer.compile_blocks(dynamic=dynamic, backend=backend)
@@ -88,7 +89,7 @@ class PipelineOptimizations:
                     f"compile(text_encoder=True): the text encoder's CUDA graphs need it resident on a CUDA device; "
                     f"it is {where}"
                 )
-            encoder.use_cuda_graphs()
+            encoder.compile(backend)
         return self
 
     # ------------------------------------------------------------------ memory

@@ -15,12 +15,14 @@ The prefix and suffix token counts are measured with the tokenizer (34 and 5 for
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 import os
 import pathlib
 import threading
 
 import torch
 
+from dicache.fp8_storage import compile_stored_linears
 from dicache.models.loading import CheckpointError, check_load_format, default_dtype, read_json, resolve_component_dir
 from dicache.models.static_graphs import StaticGraphs
 
@@ -165,6 +167,15 @@ class Krea2TextEncoder:
     def cuda_graphs(self) -> bool:
         """Whether `encode` replays CUDA graphs of the forward (on a CUDA device)."""
         return self._graphs is not None
+
+    def compile(self, backend: str | Callable = "inductor") -> int:
+        """What `pipe.compile()` does to the encoder: its FP8-stored linears' arithmetic compiled
+        (`dicache.fp8_storage.compile_stored_linears`: on CUDA the e4m3 conversion becomes one pass at memory speed)
+        and the forward replayed from CUDA graphs (`use_cuda_graphs`). Same values as eager; returns how many linears
+        were compiled (0 unless `--text-encoder-quantization fp8`)."""
+        compiled = compile_stored_linears(self.text_encoder, backend)
+        self.use_cuda_graphs()
+        return compiled
 
     def use_cuda_graphs(self, enabled: bool = True, max_graphs: int = 4) -> None:
         """Replay the forward from CUDA graphs, one per batch size (`dicache.models.static_graphs.StaticGraphs`):
