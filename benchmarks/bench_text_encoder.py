@@ -163,9 +163,9 @@ def main(argv=None) -> int:
         f"\n## Text encoder precision (`bench_text_encoder.py`), {datetime.datetime.now():%Y-%m-%d %H:%M}\n",
         f"Command: `{command_line('bench_text_encoder.py', argv)}`  ",
         f"Machine: {device}, torch {torch.__version__}; {size}, one prompt padded to the encoder's sequence length, "
-        "eager and (on a GPU) as `--compile` runs it (`Krea2TextEncoder.compile`: replayed from CUDA graphs, FP8-stored "
-        "linears compiled; same bits: the "
-        "replay's output equals the eager one); SNR of the tapped hidden states (real tokens) against `none`\n",
+        "eager and (on a GPU) as `--compile` runs it (`Krea2TextEncoder.compile`: replayed from CUDA graphs, "
+        "FP8-stored linears compiled; same bits: the replay's output equals the eager one); SNR of the tapped hidden "
+        "states (real tokens) against `none`\n",
         "| --text-encoder-quantization | encode (median, ms) | min (ms) | CUDA graphs (median, ms) | min (ms) "
         "| same bits | graph pool (GB) | weights (GB) | activation peak (GB) | SNR (dB) |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -15,10 +15,10 @@ The prefix and suffix token counts are measured with the tokenizer (34 and 5 for
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 import os
 import pathlib
 import threading
+from collections.abc import Callable
 
 import torch
 
