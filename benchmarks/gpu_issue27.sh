@@ -54,9 +54,9 @@
 #            allocator's slack (peak reserved - peak allocated, 4.5 GB on 2026-12-03) shrinks enough for 28 GB
 #            without the text encoder in FP8                                                          (~3 min)
 #
-# A server on a fresh machine (empty inductor cache) takes 4-5 min to become ready (the VAE's compile and the text
-# encoder's CUDA-graph capture included), about 2 min once the cache is warm: the servers wait up to 420 s, and the
-# first server step of a fresh machine is best run alone in its call.
+# A server on a fresh machine (empty inductor cache) takes 7-8 min to become ready (warm-up 391 s on 2026-12-03 17:03:
+# the VAE's compile and the text encoder's CUDA-graph capture included), about 2.5 min once the cache is warm: the
+# servers wait up to 420 s (`fresh`: 510 s, it is meant to run first and alone on a fresh machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_issue27.sh STEP ... (see the header)" >&2; exit 2; }
@@ -130,8 +130,8 @@ workers() {
 }
 
 fresh() {
-  timeout 560 python3 benchmarks/bench_serving.py --servers fp8-te --variants turbo --caches sglang recommended \
-    --requests-c1 5 --requests-c20 20 --start-timeout 420 --fresh-prompts ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} \
+  timeout 575 python3 benchmarks/bench_serving.py --servers fp8-te --variants turbo --caches sglang recommended \
+    --requests-c1 5 --requests-c20 20 --start-timeout 510 --fresh-prompts ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} \
     --results "$results"
 }
 
