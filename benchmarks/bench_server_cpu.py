@@ -3,6 +3,8 @@
 - `png`: writing a 1024² RGB image as PNG at `PNG_COMPRESS_LEVEL`, with Pillow and with `dicache.server.png` (one
   thread with zlib's default strategy and with its run-length one, and its default threads), on a noise-like image
   (what a random-weights model makes), a smooth one, that one with noise, and the docs' sample grid upscaled;
+- `image`: the image phase's host work as the server runs it (`backend.image_answers`) and each of its parts alone
+  (the fingerprint, the PNG file, base64): on the GPU host, which part bounds the phase;
 - `json`: the answer's image list as JSON bytes (`handling.images_json`, run by the worker for every answer) for a
   1024² noise-like PNG in base64, against the regular-expression check and f-string it replaced on 2026-12-03;
 - `client`: what the benchmark client itself adds to a latency: a 4.2 MB answer (one 1024² image in base64) from a
@@ -81,6 +83,35 @@ def section_png(reps: int) -> list[str]:
         }
         for writer, fn in writers.items():
             rows.append(f"| {name} | {writer} | {_ms(fn, reps)} | {len(fn()) // 1024} |")
+    return rows
+
+
+def section_image(reps: int) -> list[str]:
+    """The image phase's host work for one 1024² noise-like image, as the server runs it (`image_answers`: the
+    fingerprint on a thread while the PNG is written and base64-encoded) and each part alone: which one bounds it."""
+    import base64
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dicache.server.backend import image_answers
+
+    rng = np.random.default_rng(0)
+    floats = rng.random((1, 1024, 1024, 3), dtype=np.float32)
+    pixels = (floats * 255).round().astype(np.uint8)
+    png_bytes = encode_png(pixels[0], PNG_COMPRESS_LEVEL)
+    rows = ["| part | ms (median) |", "|---|---|"]
+    with ThreadPoolExecutor(1) as digests:
+        for name, fn in {
+            "image_answers (the phase: all of the below, the fingerprint on its own thread)": lambda: image_answers(
+                floats, pixels, "png", 100, digests
+            ),
+            "SHA-256 fingerprint of the float32 image (12.6 MB)": lambda: hashlib.sha256(floats[0]).hexdigest(),
+            f"PNG file (dicache.server.png, up to {MAX_THREADS} threads)": lambda: encode_png(
+                pixels[0], PNG_COMPRESS_LEVEL
+            ),
+            "base64 of the PNG file": lambda: base64.b64encode(png_bytes).decode("ascii"),
+        }.items():
+            rows.append(f"| {name} | {_ms(fn, reps)} |")
     return rows
 
 
@@ -169,7 +200,7 @@ def section_gc() -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sections", default="png,json,client,gc")
+    p.add_argument("--sections", default="png,image,json,client,gc")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--results", default=None)
     args = p.parse_args(argv)
@@ -181,6 +212,8 @@ def main(argv=None) -> int:
     sections = args.sections.split(",")
     if "png" in sections:
         text += [f"PNG of a 1024² RGB image at zlib level {PNG_COMPRESS_LEVEL}:", "", *section_png(args.reps), ""]
+    if "image" in sections:
+        text += ["The image phase's host work (one 1024² noise-like image):", "", *section_image(args.reps), ""]
     if "json" in sections:
         title = "The answer's image list as JSON bytes (one 1024² noise-like PNG in base64):"
         text += [title, "", *section_json(args.reps), ""]

@@ -145,6 +145,17 @@ _should_stop: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.Co
 )
 
 
+def image_answers(
+    floats: np.ndarray, pixels: np.ndarray, output_format: str, quality: int, digests: ThreadPoolExecutor
+) -> tuple[list[str], list[str]]:
+    """The image phase's host work: float32 `(n, H, W, C)` images and their uint8 pixels -> (each image file in
+    base64, each float image's SHA-256 hex digest). The digests are taken on `digests` (a thread) while the files
+    are written."""
+    fingerprints = digests.submit(lambda: [hashlib.sha256(image).hexdigest() for image in floats])
+    files = [base64.b64encode(encode_pixels(image, output_format, quality)).decode("ascii") for image in pixels]
+    return files, fingerprints.result()
+
+
 @dataclass
 class _Encoded:
     """What the encode phase hands to the denoise phase."""
@@ -261,12 +272,7 @@ class PipelineBackend:
         start = time.perf_counter()
         floats, pixels = host_images(self.pipe.decode(latents, plan.height, plan.width, "pt"))
         decode_s = time.perf_counter() - start  # host_images waited for the device
-        digests = self._digests.submit(lambda: [hashlib.sha256(image).hexdigest() for image in floats])
-        b64 = [
-            base64.b64encode(encode_pixels(image, spec.output_format, spec.output_quality)).decode("ascii")
-            for image in pixels
-        ]
-        digests = digests.result()
+        b64, digests = image_answers(floats, pixels, spec.output_format, spec.output_quality, self._digests)
         return b64, digests, decode_s, time.perf_counter() - start - decode_s
 
     def estimate_flops(
