@@ -3,7 +3,7 @@
 # each printing its tables and appending them to benchmarks/RESULTS.md.
 #
 #   bash benchmarks/gpu_issue27.sh STEP [STEP ...]
-#   # STEP: wheels | check | textenc | fp8 | int8 | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc | all
+#   # STEP: wheels | check | host | textenc | fp8 | int8 | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc | all
 #
 # The machine has torch 2.11 but not torchao, fastapi, uvicorn, pydantic(-settings): carry them as wheels in .whl
 # (made here, on any x86-64 or Arm machine with pip; about 6.4 MB, within the 64 MiB a call carries):
@@ -22,6 +22,8 @@
 #            the pipeline call, alone and with requests in flight, prompt lengths prepared on the denoise thread, the
 #            text path's shape-free attention, the compiled VAE decoder, the text encoder replayed from CUDA graphs
 #            (pytest -m gpu; alone in a call: the FP8 tests compile with inductor)                        (~7 min)
+#   host     bench_server_cpu on the GPU host's CPU: the PNG writer, the image phase part by part (which of the
+#            fingerprint, the PNG file and base64 bounds it) and the answer's JSON                       (~1 min)
 #   textenc  bench_text_encoder: the full-size text encoder's encode time (eager and from CUDA graphs), weight bytes,
 #            activation peak and graph pool in bf16, with FP8 weight storage (--text-encoder-quantization fp8)
 #            and FP8 GEMMs (fp8-dynamic), and each method's top kernels (--profile)                       (~2 min)
@@ -73,6 +75,10 @@ wheels() {
 check() {
   timeout 560 python3 -m pytest -m gpu tests/test_fp8_gpu.py tests/test_server_stages.py tests/test_prompt_lengths.py \
     tests/test_compile_gpu.py tests/test_text_graphs_gpu.py -p no:cacheprovider
+}
+
+host() {
+  timeout 120 python3 benchmarks/bench_server_cpu.py --sections png,image,json --reps 10 --results "$results"
 }
 
 textenc() {
@@ -141,9 +147,9 @@ alloc() {
     ${SERVER_ARGS:+"--server-args=$SERVER_ARGS"} --results "$results"
 }
 
-[ "$*" = all ] && set -- check textenc fp8 int8 speed speedint8 length serve serveint8 workers fresh alloc
+[ "$*" = all ] && set -- check host textenc fp8 int8 speed speedint8 length serve serveint8 workers fresh alloc
 for step in "$@"; do
-  case "$step" in wheels | check | textenc | fp8 | int8 | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
+  case "$step" in wheels | check | host | textenc | fp8 | int8 | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
 done
 wheels
 status=0

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import io
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from dicache.server.backend import encode_pixels
+from dicache.server.backend import encode_pixels, image_answers, quantize_pixels
 from dicache.server.png import encode_png
 
 
@@ -54,3 +57,14 @@ def test_png_refuses_what_it_cannot_write():
         encode_png(np.zeros((4, 4, 5), np.uint8))
     with pytest.raises(ValueError, match="level=10 is invalid: must be 0..9"):
         encode_png(np.zeros((4, 4, 3), np.uint8), level=10)
+
+
+def test_image_answers_give_each_image_file_and_its_float_fingerprint():
+    floats = np.random.default_rng(1).random((2, 16, 24, 3), dtype=np.float32)
+    pixels = quantize_pixels(floats)
+    with ThreadPoolExecutor(1) as digests:
+        files, fingerprints = image_answers(floats, pixels, "png", 100, digests)
+    assert fingerprints == [hashlib.sha256(image.tobytes()).hexdigest() for image in floats]
+    assert fingerprints[0] != fingerprints[1]
+    for file, image in zip(files, pixels):
+        assert np.array_equal(_decode(base64.b64decode(file)), image)
