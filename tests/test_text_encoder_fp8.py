@@ -127,3 +127,19 @@ def test_compiled_stored_linears_keep_the_eager_values_with_one_graph_per_bias_c
     torch.testing.assert_close(model(short), eager[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(model(long), eager[1], rtol=0, atol=1e-6)  # a new token count: no new graph
     assert counter.frame_count == 2  # with and without a bias
+
+
+def test_encoder_compile_runs_its_fp8_stored_linears_compiled_with_the_eager_values():
+    from torch._dynamo.testing import CompileCounter
+
+    from dicache.models.krea2.checkpoints import EMBEDDED_CHECKPOINT
+    from dicache.models.krea2.text import Krea2TextEncoder
+
+    encoder = Krea2TextEncoder.from_pretrained(EMBEDDED_CHECKPOINT, device="cpu")
+    names = quantize_text_encoder(encoder.text_encoder, "fp8")
+    eager = encoder.encode(["a red apple"])[0]
+    counter = CompileCounter()
+    assert encoder.compile(counter) == len(names)
+    assert encoder.cuda_graphs  # on a CPU the "graphs" run eagerly
+    torch.testing.assert_close(encoder.encode(["a red apple"])[0], eager, rtol=0, atol=0)
+    assert counter.frame_count >= 1

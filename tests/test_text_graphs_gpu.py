@@ -73,7 +73,7 @@ def test_compiled_fp8_storage_replays_the_eager_bits():
     encoder = Krea2TextEncoder.from_pretrained(EMBEDDED_CHECKPOINT, device="cuda")
     quantize_text_encoder(encoder.text_encoder, "fp8")
     eager = {p: encoder.encode([p])[0] for p in PROMPTS}
-    assert encoder.compile() == len(_stored_linears(encoder))
+    assert encoder.compile() == len(_stored_linears(encoder)) > 0
     for prompt in PROMPTS:
         assert torch.equal(encoder.encode([prompt])[0], eager[prompt]), prompt
     assert encoder._graphs.captures == 1

@@ -147,11 +147,16 @@ class Krea2TextEncoder:
         hidden_states = torch.stack([outputs.hidden_states[i] for i in self.select_layers], dim=2)
         return hidden_states[:, self.prefix_len :]
 
+    @property
+    def _attention_implementation(self) -> str | None:
+        """transformers' attention implementation of the encoder (`sdpa`, `eager`, `flash_attention_2`, ...)."""
+        return getattr(_text_config(self.text_encoder), "_attn_implementation", None)
+
     def _attention_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """The `(B, 1, T, T)` causal-and-padding mask transformers would build from `mask` for the encoder's
         attention (bool for SDPA, additive float for eager), built here without its data-dependent checks (they
         synchronise with the host); other attention implementations get `mask` itself."""
-        implementation = getattr(_text_config(self.text_encoder), "_attn_implementation", None)
+        implementation = self._attention_implementation
         if implementation not in CUDA_GRAPH_ATTENTION:
             return mask
         length = mask.shape[-1]
@@ -173,9 +178,8 @@ class Krea2TextEncoder:
         (`dicache.fp8_storage.compile_stored_linears`: on CUDA the e4m3 conversion becomes one pass at memory speed)
         and the forward replayed from CUDA graphs (`use_cuda_graphs`). Same values as eager; returns how many linears
         were compiled (0 unless `--text-encoder-quantization fp8`)."""
-        compiled = compile_stored_linears(self.text_encoder, backend)
-        self.use_cuda_graphs()
-        return compiled
+        self.use_cuda_graphs()  # first: it refuses an attention it cannot capture before anything changes
+        return compile_stored_linears(self.text_encoder, backend)
 
     def use_cuda_graphs(self, enabled: bool = True, max_graphs: int = 4) -> None:
         """Replay the forward from CUDA graphs, one per batch size (`dicache.models.static_graphs.StaticGraphs`):
@@ -185,7 +189,7 @@ class Krea2TextEncoder:
         if not enabled:
             self._graphs = None
             return
-        implementation = getattr(_text_config(self.text_encoder), "_attn_implementation", None)
+        implementation = self._attention_implementation
         if implementation not in CUDA_GRAPH_ATTENTION:
             raise ValueError(
                 f"text encoder CUDA graphs: attention implementation {implementation!r} is not supported; "
