@@ -4,7 +4,9 @@
   thread with zlib's default strategy and with its run-length one, and its default threads), on a noise-like image
   (what a random-weights model makes), a smooth one, that one with noise, and the docs' sample grid upscaled;
 - `image`: the image phase's host work as the server runs it (`backend.image_answers`) and each of its parts alone
-  (the fingerprint, the PNG file, base64): on the GPU host, which part bounds the phase;
+  (the fingerprint, the PNG file, the file in base64 band by band on the PNG threads (`encode_png_base64`, the
+  server's path since 2026-12-03) and, for comparison, the file then its base64 (the path before, base64 serial after
+  the file) and that base64 alone): on the GPU host, which part bounds the phase;
 - `json`: the answer's image list as JSON bytes (`handling.images_json`, run by the worker for every answer) for a
   1024² noise-like PNG in base64, against the regular-expression check and f-string it replaced on 2026-12-03;
 - `client`: what the benchmark client itself adds to a latency: a 4.2 MB answer (one 1024² image in base64) from a
@@ -88,28 +90,39 @@ def section_png(reps: int) -> list[str]:
 
 def section_image(reps: int) -> list[str]:
     """The image phase's host work for one 1024² noise-like image, as the server runs it (`image_answers`: the
-    fingerprint on a thread while the PNG is written and base64-encoded) and each part alone: which one bounds it."""
+    fingerprint on a thread while the PNG is written in base64, `encode_png_base64`) and each part alone: which one
+    bounds it; and the path before (the PNG file, then its base64 on the calling thread)."""
     import base64
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
 
     from dicache.server.backend import image_answers
+    from dicache.server.png import encode_png_base64
 
     rng = np.random.default_rng(0)
     floats = rng.random((1, 1024, 1024, 3), dtype=np.float32)
     pixels = (floats * 255).round().astype(np.uint8)
     png_bytes = encode_png(pixels[0], PNG_COMPRESS_LEVEL)
+    assert encode_png_base64(pixels[0], PNG_COMPRESS_LEVEL) == base64.b64encode(png_bytes).decode("ascii")
     rows = ["| part | ms (median) |", "|---|---|"]
     with ThreadPoolExecutor(1) as digests:
         for name, fn in {
-            "image_answers (the phase: all of the below, the fingerprint on its own thread)": lambda: image_answers(
-                floats, pixels, "png", 100, digests
+            "image_answers (the phase: the fingerprint on its own thread, the PNG file in base64)": lambda: (
+                image_answers(floats, pixels, "png", 100, digests)
             ),
             "SHA-256 fingerprint of the float32 image (12.6 MB)": lambda: hashlib.sha256(floats[0]).hexdigest(),
             f"PNG file (dicache.server.png, up to {MAX_THREADS} threads)": lambda: encode_png(
                 pixels[0], PNG_COMPRESS_LEVEL
             ),
-            "base64 of the PNG file": lambda: base64.b64encode(png_bytes).decode("ascii"),
+            "PNG file in base64, band by band on the PNG threads (encode_png_base64, the phase's path)": lambda: (
+                encode_png_base64(pixels[0], PNG_COMPRESS_LEVEL)
+            ),
+            "PNG file, then base64.b64encode of it (the path before 2026-12-03)": lambda: base64.b64encode(
+                encode_png(pixels[0], PNG_COMPRESS_LEVEL)
+            ).decode("ascii"),
+            "base64.b64encode of the PNG file alone (serial: binascii holds the GIL)": lambda: base64.b64encode(
+                png_bytes
+            ).decode("ascii"),
         }.items():
             rows.append(f"| {name} | {_ms(fn, reps)} |")
     return rows

@@ -32,6 +32,7 @@ from torch import nn
 
 from .errors import DicacheError
 from .fp8_storage import store_linears_in_fp8
+from .joint_linears import join_linears, joinable_groups, joint_name
 
 QUANTIZATION_METHODS = ("fp8", "int8")
 """Accepted values of `--quantization` besides none (SGLang's flag name; fp8 is SGLang's value too)."""
@@ -71,6 +72,12 @@ split `attn_qkv`: q is the attention projection FP8 costs least, per FLOP). `-1`
 block's index."""
 
 
+JOIN_PROJECTIONS_DEFAULT: dict[str, bool] = {"fp8": True, "int8": False}
+"""Whether each method joins the projections that read one input (`QuantizationSpec.join_projections`). FP8: a
+full-size Krea-2 block 1.9 % faster with q|gate, k|v and gate|up joined (benchmarks/RESULTS.md,
+`probe_fp8_block_compile.py`, 2026-12-03); INT8: not measured, so not joined."""
+
+
 class QuantizationError(DicacheError, RuntimeError):
     """Quantization was asked for but cannot run here, or its settings are invalid. The message says what is missing."""
 
@@ -90,11 +97,15 @@ class QuantizationSpec:
     include / exclude: glob patterns (or `LAYER_GROUPS` names) over the transformer's qualified module names; a
         linear is quantised iff it matches some include pattern and no exclude pattern. `exclude=None` takes the
         method's default (`DEFAULT_EXCLUDE`).
+    join_projections: join the projections a module declares `joinable` (Krea-2: attention q|gate and k|v, the
+        SwiGLU's gate|up) into one GEMM each where the parts are all quantised or all kept in bf16 (`join_selected`);
+        None takes the method's default (`JOIN_PROJECTIONS_DEFAULT`). Names in include/exclude stay the parts'.
     """
 
     method: str = "fp8"
     include: tuple[str, ...] = DEFAULT_FP8_INCLUDE
     exclude: tuple[str, ...] | None = None
+    join_projections: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -103,6 +114,8 @@ class QuantizationSpec:
             )
         if self.exclude is None:
             object.__setattr__(self, "exclude", DEFAULT_EXCLUDE[self.method])
+        if self.join_projections is None:
+            object.__setattr__(self, "join_projections", JOIN_PROJECTIONS_DEFAULT[self.method])
         for what, patterns in (("include", self.include), ("exclude", self.exclude)):
             if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
                 raise QuantizationError(
@@ -197,12 +210,34 @@ def quantize_transformer(model: nn.Module, spec: QuantizationSpec | str) -> list
     names = set(selected_linears(model, spec))
     if not names:
         raise QuantizationError(f"quantization={spec.method!r}: the include/exclude patterns select no linear")
+    chosen = set(names)
+    if spec.join_projections:
+        blocks = getattr(model, "transformer_blocks", None)
+        include = _expand(spec.include, len(blocks) if blocks is not None else 0)
+        scope = {n for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in include)}
+        chosen = join_selected(model, chosen, scope)
     if spec.method == "int8":
-        int8_linears(model, names)
+        int8_linears(model, chosen)
     else:
-        fp8_linears(model, names)
+        fp8_linears(model, chosen)
     model.quantization = spec
     return sorted(names)
+
+
+def join_selected(model: nn.Module, selected: set[str], scope: set[str]) -> set[str]:
+    """Join each `joinable` group of `model` (`joint_linears.joinable_groups`) whose parts are all in `selected`, or all
+    in `scope` and none in `selected` (kept in bf16 together); groups that would mix precisions stay apart. Returns
+    `selected` with each joined group's part names replaced by its joint linear's name."""
+    selected = set(selected)
+    for prefix, module, parts in joinable_groups(model):
+        qualified = [f"{prefix}.{p}" if prefix else p for p in parts]
+        quantised = [q in selected for q in qualified]
+        if all(quantised) or (not any(quantised) and all(q in scope for q in qualified)):
+            join_linears(module, parts)
+            if all(quantised):
+                selected -= set(qualified)
+                selected.add(f"{prefix}.{joint_name(parts)}" if prefix else joint_name(parts))
+    return selected
 
 
 TEXT_ENCODER_FP8_INCLUDE: tuple[str, ...] = ("language_model.layers.*",)

@@ -9,6 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import dicache
+from dicache.joint_linears import linear_computing
 from dicache.models.krea2 import Krea2Pipeline
 from dicache.quantization import selected_linears
 
@@ -29,11 +30,11 @@ def test_fp8_weights_are_stored_in_fp8_and_stay_close_to_bf16():
     ref_pipe = Krea2Pipeline.from_pretrained(device="cuda")
     pipe = Krea2Pipeline.from_pretrained(device="cuda", quantization="fp8")
     names = selected_linears(ref_pipe.transformer, pipe.transformer.quantization)
-    modules = dict(pipe.transformer.named_modules())
-    for name in names:
-        weight = modules[name].weight
+    for name in names:  # q|gate and gate|up run joined (one FP8 GEMM each)
+        weight = linear_computing(pipe.transformer, name).weight
         assert "float8" in str(getattr(weight, "qdata", weight).dtype), (name, type(weight))
-    assert modules["img_in"].weight.dtype == torch.bfloat16  # excluded by default
+    assert pipe.transformer.transformer_blocks[0].attn.to_q__to_gate.part_names == ("to_q", "to_gate")
+    assert pipe.transformer.img_in.weight.dtype == torch.bfloat16  # excluded by default
     ref, got = generate(ref_pipe), generate(pipe)
     assert not np.array_equal(ref, got)  # FP8 really ran
     assert psnr(ref, got) > 25.0

@@ -150,10 +150,18 @@ def image_answers(
 ) -> tuple[list[str], list[str]]:
     """The image phase's host work: float32 `(n, H, W, C)` images and their uint8 pixels -> (each image file in
     base64, each float image's SHA-256 hex digest). The digests are taken on `digests` (a thread) while the files
-    are written."""
+    are written. Each string is `base64.b64encode(encode_pixels(image, output_format, quality))` in ASCII; a PNG's
+    base64 is done band by band on the PNG writer's threads (`png.encode_png_base64`), not after the file."""
     fingerprints = digests.submit(lambda: [hashlib.sha256(image).hexdigest() for image in floats])
-    files = [base64.b64encode(encode_pixels(image, output_format, quality)).decode("ascii") for image in pixels]
+    files = [_file_base64(image, output_format, quality) for image in pixels]
     return files, fingerprints.result()
+
+
+def _file_base64(pixels: np.ndarray, output_format: str, quality: int) -> str:
+    """`encode_pixels`' file in base64 (ASCII)."""
+    if output_format == "png":
+        return png.encode_png_base64(pixels, PNG_COMPRESS_LEVEL)
+    return base64.b64encode(encode_pixels(pixels, output_format, quality)).decode("ascii")
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dicache.joint_linears import linear_outputs
 from dicache.models.krea2.attention import gqa_attention, shape_free_attention
 from dicache.models.loading import CheckpointError, load_component
 
@@ -78,6 +79,8 @@ class Attention(nn.Module):
     """
 
     kernel = staticmethod(gqa_attention)
+    joinable = (("to_q", "to_gate"), ("to_k", "to_v"))
+    """Projections of one input that `joint_linears.join_linears` may run as one GEMM each."""
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, eps: float) -> None:
         super().__init__()
@@ -102,18 +105,22 @@ class Attention(nn.Module):
         key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: `(B, S, dim)`; rope: `(cos, sin)` each `(S, head_dim/2)` float32; key_mask: `(B, S)` bool or None."""
-        q = self.norm_q(self.to_q(x).unflatten(-1, (self.num_heads, self.head_dim)))
-        k = self.norm_k(self.to_k(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        v = self.to_v(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k, v, gate = linear_outputs(self, x, ("to_q", "to_k", "to_v", "to_gate"))
+        q = self.norm_q(q.unflatten(-1, (self.num_heads, self.head_dim)))
+        k = self.norm_k(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_mask)
         out = out.transpose(1, 2).flatten(2)
-        return self.to_out[0](out * torch.sigmoid(self.to_gate(x)))
+        return self.to_out[0](out * torch.sigmoid(gate))
 
 
 class SwiGLU(nn.Module):
     """Feed-forward `down(silu(gate(x)) * up(x))`, no biases."""
+
+    joinable = (("gate", "up"),)
+    """Projections of one input that `joint_linears.join_linears` may run as one GEMM."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -122,7 +129,8 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = linear_outputs(self, x, ("gate", "up"))
+        return self.down(F.silu(gate) * up)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
