@@ -7,7 +7,8 @@ Measures, each side by side in one run:
   end), the SM clock / power draw / power limit read right after them, and single forwards after 3 s of idling;
 - graph: the same forward captured once as a CUDA graph and replayed (static inputs), and its output difference;
 - qk: the attention input preparation (q/k RMSNorm + RoPE + head-major layout) as written in the model against a
-  rewrite with the rotation as `x * cos + swap_pairs(x) * sin`, both compiled, each followed by SDPA;
+  rewrite with the rotation as `x * cos + swap_pairs(x) * sin`, both compiled, each followed by SDPA (the model's
+  `apply_rope` takes the rewrite's form since 2026-12-03, so both now time that rotation);
 - attention: SDPA backends on the block's shapes (cuDNN / flash with GQA, cuDNN with K/V repeated);
 - gemm: TFLOP/s of the block's GEMM shapes over the joint rows (4144), split into image + text GEMMs, image rows only,
   and M = 4224 / 8288 (8288 = cond + uncond packed);

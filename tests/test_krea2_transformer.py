@@ -320,3 +320,19 @@ def test_unknown_config_key_is_named(saved_pipeline, tmp_path):
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"config\.json: unknown config key\(s\) num_single_layers"):
         Krea2Transformer.from_pretrained(tmp_path)
+
+
+def test_rope_rotates_each_channel_pair_with_the_bits_of_the_pairwise_formula():
+    from dicache.models.krea2.transformer import apply_rope
+
+    g = torch.Generator().manual_seed(5)
+    angles = torch.rand(7, 4, generator=g) * 6.28
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 7, 3, 8, generator=g).to(dtype)
+        re, im = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        pairwise = torch.stack((re * cos - im * sin, im * cos + re * sin), dim=-1).flatten(-2).to(dtype)
+        got = apply_rope(x, angles.cos(), angles.sin())
+        assert torch.equal(got, pairwise)
+        back = apply_rope(got.float(), (-angles).cos(), (-angles).sin())  # rotating back restores x
+        torch.testing.assert_close(back, x.float(), rtol=0.02 if dtype == torch.bfloat16 else 1e-5, atol=0.02)
