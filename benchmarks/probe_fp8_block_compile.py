@@ -39,6 +39,10 @@ from dicache.models.krea2.transformer import Krea2TransformerBlock, keeps_fp32  
 from dicache.models.loading import materialize_random  # noqa: E402
 from dicache.quantization import QuantizationSpec, quantize_transformer  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_fp8 import timed_ms  # noqa: E402  (mean ms per call of back-to-back calls over a few seconds)
+from publish import command_line, markdown_table, publish  # noqa: E402
+
 VARIANTS = (
     "apart",
     "joined",
@@ -58,20 +62,6 @@ class Stack(nn.Module):
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.transformer_blocks = nn.ModuleList([block])
-
-
-def timed_ms(fn, seconds: float) -> float:
-    """Mean milliseconds per call of back-to-back calls over about `seconds`."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        n += 5
-    return (time.perf_counter() - start) / n * 1e3
 
 
 def build(variant: str, block: Krea2TransformerBlock):
@@ -152,27 +142,24 @@ def main(argv=None) -> int:
             f"residual_snr_dB_vs_{variants[0]}": snr if variant != variants[0] else None,
         }
         table.append(row)
-    keys = list(table[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join("" if r[k] is None else str(r[k]) for k in keys) + " |" for r in table]
-    text = "\n".join(lines)
-    print(text)
     out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "probe_fp8_block_compile.json"), "w") as f:
             json.dump(table, f, indent=1)
-    if args.results:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-        import torchao
+    import torchao  # optional dependency: only its version is printed
 
-        with open(args.results, "a") as f:
-            f.write(
-                f"\n## An FP8 block's joined projections and compile mode (`probe_fp8_block_compile.py`), {stamp}\n\n"
-                f"Command: `python benchmarks/probe_fp8_block_compile.py {' '.join(argv or sys.argv[1:])}`  \n"
-                f"Machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {torchao.__version__}; "
-                f"one full-size block, random weights, {args.tokens} tokens, FP8 default, compiled; median of "
-                f"{args.rounds} interleaved rounds of {args.seconds} s back to back\n\n{text}\n"
-            )
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    text = "\n".join(
+        [
+            f"\n## An FP8 block's joined projections and compile mode (`probe_fp8_block_compile.py`), {stamp}\n",
+            f"Command: `{command_line('probe_fp8_block_compile.py', argv)}`  ",
+            f"Machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {torchao.__version__}; one "
+            f"full-size block, random weights, {args.tokens} tokens, FP8 default, compiled; median of {args.rounds} "
+            f"interleaved rounds of {args.seconds} s back to back\n",
+            *markdown_table(table),
+        ]
+    )
+    publish(text, args.results)
     return 0
 
 
