@@ -34,6 +34,9 @@
 #   int8     bench_fp8 fidelity of the FP8 default against INT8 on every block linear (--quantization int8), and the
 #            block time of bf16, FP8 (default, all), INT8 (all; cuBLAS GEMM + rescale, and fused in one Triton kernel)
 #                                                                                                       (~5 min)
+#   joins    probe_fp8_block_compile: one FP8 block with its projections apart, joined (the default), and joined but
+#            for one group each (gate|up, k|v, q|gate): what each join brings. Each variant compiles cold in about
+#            70 s on a fresh machine                                                                     (~8 min)
 #   speedint8  bench_krea2_speed compiled with --quantization int8: one forward and Turbo / Raw, SGLang's pattern
 #                                                                                                       (~3 min)
 #   length   probe_prompt_length: a new prompt length's first-call cost, per part of a request, in the warmed-up
@@ -110,6 +113,9 @@ serveint8() {
     --results "$results"
 }
 
+joins() {
+  timeout 560 python3 benchmarks/probe_fp8_block_compile.py --results "$results"
+}
 speed() {
   local choice i=0
   IFS=';' read -ra choices <<<"${SPEED_EXCLUDES:-attn_kv attn_out;default}"
@@ -149,7 +155,7 @@ alloc() {
 
 [ "$*" = all ] && set -- check host textenc fp8 int8 speed speedint8 length serve serveint8 workers fresh alloc
 for step in "$@"; do
-  case "$step" in wheels | check | host | textenc | fp8 | int8 | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
+  case "$step" in wheels | check | host | textenc | fp8 | int8 | joins | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
 done
 wheels
 status=0
