@@ -47,11 +47,7 @@ def join_linears(module: nn.Module, parts: Sequence[str]) -> JointLinear:
     """Replace the children `parts` of `module` (bias-free `nn.Linear`s of one input width, dtype and device) by one
     `JointLinear` registered as `joint_name(parts)`; returns it. Raises ValueError for parts that cannot be joined."""
     linears = [module._modules.get(name) for name in parts]
-    bad = [
-        n
-        for n, m in zip(parts, linears)
-        if type(m) is not nn.Linear or m.bias is not None or type(m.weight.data) is not torch.Tensor
-    ]
+    bad = [n for n, m in zip(parts, linears) if not _joinable(m)]
     if len(parts) < 2 or bad:
         raise ValueError(
             f"join_linears({type(module).__name__}, {list(parts)}): need two or more bias-free nn.Linear children "
@@ -68,6 +64,16 @@ def join_linears(module: nn.Module, parts: Sequence[str]) -> JointLinear:
     return joint
 
 
+def _joinable(module: nn.Module | None) -> bool:
+    """A plain bias-free `nn.Linear` whose weight is an ordinary tensor (not yet quantised)."""
+    return type(module) is nn.Linear and module.bias is None and type(module.weight.data) is torch.Tensor
+
+
+def _joint_holding(module: nn.Module, name: str) -> JointLinear | None:
+    """The `JointLinear` child of `module` that computes the part `name`, if any."""
+    return next((m for m in module.children() if isinstance(m, JointLinear) and name in m.part_names), None)
+
+
 def linear_outputs(module: nn.Module, x: torch.Tensor, names: Sequence[str]) -> tuple[torch.Tensor, ...]:
     """`tuple(getattr(module, n)(x) for n in names)`, except that a joined part is read from its joint linear's output,
     each joint linear running once."""
@@ -79,7 +85,7 @@ def linear_outputs(module: nn.Module, x: torch.Tensor, names: Sequence[str]) -> 
         if child is not None:
             found[name] = child(x)
             continue
-        joint = next((m for m in module.children() if isinstance(m, JointLinear) and name in m.part_names), None)
+        joint = _joint_holding(module, name)
         if joint is None:
             raise AttributeError(f"{type(module).__name__} has no linear {name!r}, joined or not")
         found.update(zip(joint.part_names, joint(x)))
@@ -91,21 +97,19 @@ def linear_computing(model: nn.Module, qualified_name: str) -> nn.Linear:
     child or the joint linear that holds it."""
     parent_name, _, name = qualified_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    child = parent._modules.get(name)
-    if child is not None:
-        return child
-    for joint in parent.children():
-        if isinstance(joint, JointLinear) and name in joint.part_names:
-            return joint
+    found = parent._modules.get(name)
+    found = found if found is not None else _joint_holding(parent, name)
+    if found is not None:
+        return found
     raise AttributeError(f"{type(model).__name__} has no linear {qualified_name!r}, joined or not")
 
 
 def joinable_groups(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
-    """Every group a module of `model` declares in `joinable` whose parts are all present: (the module's qualified
-    name, the module, the parts)."""
+    """Every group a module of `model` declares in `joinable` whose parts are all present and joinable (plain,
+    bias-free, not yet quantised linears): (the module's qualified name, the module, the parts)."""
     groups = []
     for prefix, module in model.named_modules():
         for parts in getattr(module, "joinable", ()):
-            if all(isinstance(module._modules.get(p), nn.Linear) for p in parts):
+            if all(_joinable(module._modules.get(p)) for p in parts):
                 groups.append((prefix, module, tuple(parts)))
     return groups

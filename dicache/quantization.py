@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -211,11 +211,8 @@ def quantize_transformer(model: nn.Module, spec: QuantizationSpec | str) -> list
     if not names:
         raise QuantizationError(f"quantization={spec.method!r}: the include/exclude patterns select no linear")
     chosen = set(names)
-    if spec.join_projections:
-        blocks = getattr(model, "transformer_blocks", None)
-        include = _expand(spec.include, len(blocks) if blocks is not None else 0)
-        scope = {n for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in include)}
-        chosen = join_selected(model, chosen, scope)
+    if spec.join_projections:  # the scope: what the include patterns select, exclusions aside
+        chosen = join_selected(model, chosen, set(selected_linears(model, replace(spec, exclude=()))))
     if spec.method == "int8":
         int8_linears(model, chosen)
     else:

@@ -96,9 +96,7 @@ def _band_chunk(
     deflated = compressor.compress(band) + compressor.flush(zlib.Z_FINISH if last else zlib.Z_FULL_FLUSH)
     head = ZLIB_HEADER if first else b""
     head += EMPTY_STORED_BLOCK * ((len(head) + len(deflated)) % 3)  # each block adds 2 modulo 3
-    start = struct.pack(">I", len(head) + len(deflated)) + b"IDAT" + head
-    crc = zlib.crc32(deflated, zlib.crc32(start[4:]))
-    chunk = b"".join((start, deflated, struct.pack(">I", crc)))
+    chunk = _chunk(b"IDAT", head + deflated)
     return binascii.b2a_base64(chunk, newline=False).decode("ascii") if to_base64 else chunk, zlib.adler32(band)
 
 
