@@ -203,8 +203,12 @@ def section_emulated(args, results: dict) -> list[dict]:
     rows = []
     for config in args.emulate:
         emulated = []  # (model, names) per part; a later part re-emulates the linears it shares with an earlier one
+        attention = None
         for part in config.split("+"):
             scheme, _, groups = part.partition(":")
+            if scheme == ATTENTION_SCHEME:
+                attention = _emulate_attention(pipe.transformer, groups)
+                continue
             model, names = _emulated_linears(pipe, groups)
             emulate_fp8(model, names, EMULATED_SCHEMES[scheme])
             emulated.append((model, names))
@@ -218,6 +222,8 @@ def section_emulated(args, results: dict) -> list[dict]:
             row[f"{name}_worst_dB"] = round(min(values), 2)
         for model, _ in emulated:
             restore_linears(model)
+        for module in attention or ():
+            del module.kernel
         rows.append(row)
         print(f"emulated: {row}", flush=True)
     results["emulated_note"] = (
@@ -227,6 +233,34 @@ def section_emulated(args, results: dict) -> list[dict]:
         "bf16 at the same seed"
     )
     return rows
+
+
+ATTENTION_SCHEME = "attention"
+"""`--emulate` part `attention:QK_FMT[,nosmooth][,pvbf16][,vhead]`: the transformer blocks' attention in emulated
+8-bit (`dicache.fp8_attention_emulation`): Q/K in QK_FMT (int8 or e4m3), K smoothed unless `nosmooth`, P and V in e4m3
+unless `pvbf16`, V scaled per channel unless `vhead`."""
+
+
+def _emulate_attention(transformer: torch.nn.Module, options: str) -> list[torch.nn.Module]:
+    """Give every block attention that uses the class's kernel (not the text path's) the emulated 8-bit kernel;
+    returns the modules changed (delete their `kernel` to undo)."""
+    import functools
+
+    from dicache.fp8_attention_emulation import Fp8AttentionScheme, fp8_attention_reference
+    from dicache.models.krea2.transformer import Attention
+
+    fmt, *flags = options.split(",")
+    scheme = Fp8AttentionScheme(
+        qk_fmt=fmt,
+        smooth_k="nosmooth" not in flags,
+        pv_fmt="bf16" if "pvbf16" in flags else "e4m3",
+        v_per_channel="vhead" not in flags,
+    )
+    kernel = functools.partial(fp8_attention_reference, scheme=scheme)
+    changed = [m for m in transformer.modules() if isinstance(m, Attention) and "kernel" not in vars(m)]
+    for module in changed:
+        module.kernel = kernel
+    return changed
 
 
 def _emulated_linears(pipe: Krea2Pipeline, groups: str) -> tuple[torch.nn.Module, list[str]]:
@@ -455,7 +489,9 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default=None)
     args = parser.parse_args(argv)
     unknown = sorted(
-        {part.partition(":")[0] for config in args.emulate for part in config.split("+")} - set(EMULATED_SCHEMES)
+        {part.partition(":")[0] for config in args.emulate for part in config.split("+")}
+        - set(EMULATED_SCHEMES)
+        - {ATTENTION_SCHEME}
     )
     if unknown:
         parser.error(f"--emulate: unknown scheme(s) {', '.join(unknown)}; allowed: {', '.join(EMULATED_SCHEMES)}")

@@ -3,7 +3,7 @@
 # each printing its tables and appending them to benchmarks/RESULTS.md.
 #
 #   bash benchmarks/gpu_issue27.sh STEP [STEP ...]
-#   # STEP: wheels | check | host | textenc | fp8 | int8 | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc | all
+#   # STEP: wheels | check | host | textenc | fp8 | int8 | joins | attention | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc | all
 #
 # The machine has torch 2.11 but not torchao, fastapi, uvicorn, pydantic(-settings): carry them as wheels in .whl
 # (made here, on any x86-64 or Arm machine with pip; about 6.4 MB, within the 64 MiB a call carries):
@@ -37,6 +37,9 @@
 #   joins    probe_fp8_block_compile: one FP8 block with its projections apart, joined (the default), and joined but
 #            for one group each (gate|up, k|v, q|gate): what each join brings. Each variant compiles cold in about
 #            70 s on a fresh machine                                                                     (~8 min)
+#   attention  probe_fp8_attention: 8-bit attention (benchmarks/fp8_attention_kernel.py, Triton) against bf16 SDPA on a
+#            full-size block's shapes, per scheme and kernel configuration: ms, SNR, agreement with the reference
+#                                                                                                       (~2 min)
 #   speedint8  bench_krea2_speed compiled with --quantization int8: one forward and Turbo / Raw, SGLang's pattern
 #                                                                                                       (~3 min)
 #   length   probe_prompt_length: a new prompt length's first-call cost, per part of a request, in the warmed-up
@@ -113,6 +116,9 @@ serveint8() {
     --results "$results"
 }
 
+attention() {
+  timeout 300 python3 benchmarks/probe_fp8_attention.py --results "$results"
+}
 joins() {
   timeout 560 python3 benchmarks/probe_fp8_block_compile.py --results "$results"
 }
@@ -155,7 +161,7 @@ alloc() {
 
 [ "$*" = all ] && set -- check host textenc fp8 int8 speed speedint8 length serve serveint8 workers fresh alloc
 for step in "$@"; do
-  case "$step" in wheels | check | host | textenc | fp8 | int8 | joins | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
+  case "$step" in wheels | check | host | textenc | fp8 | int8 | joins | attention | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
 done
 wheels
 status=0

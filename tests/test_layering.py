@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dicache.fp8_storage",
         "dicache.hadamard",
         "dicache.fp8_emulation",
+        "dicache.fp8_attention_emulation",
         "dicache.joint_linears",
     ),
     (
