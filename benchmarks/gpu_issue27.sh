@@ -80,7 +80,7 @@ wheels() {
 
 check() {
   timeout 560 python3 -m pytest -m gpu tests/test_fp8_gpu.py tests/test_server_stages.py tests/test_prompt_lengths.py \
-    tests/test_compile_gpu.py tests/test_text_graphs_gpu.py -p no:cacheprovider
+    tests/test_compile_gpu.py tests/test_text_graphs_gpu.py tests/test_fp8_attention_gpu.py -p no:cacheprovider
 }
 
 host() {
