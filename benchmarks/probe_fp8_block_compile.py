@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         residual = rows[variant].pop("residual")
         ms = statistics.median(times[variant])
         noise = (residual - reference).pow(2).sum().item()
-        snr = None if noise == 0 else round(10 * torch.log10(reference.pow(2).sum() / noise).item(), 2)
+        snr = "identical" if noise == 0 else round(10 * torch.log10(reference.pow(2).sum() / noise).item(), 2)
         row = rows[variant] | {
             "ms_per_block": round(ms, 3),
             "rounds_ms": [round(t, 3) for t in times[variant]],
