@@ -10,7 +10,10 @@ text), the FP8 default (`--quantization fp8`: attention k/v/out in bf16), compil
 - `apart max-autotune TMA`, `joined max-autotune TMA`: `mode="max-autotune-no-cudagraphs"` with
   `triton.enable_persistent_tma_matmul` (Hopper's persistent TMA templates, inductor's Triton templates for row-scaled
   FP8 GEMMs, timed against `_scaled_mm`). On 2026-12-03 its autotuning took over 4 min per block and picked
-  `_scaled_mm` for every FP8 GEMM shape it timed (the best Triton template within 0.5 %).
+  `_scaled_mm` for every FP8 GEMM shape it timed (the best Triton template within 0.5 %);
+- `joined coordinate-descent`: inductor's `coordinate_descent_tuning` (it tunes the block sizes of its own pointwise
+  and reduction kernels: the norms, modulations, RoPE and the activations' FP8 rounding, about an eighth of an FP8
+  block's time).
 
 Times are interleaved rounds of back-to-back calls (the GPU sits at its power cap), median per variant; each
 variant's block residual (output minus input) is compared with the first variant's (SNR, dB). Compile seconds are the
@@ -51,6 +54,7 @@ VARIANTS = (
     "joined but q|gate",
     "apart max-autotune TMA",
     "joined max-autotune TMA",
+    "joined coordinate-descent",
 )
 LEFT_APART = {"gate|up": ("ff", ()), "k|v": ("attn", (("to_q", "to_gate"),)), "q|gate": ("attn", (("to_k", "to_v"),))}
 """`joined but G`: the submodule whose `joinable` declaration is narrowed on the probe's copy, and what is left."""
@@ -75,11 +79,14 @@ def build(variant: str, block: Krea2TransformerBlock):
     stack = Stack(copied)
     quantize_transformer(stack, QuantizationSpec(join_projections=variant.startswith("joined")))
     mode = "max-autotune-no-cudagraphs" if "max-autotune" in variant else None
-    tma = "TMA" in variant
+    options = {
+        "triton.enable_persistent_tma_matmul": "TMA" in variant,
+        "coordinate_descent_tuning": "coordinate-descent" in variant,
+    }
     compiled = torch.compile(stack.transformer_blocks[0], fullgraph=True, mode=mode)
 
     def call(*args):
-        with inductor_config.patch({"triton.enable_persistent_tma_matmul": tma}):
+        with inductor_config.patch(options):  # read while compiling, on the first call
             return compiled(*args)
 
     return stack, call
