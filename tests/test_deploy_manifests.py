@@ -119,6 +119,37 @@ def test_single_process_deployment_fits_the_server_it_runs():
     assert service["spec"]["ports"][0]["targetPort"] == port["name"]
 
 
+def _assert_compile_cache_on_a_writable_volume(pod_spec: dict, container: dict) -> None:
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        path = env[variable]
+        mount = next(m for root, m in mounts.items() if path.startswith(root.rstrip("/") + "/"))
+        assert not mount.get("readOnly", False)
+        assert "emptyDir" in volumes[mount["name"]] or "persistentVolumeClaim" in volumes[mount["name"]]
+
+
+def test_compiled_server_keeps_its_compile_cache_on_a_writable_volume_and_has_time_to_compile():
+    pod = _kind(_docs(SERVER), "Deployment")["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    args = parse_serve_argv(container["command"][2:])
+    assert args.compile and args.quantization == "fp8"  # the fast path of the README's speed table
+    _assert_compile_cache_on_a_writable_volume(pod["spec"], container)
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 900  # cold compile 6-8 min + loading
+
+
+def test_compiled_ray_replicas_keep_their_compile_cache_on_a_writable_volume():
+    rayservice = yaml.safe_load(RAYSERVICE.read_text())
+    (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    assert app["args"]["compile"] is True and app["args"]["quantization"] == "fp8"
+    for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        pod_spec = group["template"]["spec"]
+        (container,) = pod_spec["containers"]
+        _assert_compile_cache_on_a_writable_volume(pod_spec, container)
+
+
 # ---------------------------------------------------------------------------------------------- RayService
 def test_rayservice_serve_config_builds_with_the_dicache_serve_parser():
     rayservice = yaml.safe_load(RAYSERVICE.read_text())
