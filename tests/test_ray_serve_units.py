@@ -668,12 +668,17 @@ def test_replicas_get_the_speed_options_and_refuse_offload():
         replica_spec_from_args(parse_serve_argv(["--ray", "--dit-layerwise-offload"]), CacheConfig())
 
 
-def test_replica_applies_speed_options_in_order():
+def test_replica_applies_speed_options_in_order_then_starts_up_as_dicache_serve(monkeypatch):
+    from dicache.server import backend as backend_module
     from dicache.server.ray.spec import ReplicaSpec
 
     calls = []
+    monkeypatch.setattr(backend_module, "release_cached_memory", lambda device: calls.append(("release", device)))
+    monkeypatch.setattr(backend_module, "freeze_start_up_objects", lambda: calls.append(("freeze",)))
 
     class Pipe:
+        device = "cpu"
+
         def quantize(self, spec):
             calls.append(("quantize", spec))
 
@@ -692,10 +697,17 @@ def test_replica_applies_speed_options_in_order():
             return {}
 
     ReplicaSpec(quantization="q", compile=True).apply_speed(Backend())
-    assert calls == [("quantize", "q"), ("compile",), ("warm_up",), ("prepare_text_lengths",)]
+    assert calls == [
+        ("quantize", "q"),
+        ("compile",),
+        ("warm_up",),
+        ("prepare_text_lengths",),
+        ("release", "cpu"),  # what quantisation and the warm-up left reserved, as `dicache serve` does
+        ("freeze",),
+    ]
     calls.clear()
     ReplicaSpec(prepare_text_lengths=False).apply_speed(Backend())
-    assert calls == []
+    assert calls == [("release", "cpu"), ("freeze",)]
 
 
 # ---------------------------------------------------------------------------------------------- drain on SIGTERM

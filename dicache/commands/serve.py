@@ -47,8 +47,7 @@ def run(args: argparse.Namespace) -> int:
         return run_ray(args)
     try:  # the serve extra (fastapi, uvicorn); runner.serve is read here, when called (tests swap it)
         from ..server import create_app, load_backend
-        from ..server.gc_pauses import freeze_start_up_objects
-        from ..server.memory import release_cached_memory
+        from ..server.backend import ready_to_serve
         from ..server.runner import ensure_descriptors, exposure_warnings, serve
     except ModuleNotFoundError as exc:
         raise DicacheError(f"dicache serve needs the serve extra: pip install 'dicache[serve]' ({exc})") from None
@@ -100,14 +99,13 @@ def run(args: argparse.Namespace) -> int:
     parallelize_pipeline(backend.pipe, ctx)
     if not offload.any:
         apply_speed_options(backend.pipe, args)
-    if args.compile:  # every rank warms up the same way, before serving, so the first request is not the slow one
-        print(f"warm-up (compile): {backend.warm_up()}", flush=True)
-    if args.prepare_text_lengths:  # after the compile warm-up: the compiled blocks then take any length
-        prepared = backend.prepare_text_lengths()
-        if prepared:
-            print(f"prompt lengths prepared: {prepared}", flush=True)
-    release_cached_memory(backend.pipe.device)  # what quantisation and the warm-up left reserved; peaks from here
-    freeze_start_up_objects()  # full collections then skip the model's objects (gc_pauses says why)
+    # every rank warms up the same way; then memory released and start-up objects frozen, as in each Ray replica
+    ready_to_serve(
+        backend,
+        warm_up=args.compile,
+        prepare_text_lengths=args.prepare_text_lengths,
+        report=lambda line: print(line, flush=True),
+    )
     backend = lockstep(backend, ctx)
     if backend is None:  # a follower rank: it replayed rank 0's requests until rank 0 closed
         ctx.shutdown()

@@ -47,6 +47,7 @@ from ..settings.cache_config import CacheConfig
 from ..settings.profiles import cache_config as read_cache_config
 from ..sweep.flops import request_flops
 from . import png
+from .gc_pauses import freeze_start_up_objects
 from .generation import Defaults, GenerationSpec
 from .memory import release_cached_memory
 from .stages import GenerationStages, inline
@@ -462,3 +463,22 @@ def load_backend(
     )
     release_cached_memory(pipe.device)  # what loading left reserved (e.g. bf16 weights replaced by FP8 ones)
     return PipelineBackend(pipe, config, variant_defaults(pipe, variant, default_size))
+
+
+def ready_to_serve(
+    backend: PipelineBackend, *, warm_up: bool, prepare_text_lengths: bool, report: Callable[[str], None]
+) -> None:
+    """The last start-up steps of a loaded (quantised, compiled, split) backend, the same in `dicache serve` and in
+    each Ray Serve replica: with `warm_up`, the warm-up generations (compiling, so the first request is not the slow
+    one); with `prepare_text_lengths`, every prompt length met once (after the warm-up: the compiled blocks then take
+    any length); then the allocator's unused blocks handed back and the peak counters reset (what quantisation and
+    the warm-up left reserved: the serving peak starts here), and every object alive frozen for the garbage collector
+    (`gc_pauses`). `report` gets one line per step that did something."""
+    if warm_up:
+        report(f"warm-up (compile): {backend.warm_up()}")
+    if prepare_text_lengths:
+        prepared = backend.prepare_text_lengths()
+        if prepared:
+            report(f"prompt lengths prepared: {prepared}")
+    release_cached_memory(backend.pipe.device)
+    freeze_start_up_objects()

@@ -63,16 +63,20 @@ class ReplicaSpec:
         )
 
     def apply_speed(self, backend: Any) -> Any:
-        """`--quantization` then `--compile` on a loaded (and, for a group, split) backend, as `dicache serve` does;
-        with `--compile` the replica warms up, and with `--prepare-text-lengths` (on CUDA) it meets every prompt
-        length, before it reports healthy. Returns the backend."""
+        """`--quantization` then `--compile` on a loaded (and, for a group, split) backend, then the start-up steps
+        of `dicache serve` (`backend.ready_to_serve`: with `--compile` the warm-up, with `--prepare-text-lengths` (on
+        CUDA) every prompt length met, memory released, start-up objects frozen), before the replica reports
+        healthy. Returns the backend."""
+        from ..backend import ready_to_serve  # the serve extra (fastapi), which parsing the command line does not need
+
         if self.quantization is not None:
             backend.pipe.quantize(self.quantization)
         if self.compile:
             backend.pipe.compile()
-            log.info("replica warm-up (compile): %s", backend.warm_up())
-        if self.prepare_text_lengths:
-            prepared = backend.prepare_text_lengths()
-            if prepared:
-                log.info("replica prompt lengths prepared: %s", prepared)
+        ready_to_serve(
+            backend,
+            warm_up=self.compile,
+            prepare_text_lengths=self.prepare_text_lengths,
+            report=lambda line: log.info("replica %s", line),
+        )
         return backend
