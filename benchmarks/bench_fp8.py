@@ -241,22 +241,36 @@ ATTENTION_SCHEME = "attention"
 unless `pvbf16`, V scaled per channel unless `vhead`."""
 
 
-def _emulate_attention(transformer: torch.nn.Module, options: str) -> list[torch.nn.Module]:
-    """Give every block attention that uses the class's kernel (not the text path's) the emulated 8-bit kernel;
-    returns the modules changed (delete their `kernel` to undo)."""
-    import functools
+ATTENTION_FLAGS = ("nosmooth", "pvbf16", "vhead")
 
-    from dicache.fp8_attention_emulation import Fp8AttentionScheme, fp8_attention_reference
-    from dicache.models.krea2.transformer import Attention
+
+def _attention_scheme(options: str):
+    """The `Fp8AttentionScheme` of an `attention:` part's OPTIONS; ValueError naming a bad format or flag."""
+    from dicache.fp8_attention_emulation import Fp8AttentionScheme
 
     fmt, *flags = options.split(",")
-    scheme = Fp8AttentionScheme(
+    unknown = sorted(set(flags) - set(ATTENTION_FLAGS))
+    if unknown:
+        raise ValueError(
+            f"attention:{options}: unknown flag(s) {', '.join(unknown)}; allowed: {', '.join(ATTENTION_FLAGS)}"
+        )
+    return Fp8AttentionScheme(
         qk_fmt=fmt,
         smooth_k="nosmooth" not in flags,
         pv_fmt="bf16" if "pvbf16" in flags else "e4m3",
         v_per_channel="vhead" not in flags,
     )
-    kernel = functools.partial(fp8_attention_reference, scheme=scheme)
+
+
+def _emulate_attention(transformer: torch.nn.Module, options: str) -> list[torch.nn.Module]:
+    """Give every block attention that uses the class's kernel (not the text path's) the emulated 8-bit kernel;
+    returns the modules changed (delete their `kernel` to undo)."""
+    import functools
+
+    from dicache.fp8_attention_emulation import fp8_attention_reference
+    from dicache.models.krea2.transformer import Attention
+
+    kernel = functools.partial(fp8_attention_reference, scheme=_attention_scheme(options))
     changed = [m for m in transformer.modules() if isinstance(m, Attention) and "kernel" not in vars(m)]
     for module in changed:
         module.kernel = kernel
@@ -494,7 +508,15 @@ def main(argv=None) -> int:
         - {ATTENTION_SCHEME}
     )
     if unknown:
-        parser.error(f"--emulate: unknown scheme(s) {', '.join(unknown)}; allowed: {', '.join(EMULATED_SCHEMES)}")
+        allowed = ", ".join([*EMULATED_SCHEMES, ATTENTION_SCHEME])
+        parser.error(f"--emulate: unknown scheme(s) {', '.join(unknown)}; allowed: {allowed}")
+    for part in (part for config in args.emulate for part in config.split("+")):
+        scheme, _, options = part.partition(":")
+        if scheme == ATTENTION_SCHEME:
+            try:
+                _attention_scheme(options)
+            except ValueError as exc:
+                parser.error(f"--emulate: {exc}")
     try:
         import torchao
 

@@ -26,6 +26,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton  # the kernel's (fp8_attention_kernel imports it too)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -143,13 +144,7 @@ def main(argv=None) -> None:
         row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1), speedup_vs_sdpa=round(base / ms, 3))
     table = sorted(rows.values(), key=lambda r: r["ms"])
     keys = ["variant", "ms", "tflops", "speedup_vs_sdpa", "snr_dB", "max_diff_vs_reference"]
-    machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    try:
-        import triton
-
-        machine += f", triton {triton.__version__}"
-    except ImportError:
-        pass
+    machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     text = "\n".join(
         [

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8_emulation import E4M3_MAX, FORMATS, INT8_RANGE
+from .fp8_emulation import E4M3_MAX, FORMATS, block_scale, round_scaled
 
 QK_FORMATS = FORMATS
 """Number formats the scores' operands may be rounded to."""
@@ -54,14 +54,8 @@ class Fp8AttentionScheme:
 def _round_rows(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` (..., D) rounded per row: (values in `fmt`'s dtype: int8 or float8_e4m3fn, scales float32 (...,))."""
     xf = x.float()
-    low, high = INT8_RANGE
-    top = E4M3_MAX if fmt == "e4m3" else (high - low) / 2
-    scale = xf.abs().amax(dim=-1) / top
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scaled = xf / scale[..., None]
-    if fmt == "e4m3":
-        return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
-    return scaled.round().clamp(low, high).to(torch.int8), scale
+    scale = block_scale(xf.abs().amax(dim=-1), fmt)
+    return round_scaled(xf / scale[..., None], fmt), scale
 
 
 def quantize_attention_inputs(
@@ -84,12 +78,12 @@ def quantize_attention_inputs(
         v_scale = torch.ones(value.shape[:2] + value.shape[3:], dtype=torch.float32, device=value.device)
         return q8, q_scale, k8, k_scale, value.to(torch.bfloat16).transpose(2, 3).contiguous(), v_scale
     vf = value.float()
-    v_scale = (
-        vf.abs().amax(dim=2) if scheme.v_per_channel else vf.abs().amax(dim=(2, 3))[..., None].expand_as(vf[:, :, 0])
-    )
-    v_scale = torch.where(v_scale > 0, v_scale, torch.ones_like(v_scale)) / E4M3_MAX
-    v8 = (vf / v_scale[:, :, None, :]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).transpose(2, 3).contiguous()
-    return q8, q_scale, k8, k_scale, v8, v_scale.contiguous()
+    amax = vf.abs().amax(dim=2)  # (B, Hkv, D)
+    if not scheme.v_per_channel:
+        amax = amax.amax(dim=-1, keepdim=True).expand_as(amax)
+    v_scale = block_scale(amax, "e4m3").contiguous()
+    v8 = round_scaled(vf / v_scale[:, :, None, :], "e4m3").transpose(2, 3).contiguous()
+    return q8, q_scale, k8, k_scale, v8, v_scale
 
 
 def fp8_attention_reference(

@@ -40,6 +40,22 @@ ACTIVATION_BLOCK = (1, 128)
 WEIGHT_BLOCK = (128, 128)
 
 
+def block_scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The scale that maps a block's largest magnitude `amax` onto `fmt`'s largest value (`E4M3_MAX`, or 127.5 for
+    int8 as torchao takes it); 1 where `amax` is 0, so an all-zero block stays zeros."""
+    low, high = INT8_RANGE
+    scale = amax / (E4M3_MAX if fmt == "e4m3" else (high - low) / 2)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def round_scaled(scaled: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Values already divided by their `block_scale`, rounded to `fmt` and returned in its dtype: float8_e4m3fn
+    (clamped to ±`E4M3_MAX`, round to nearest even) or int8 (round half to even, clamped to `INT8_RANGE`)."""
+    if fmt == "e4m3":
+        return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return scaled.round().clamp(*INT8_RANGE).to(torch.int8)
+
+
 def fake_quantize(x: torch.Tensor, block: tuple[int, int] = PER_ROW, fmt: str = "e4m3") -> torch.Tensor:
     """`x` rounded through `fmt` (float8_e4m3fn or int8) with one scale per block (module doc); float32, `x`'s
     shape."""
@@ -51,13 +67,8 @@ def fake_quantize(x: torch.Tensor, block: tuple[int, int] = PER_ROW, fmt: str = 
     pad_rows, pad_cols = -rows % block_rows, -cols % block_cols
     padded = F.pad(matrix, (0, pad_cols, 0, pad_rows))
     tiles = padded.reshape(padded.shape[0] // block_rows, block_rows, padded.shape[1] // block_cols, block_cols)
-    low, high = INT8_RANGE
-    scale = tiles.abs().amax(dim=(1, 3), keepdim=True) / (E4M3_MAX if fmt == "e4m3" else (high - low) / 2)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    if fmt == "e4m3":
-        quantized = (tiles / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
-    else:
-        quantized = (tiles / scale).round().clamp(low, high) * scale
+    scale = block_scale(tiles.abs().amax(dim=(1, 3), keepdim=True), fmt)
+    quantized = round_scaled(tiles / scale, fmt).float() * scale
     return quantized.reshape(padded.shape)[:rows, :cols].reshape(x.shape)
 
 

@@ -2,6 +2,8 @@
 the reference's agreement with exact attention, its masking, grouping and key smoothing."""
 
 import math
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -101,3 +103,20 @@ def test_output_keeps_the_query_dtype():
 def test_bad_formats_name_the_field_and_the_allowed_values(field, value):
     with pytest.raises(ValueError, match=rf"{field}='{value}' is invalid: must be one of"):
         Fp8AttentionScheme(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        ("attention:int8,nosmoth", "unknown flag(s) nosmoth; allowed: nosmooth, pvbf16, vhead"),
+        ("attention:fp4", "qk_fmt='fp4' is invalid: must be one of e4m3, int8"),
+        ("atention:int8", "unknown scheme(s) atention; allowed: row, block, hadamard, int8, attention"),
+    ],
+)
+def test_bench_fp8_refuses_a_bad_attention_part_before_loading(part, message, capsys):
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_fp8  # benchmark code, on the path only here
+
+    with pytest.raises(SystemExit):
+        bench_fp8.main(["--sections", "emulated", "--device", "cpu", "--emulate", part])
+    assert message in capsys.readouterr().err
