@@ -14,6 +14,9 @@ padded to 512 with 48 real tokens; denoising only (latent output, no text encode
 - overhead: Turbo 8 plain vs hooks measuring the diff at every step with nothing cached.
 - the same with the transformer blocks compiled (both sides), with recompilations counted after warm-up.
 - profile: the top kernels of one full and one cached forward.
+- gaps: the GPU timeline (torch.profiler, CUDA) of one forward, of a plain Turbo denoise and of one under SGLang's
+  pattern: span, kernel-busy time, idle time and its largest gaps with the kernels around them (where the denoise
+  loses time to the host: decisions' synchronisations, launches). CUDA only.
 
     python benchmarks/bench_krea2_speed.py [--results benchmarks/RESULTS.md] [--no-compile] [--sections ...]
     python benchmarks/bench_krea2_speed.py --tiny --device cpu      # logic check
@@ -54,7 +57,45 @@ from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler  # noqa: E402
 from dicache.quantization import QUANTIZATION_METHODS, parse_quantization  # noqa: E402
 
-SECTIONS = ("forward", "masks", "sglang", "overhead", "profile")
+SECTIONS = ("forward", "masks", "sglang", "overhead", "profile", "gaps")
+SGLANG_PATTERN = {
+    "Fn_compute_blocks": 1,
+    "Bn_compute_blocks": 0,
+    "max_warmup_steps": 4,
+    "max_continuous_cached_steps": 3,
+    "residual_diff_threshold": 1e9,
+}
+"""SGLang's default cache settings (Fn=1 Bn=0 W=4 MC=3) with a threshold that every allowed step passes."""
+
+
+def timeline(kernels: list[tuple[float, float, str]], top: int = 5) -> dict:
+    """The GPU timeline of `kernels` `(start_us, end_us, name)` (any order, overlaps allowed): span (first start to
+    last end), busy (their union) and idle (span - busy) in ms, the number of idle gaps over 20 us, and the `top`
+    largest gaps as `"us: before -> after"`."""
+    if not kernels:
+        raise ValueError("timeline: no kernels")
+    ordered = sorted(kernels)
+    busy, gaps = 0.0, []
+    start, end, name = ordered[0]
+    for next_start, next_end, next_name in ordered[1:]:
+        if next_start > end:
+            busy += end - start
+            gaps.append((next_start - end, name, next_name))
+            start = next_start
+        if next_end >= end:
+            end, name = next_end, next_name
+    busy += end - start
+    span = max(e for _, e, _ in ordered) - ordered[0][0]
+    gaps.sort(key=lambda g: -g[0])
+    return {
+        "span_ms": round(span / 1e3, 3),
+        "busy_ms": round(busy / 1e3, 3),
+        "idle_ms": round((span - busy) / 1e3, 3),
+        "gaps_over_20us": sum(1 for g in gaps if g[0] > 20),
+        "largest_gaps": [f"{g:.0f}: {a[:40]} -> {b[:40]}" for g, a, b in gaps[:top]],
+    }
+
+
 # the step-mask presets; masks are cache-dit's (cache_dit.steps_mask) when it is importable, else ours
 # (docs/architecture.md §2)
 PRESETS = ("slow", "medium", "fast", "ultra")
@@ -420,13 +461,7 @@ class Bench:
 
     def section_sglang(self, tag: str) -> None:
         rows = []
-        config = {
-            "Fn_compute_blocks": 1,
-            "Bn_compute_blocks": 0,
-            "max_warmup_steps": 4,
-            "max_continuous_cached_steps": 3,
-            "residual_diff_threshold": 1e9,
-        }
+        config = SGLANG_PATTERN
         for steps, cfg, sglang_s in ((self.args.turbo_steps, False, 0.92), (self.args.raw_steps, True, 6.3)):
             plain = self.timed(self.ours_run(steps, cfg), self.reps(steps), warm_key=("ours", steps, cfg, tag))
             dicache.enable(self.pipe, config)
@@ -491,6 +526,42 @@ class Bench:
         dicache.disable(ours)
         self.results["sections"][f"profile{tag}"] = out
         print(f"profile{tag} full:\n{out['full']}\nprofile{tag} cached:\n{out['cached']}", flush=True)
+
+    def section_gaps(self, tag: str) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.device.type != "cuda":
+            raise SystemExit("--sections gaps: needs a CUDA device (the GPU timeline)")
+        steps = self.args.turbo_steps
+        text = self.ours.encode_text(self.pe, self.pm)
+        x = torch.randn(1, self.image_tokens, self.config["in_channels"], device=self.device, dtype=self.dtype)
+        ids = Krea2Pipeline.position_ids(self.size // 16, self.size // 16, self.device)
+        t = torch.full((1,), 0.7, device=self.device)
+        runs = {
+            "forward": (lambda: self.ours(x, text, t, ids), None),
+            f"denoise plain, {steps} steps": (self.ours_denoise_run(steps, False), None),
+            f"denoise SGLang pattern, {steps} steps": (self.ours_denoise_run(steps, False), SGLANG_PATTERN),
+        }
+        rows = []
+        for name, (run, config) in runs.items():
+            if config is not None:
+                dicache.enable(self.pipe, config)
+            with torch.no_grad():
+                run()  # warm: compiled graphs, cuDNN plans
+                self.sync()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    run()
+                    self.sync()
+            if config is not None:
+                dicache.disable(self.pipe)
+            kernels = [
+                (e.time_range.start, e.time_range.end, e.name)
+                for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0
+            ]
+            rows.append({"run": name, **timeline(kernels)})
+            print(f"gaps{tag}: {rows[-1]}", flush=True)
+        self.results["sections"][f"gaps{tag}"] = rows
 
     # -------------------------------------------------------------------------------------------------- compile
     def compile_both(self) -> dict:

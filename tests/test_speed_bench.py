@@ -55,3 +55,24 @@ def test_run_flops_of_cached_calls_count_only_the_fn_blocks(bench):
         bench.config, bench.image_tokens + bench.valid
     )
     assert bench.run_flops(stats) == pytest.approx(plain - 5 * middle)
+
+
+def test_timeline_counts_the_union_of_kernels_and_names_the_largest_gaps():
+    kernels = [
+        (0.0, 100.0, "gemm"),
+        (50.0, 120.0, "overlapping"),  # overlaps the first: no gap, busy 0-120
+        (150.0, 200.0, "norm"),  # a 30 us gap
+        (1200.0, 1300.0, "attention"),  # a 1000 us gap
+        (1305.0, 1310.0, "tail"),  # 5 us: under the 20 us count
+    ]
+    result = bench_krea2_speed.timeline(list(reversed(kernels)), top=2)
+    assert result["span_ms"] == pytest.approx(1.31)
+    assert result["busy_ms"] == pytest.approx((120 + 50 + 100 + 5) / 1e3)
+    assert result["idle_ms"] == pytest.approx((30 + 1000 + 5) / 1e3)
+    assert result["gaps_over_20us"] == 2
+    assert result["largest_gaps"] == ["1000: norm -> attention", "30: overlapping -> norm"]
+
+
+def test_timeline_refuses_an_empty_profile():
+    with pytest.raises(ValueError, match="no kernels"):
+        bench_krea2_speed.timeline([])
