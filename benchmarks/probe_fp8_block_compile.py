@@ -131,10 +131,10 @@ def kernel_kind(name: str) -> str:
     """The group of a CUDA kernel's name: cuBLAS's scaled (FP8) GEMMs carry `qq` / `scale`, cuDNN's and flash's
     attention `sdpa` / `flash` / `fmha`, inductor's kernels start with `triton_`."""
     lowered = name.lower()
+    if lowered.startswith("triton_"):  # before attention: a fused kernel's name lists the ops around it
+        return "inductor"
     if any(key in lowered for key in ("sdpa", "flash", "fmha", "attention")):
         return "attention"
-    if lowered.startswith("triton_"):
-        return "inductor"
     if any(key in lowered for key in ("nvjet", "gemm", "xmma", "cutlass")):
         return "fp8 gemm" if ("qq" in lowered or "scale" in lowered or "e4m3" in lowered) else "bf16 gemm"
     return "other"
