@@ -35,6 +35,7 @@ import pathlib
 import platform
 import sys
 import time
+import warnings
 
 import torch
 
@@ -94,6 +95,20 @@ def timeline(kernels: list[tuple[float, float, str]], top: int = 5) -> dict:
         "gaps_over_20us": sum(1 for g in gaps if g[0] > 20),
         "largest_gaps": [f"{g:.0f}: {a[:40]} -> {b[:40]}" for g, a, b in gaps[:top]],
     }
+
+
+def host_waits(run) -> int:
+    """How many times `run()` made the host wait for the GPU (CUDA's sync debug mode; the run's own end excluded)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchronizing" in str(w.message) for w in caught)
 
 
 # the step-mask presets; masks are cache-dit's (cache_dit.steps_mask) when it is importable, else ours
@@ -549,6 +564,7 @@ class Bench:
             with torch.no_grad():
                 run()  # warm: compiled graphs, cuDNN plans
                 self.sync()
+                waits = host_waits(run)
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     run()
                     self.sync()
@@ -559,7 +575,7 @@ class Bench:
                 for e in prof.events()
                 if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0
             ]
-            rows.append({"run": name, **timeline(kernels)})
+            rows.append({"run": name, "host_waits": waits, **timeline(kernels)})
             print(f"gaps{tag}: {rows[-1]}", flush=True)
         self.results["sections"][f"gaps{tag}"] = rows
 

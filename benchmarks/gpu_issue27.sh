@@ -48,7 +48,8 @@
 #                                                                                                       (~4 min)
 #   speed    bench_krea2_speed compiled: one forward (<= 0.125 s) and Turbo / Raw under SGLang's default pattern
 #            (Turbo denoise <= 0.65 s), for each exclusion choice in $SPEED_EXCLUDES (';'-separated
-#            --quantization-exclude values, `default` for none given; default: "attn_kv attn_out;default") (~3 min each)
+#            --quantization-exclude values, `default` for none given; default: "attn_kv attn_out;default") (~3 min each);
+#            $SPEED_SECTIONS (default forward,sglang) adds e.g. `gaps`: the GPU timeline and the host's waits
 #   serve    bench_serving, FP8 servers with 2 workers (the default), with the text encoder in FP8 (fp8-te: memory)
 #            and in bf16 (fp8: its eager FP8 linears cost about 0.2 s per encode): Turbo concurrency 1 (<= 0.75 s)
 #            and 20 (>= 1.35 req/s) with SGLang's default pattern, the recommended Turbo setting (the moonshot,
@@ -80,7 +81,8 @@ wheels() {
 
 check() {
   timeout 560 python3 -m pytest -m gpu tests/test_fp8_gpu.py tests/test_server_stages.py tests/test_prompt_lengths.py \
-    tests/test_compile_gpu.py tests/test_text_graphs_gpu.py tests/test_fp8_attention_gpu.py -p no:cacheprovider
+    tests/test_compile_gpu.py tests/test_text_graphs_gpu.py tests/test_fp8_attention_gpu.py tests/test_host_syncs_gpu.py \
+    -p no:cacheprovider
 }
 
 host() {
@@ -129,7 +131,7 @@ speed() {
     i=$((i + 1))
     local exclude=()
     [ "$choice" = default ] || read -ra exclude <<<"$choice"
-    timeout 200 python3 benchmarks/bench_krea2_speed.py --mode compiled --sections forward,sglang --no-diffusers \
+    timeout 300 python3 benchmarks/bench_krea2_speed.py --mode compiled --sections "${SPEED_SECTIONS:-forward,sglang}" --no-diffusers \
       --quantization fp8 ${exclude[@]:+--quantization-exclude "${exclude[@]}"} --results "$results" \
       --out "${OUT:-/tmp}/speed_$i.json"
   done

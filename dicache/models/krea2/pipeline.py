@@ -324,7 +324,7 @@ class Krea2Pipeline(PipelineOptimizations):
         """
         inputs = callback_inputs(callback_on_step_end, callback_on_step_end_tensor_inputs, self._callback_tensor_inputs)
         positions = self.position_ids(rows, cols, latents.device)
-        model_t = self.scheduler.model_timesteps(sigmas).to(latents.device)
+        model_t = self.scheduler.model_timesteps(sigmas).to(latents.device, non_blocking=True)  # queued, no wait
         timesteps = self.scheduler.timesteps(sigmas)
         num_steps = len(sigmas) - 1
         step_sigmas = [float(s) for s in sigmas]

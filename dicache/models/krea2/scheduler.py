@@ -131,5 +131,7 @@ class FlowMatchEulerScheduler:
         product `dt * velocity` takes the velocity's dtype and the sum is float32. diffusers casts the result to the
         velocity's dtype instead of the sample's; the two agree whenever both dtypes are equal.
         """
-        dt = torch.tensor(float(sigma_next) - float(sigma), dtype=torch.float32, device=sample.device)
+        # a fill on the device: `torch.tensor(x, device=cuda)` would be a blocking copy that waits for the stream,
+        # leaving the GPU idle at every step's start while the host catches up
+        dt = torch.full((), float(sigma_next) - float(sigma), dtype=torch.float32, device=sample.device)
         return (sample.to(torch.float32) + dt * velocity).to(sample.dtype)
