@@ -149,6 +149,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--results", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="gaps: also write each run's host + GPU timeline as a Chrome trace, TRACE_<run>.json (chrome://tracing)",
+    )
     args = p.parse_args(argv)
     args.sections = [s for s in args.sections.split(",") if s]
     unknown = set(args.sections) - set(SECTIONS)
@@ -565,9 +570,12 @@ class Bench:
                 run()  # warm: compiled graphs, cuDNN plans
                 self.sync()
                 waits = host_waits(run)
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if self.args.trace else [])
+                with profile(activities=activities) as prof:
                     run()
                     self.sync()
+            if self.args.trace:
+                prof.export_chrome_trace(f"{self.args.trace}_{name.split(',')[0].replace(' ', '_')}.json")
             if config is not None:
                 dicache.disable(self.pipe)
             kernels = [
