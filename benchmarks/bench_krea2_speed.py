@@ -570,12 +570,14 @@ class Bench:
                 run()  # warm: compiled graphs, cuDNN plans
                 self.sync()
                 waits = host_waits(run)
-                activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if self.args.trace else [])
-                with profile(activities=activities) as prof:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     run()
                     self.sync()
-            if self.args.trace:
-                prof.export_chrome_trace(f"{self.args.trace}_{name.split(',')[0].replace(' ', '_')}.json")
+                if self.args.trace:  # a run of its own: recording host ops slows the host down
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as traced:
+                        run()
+                        self.sync()
+                    traced.export_chrome_trace(f"{self.args.trace}_{'_'.join(name.split(',')[0].split())}.json")
             if config is not None:
                 dicache.disable(self.pipe)
             kernels = [
