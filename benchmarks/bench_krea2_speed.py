@@ -27,6 +27,7 @@ Prints a table per section (time, achieved TFLOP/s, speed-up), writes JSON to $O
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import json
@@ -97,8 +98,9 @@ def timeline(kernels: list[tuple[float, float, str]], top: int = 5) -> dict:
     }
 
 
-def host_waits(run) -> int:
-    """How many times `run()` made the host wait for the GPU (CUDA's sync debug mode; the run's own end excluded)."""
+def host_waits(run) -> dict[str, int]:
+    """Where `run()` made the host wait for the GPU, `{"file:line": count}` of the Python callers (CUDA's sync debug
+    mode; the run's own end excluded)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -108,7 +110,10 @@ def host_waits(run) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    return sum("synchronizing" in str(w.message) for w in caught)
+    where = collections.Counter(
+        f"{pathlib.Path(w.filename).name}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)
+    )
+    return dict(where)
 
 
 # the step-mask presets; masks are cache-dit's (cache_dit.steps_mask) when it is importable, else ours

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from dicache.models.krea2.tiny import reference_transformer_config
@@ -336,3 +338,35 @@ def test_rope_rotates_each_channel_pair_with_the_bits_of_the_pairwise_formula():
         assert torch.equal(got, pairwise)
         back = apply_rope(got.float(), (-angles).cos(), (-angles).sin())  # rotating back restores x
         torch.testing.assert_close(back, x.float(), rtol=0.02 if dtype == torch.bfloat16 else 1e-5, atol=0.02)
+
+
+def test_rotary_tables_give_the_per_axis_formula_bitwise():
+    """The frequency and axis tables are made once per device; a call gives exactly the per-axis angles
+    `position[axis] * theta ** (-2i / dim)` in float64, padded with identity rows for the text tokens."""
+    from dicache.models.krea2.transformer import RotaryEmbedding
+
+    rope = RotaryEmbedding(1000.0, (4, 6, 6))
+    positions = torch.randint(0, 70, (23, 3)).float()
+    columns = []
+    for axis, dim in enumerate((4, 6, 6)):
+        inv_freq = 1.0 / 1000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        columns.append(positions[:, axis].double()[:, None] * inv_freq)
+    angles = torch.cat([torch.zeros(5, 8, dtype=torch.float64), torch.cat(columns, dim=-1)])
+    for _ in range(2):  # the second call reads the tables made by the first
+        cos, sin = rope(positions, num_leading_zeros=5)
+        assert torch.equal(cos, angles.cos().float()) and torch.equal(sin, angles.sin().float())
+    assert list(rope._tables) == [torch.device("cpu")]
+
+
+def test_time_embedding_sinusoids_are_the_formula():
+    from dicache.models.krea2.transformer import TimestepEmbedding
+
+    embedding = TimestepEmbedding(8, 6)
+    t = torch.tensor([0.25, 0.9])
+    freqs = torch.exp(torch.arange(4, dtype=torch.float32) * (-math.log(1e4) / 4))
+    angles = (t * 1000.0)[:, None, None] * freqs
+    expected = embedding.linear_2(
+        F.gelu(embedding.linear_1(torch.cat([angles.cos(), angles.sin()], -1)), approximate="tanh")
+    )
+    for _ in range(2):
+        assert torch.equal(embedding(t, torch.float32), expected)

@@ -293,11 +293,20 @@ class TimestepEmbedding(nn.Module):
         self.embed_dim = embed_dim
         self.linear_1 = nn.Linear(embed_dim, hidden_size)
         self.linear_2 = nn.Linear(hidden_size, hidden_size)
+        self._freqs: dict[torch.device, torch.Tensor] = {}  # the sinusoid frequencies, made once per device
+
+    def frequencies(self, device: torch.device) -> torch.Tensor:
+        """`exp(-ln(1e4) i / half)`, `i < half = embed_dim // 2`, float32 `(half,)` on `device` (made on first use:
+        three launches fewer per call)."""
+        freqs = self._freqs.get(device)
+        if freqs is None:
+            half = self.embed_dim // 2
+            freqs = torch.exp(torch.arange(half, dtype=torch.float32, device=device) * (-math.log(1e4) / half))
+            self._freqs[device] = freqs
+        return freqs
 
     def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        half = self.embed_dim // 2
-        freqs = torch.exp(torch.arange(half, dtype=torch.float32, device=timestep.device) * (-math.log(1e4) / half))
-        angles = (timestep.float() * 1000.0)[:, None, None] * freqs
+        angles = (timestep.float() * 1000.0)[:, None, None] * self.frequencies(timestep.device)
         sinusoids = torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)
         return self.linear_2(F.gelu(self.linear_1(sinusoids), approximate="tanh"))
 
@@ -311,16 +320,29 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, theta: float, axes_dim: tuple[int, ...]) -> None:
         super().__init__()
         self.theta, self.axes_dim = theta, tuple(axes_dim)
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # made once per device
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frequency of each output column and the axis it reads: `(sum(axes_dim)/2,)` each, float64 (float32 on
+        MPS) and int64 on `device`. Made on first use, so that a call is a handful of launches, not three per axis."""
+        tables = self._tables.get(device)
+        if tables is None:
+            dtype = torch.float32 if device.type == "mps" else torch.float64
+            inv_freq = torch.cat(
+                [
+                    1.0 / self.theta ** (torch.arange(0, dim, 2, dtype=dtype, device=device) / dim)
+                    for dim in self.axes_dim
+                ]
+            )
+            axis = torch.cat([torch.full((dim // 2,), a, device=device) for a, dim in enumerate(self.axes_dim)])
+            tables = self._tables[device] = (inv_freq, axis)
+        return tables
 
     def forward(self, positions: torch.Tensor, num_leading_zeros: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: `(N, num_axes)`. Returns `(cos, sin)`, each `(num_leading_zeros + N, sum(axes_dim)/2)`; the
         leading rows are position 0 on every axis (identity rotation), used for the text tokens."""
-        dtype = torch.float32 if positions.device.type == "mps" else torch.float64
-        angles = []
-        for axis, dim in enumerate(self.axes_dim):
-            inv_freq = 1.0 / self.theta ** (torch.arange(0, dim, 2, dtype=dtype, device=positions.device) / dim)
-            angles.append(positions[:, axis].to(dtype)[:, None] * inv_freq)
-        angles = torch.cat(angles, dim=-1)
+        inv_freq, axis = self.tables(positions.device)
+        angles = positions.to(inv_freq.dtype).index_select(1, axis) * inv_freq
         angles = F.pad(angles, (0, 0, num_leading_zeros, 0))
         return angles.cos().float(), angles.sin().float()
 
