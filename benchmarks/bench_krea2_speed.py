@@ -98,6 +98,12 @@ def timeline(kernels: list[tuple[float, float, str]], top: int = 5) -> dict:
     }
 
 
+def is_host_wait(warning: warnings.WarningMessage) -> bool:
+    """A sync debug mode report of one wait (not the mode's own one-time "prototype feature" notice, which says
+    "synchronizing operations")."""
+    return "called a synchronizing CUDA operation" in str(warning.message)
+
+
 def host_waits(run) -> dict[str, int]:
     """Where `run()` made the host wait for the GPU, `{"file:line": count}` of the Python callers (CUDA's sync debug
     mode; the run's own end excluded)."""
@@ -110,9 +116,7 @@ def host_waits(run) -> dict[str, int]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    where = collections.Counter(
-        f"{pathlib.Path(w.filename).name}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)
-    )
+    where = collections.Counter(f"{pathlib.Path(w.filename).name}:{w.lineno}" for w in caught if is_host_wait(w))
     return dict(where)
 
 
@@ -575,6 +579,7 @@ class Bench:
                 run()  # warm: compiled graphs, cuDNN plans
                 self.sync()
                 waits = host_waits(run)
+                wall = self.timed(run, 3, warm_key=("gaps", name))["s"]  # synced wall time, beside the GPU's span
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     run()
                     self.sync()
@@ -590,7 +595,7 @@ class Bench:
                 for e in prof.events()
                 if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0
             ]
-            rows.append({"run": name, "host_waits": waits, **timeline(kernels)})
+            rows.append({"run": name, "host_waits": waits, "wall_ms": round(wall * 1e3, 3), **timeline(kernels)})
             print(f"gaps{tag}: {rows[-1]}", flush=True)
         self.results["sections"][f"gaps{tag}"] = rows
 
