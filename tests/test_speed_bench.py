@@ -76,3 +76,14 @@ def test_timeline_counts_the_union_of_kernels_and_names_the_largest_gaps():
 def test_timeline_refuses_an_empty_profile():
     with pytest.raises(ValueError, match="no kernels"):
         bench_krea2_speed.timeline([])
+
+
+def test_host_wait_filter_counts_waits_not_the_sync_debug_modes_notice():
+    import warnings
+
+    def message(text):
+        return warnings.WarningMessage(UserWarning(text), UserWarning, "x.py", 1)
+
+    assert bench_krea2_speed.is_host_wait(message("called a synchronizing CUDA operation"))
+    notice = "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+    assert not bench_krea2_speed.is_host_wait(message(notice))
