@@ -260,8 +260,10 @@ class QwenImageVAEDecoder(nn.Module):
         Written as `latents / (1 / std) + mean`, the Krea-2 pipeline's exact arithmetic, so results match bitwise.
         """
         shape = (1, self.z_dim, 1, 1)
-        mean = torch.tensor(self.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        inv_std = 1.0 / torch.tensor(self.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        # queued copies: a pageable source is staged before `to` returns, and the host never waits for the GPU
+        mean = torch.tensor(self.config.latents_mean).view(shape).to(latents.device, latents.dtype, non_blocking=True)
+        std = torch.tensor(self.config.latents_std).view(shape).to(latents.device, latents.dtype, non_blocking=True)
+        inv_std = 1.0 / std
         return latents / inv_std + mean
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
