@@ -25,7 +25,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dicache.fp8_attention_emulation import (  # noqa: E402
+from dicache.quantization.fp8_attention_emulation import (  # noqa: E402
     Fp8AttentionScheme,
     fp8_attention_reference,
     quantize_attention_inputs,

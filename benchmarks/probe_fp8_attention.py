@@ -30,12 +30,12 @@ import triton  # the kernel's (fp8_attention_kernel imports it too)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dicache.fp8_attention_emulation import (  # noqa: E402
+from dicache.models.krea2.attention import gqa_attention  # noqa: E402
+from dicache.quantization.fp8_attention_emulation import (  # noqa: E402
     Fp8AttentionScheme,
     fp8_attention_reference,
     quantize_attention_inputs,
 )
-from dicache.models.krea2.attention import gqa_attention  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_fp8 import timed_ms  # noqa: E402  (mean ms per call of back-to-back calls over a few seconds)

@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import nn
 
+from .blocks.families import stack_specs
+from .blocks.generic import FormArg
 from .engine.adapters import find_pipeline_adapter
-from .engine.adapters.families import stack_specs
-from .engine.adapters.generic import FormArg
 from .engine.install import InstalledHooks, install
 from .engine.session import CacheSession
 from .engine.state import RequestState

@@ -32,7 +32,7 @@ from tiny_families_more import auraflow, hunyuan_dit_pag, qwen_image_edit, small
 import dicache
 from dicache import BlockFormError
 from dicache.adapters import FAMILIES, find_family
-from dicache.engine.adapters.family_docs import markdown_table
+from dicache.blocks.family_docs import markdown_table
 from dicache.engine.adapters.pipelines import read_schedule
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dicache.fp8_attention_emulation import Fp8AttentionScheme, fp8_attention_reference
+from dicache.quantization.fp8_attention_emulation import Fp8AttentionScheme, fp8_attention_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from dicache.fp8_storage import compile_stored_linears
 from dicache.models.loading import CheckpointError, check_load_format, default_dtype, read_json, resolve_component_dir
 from dicache.models.static_graphs import StaticGraphs
+from dicache.quantization.fp8_storage import compile_stored_linears
 
 KREA2_PROMPT_PREFIX = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -175,9 +175,9 @@ class Krea2TextEncoder:
 
     def compile(self, backend: str | Callable = "inductor") -> int:
         """What `pipe.compile()` does to the encoder: its FP8-stored linears' arithmetic compiled
-        (`dicache.fp8_storage.compile_stored_linears`: on CUDA the e4m3 conversion becomes one pass at memory speed)
-        and the forward replayed from CUDA graphs (`use_cuda_graphs`). Same values as eager; returns how many linears
-        were compiled (0 unless `--text-encoder-quantization fp8`)."""
+        (`dicache.quantization.fp8_storage.compile_stored_linears`: on CUDA the e4m3 conversion becomes one pass at
+        memory speed) and the forward replayed from CUDA graphs (`use_cuda_graphs`). Same values as eager; returns how
+        many linears were compiled (0 unless `--text-encoder-quantization fp8`)."""
         self.use_cuda_graphs()  # first: it refuses an attention it cannot capture before anything changes
         return compile_stored_linears(self.text_encoder, backend)
 

@@ -4,7 +4,7 @@ attributes holding its transformers and its CFG layout, so `dicache.enable(pipe)
 A transformer is matched by its class name or a base class's (`find_family`); an unknown one falls back to the
 generic single-list path (`generic_spec`). `stack_spec` builds the `StackSpec` either way, with `form=` overriding
 the registered forms. The step source is not per family: the pipeline adapter reads the scheduler's sigmas when it
-has them, else its timesteps, else each forward's timestep argument (`pipelines.py`).
+has them, else its timesteps, else each forward's timestep argument (`dicache.engine.adapters.pipelines`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from ...errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 from .forms import H_TO_H, HE_TO_EH, HE_TO_H, HE_TO_HE, BlockForm, E
 from .generic import FormArg, apply_forms, generic_spec, timestep_getter
 from .stack import StackSpec

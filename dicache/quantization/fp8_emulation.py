@@ -75,8 +75,8 @@ def fake_quantize(x: torch.Tensor, block: tuple[int, int] = PER_ROW, fmt: str = 
 @dataclass(frozen=True)
 class EmulatedScheme:
     """How an emulated linear scales its operands: block shapes for the activation and the weight, an optional
-    Hadamard rotation of the input axis (`dicache.hadamard`, blocks of at most `rotation_block` features) applied to
-    both before quantising (`x R` and `W R`; exact without quantisation), and the number format (`FORMATS`)."""
+    Hadamard rotation of the input axis (`hadamard`, blocks of at most `rotation_block` features) applied to both
+    before quantising (`x R` and `W R`; exact without quantisation), and the number format (`FORMATS`)."""
 
     activation_block: tuple[int, int] = PER_ROW
     weight_block: tuple[int, int] = PER_ROW

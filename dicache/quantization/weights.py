@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .errors import DicacheError
+from ..errors import DicacheError
 from .fp8_storage import store_linears_in_fp8
 from .joint_linears import join_linears, joinable_groups, joint_name
 

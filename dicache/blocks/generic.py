@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from ...errors import BlockFormError, UnsupportedModelError
+from ..errors import BlockFormError, UnsupportedModelError
 from .forms import H_TO_H, BlockForm, form_named
 from .stack import BlockList, StackSpec
 
