@@ -14,6 +14,7 @@ appended to `results.jsonl` at once; a rerun with the same model, schedule, sett
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 import platform
 from collections.abc import Callable
@@ -393,11 +394,6 @@ class Sweep(SweepKeys):
         return results
 
     def meta(self) -> dict[str, Any]:
-        try:
-            import diffusers
-        except ImportError:  # optional: only cache-dit runs need it
-            diffusers = None
-
         return {
             "model": self.model_name,
             "model_id": self.model_id,
@@ -420,12 +416,20 @@ class Sweep(SweepKeys):
             "versions": {
                 "dicache": __version__,
                 "torch": torch.__version__,
-                "diffusers": getattr(diffusers, "__version__", None),
+                "diffusers": installed_version("diffusers"),
                 "cache_dit": getattr(self.cache_dit, "version", None) if self.cache_dit is not None else None,
             },
             "machine": machine_description(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         }
+
+
+def installed_version(distribution: str) -> str | None:
+    """An optional package's installed version, read from its metadata without importing it (None if absent)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def machine_description() -> str:

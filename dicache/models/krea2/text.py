@@ -22,7 +22,14 @@ from collections.abc import Callable
 
 import torch
 
-from dicache.models.loading import CheckpointError, check_load_format, default_dtype, read_json, resolve_component_dir
+from dicache.models.loading import (
+    CheckpointError,
+    check_load_format,
+    default_dtype,
+    hidden_packages,
+    read_json,
+    resolve_component_dir,
+)
 from dicache.models.static_graphs import StaticGraphs
 from dicache.quantization.fp8_storage import compile_stored_linears
 
@@ -218,8 +225,10 @@ class Krea2TextEncoder:
         `load_format="dummy"`: random weights from `text_encoder/config.json` alone. The parts the taps never read
         are dropped after loading (`drop_untapped_parts`; their count in `dropped_parameters`).
         """
-        # transformers takes about 2 s to import: only loading a text encoder needs it
-        from transformers import AutoConfig, AutoTokenizer, Qwen3VLModel
+        # transformers takes about 2 s to import: only loading a text encoder needs it. It would import torchao too
+        # (installed for --quantization), whose transformers integration dicache never uses
+        with hidden_packages("torchao"):
+            from transformers import AutoConfig, AutoTokenizer, Qwen3VLModel
 
         tokenizer_dir = resolve_component_dir(path_or_repo_id, "tokenizer", **hub_kwargs)
         encoder_dir = resolve_component_dir(path_or_repo_id, "text_encoder", **hub_kwargs)
