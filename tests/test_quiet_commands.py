@@ -4,6 +4,9 @@ transformers, loading the text encoder, would import it. Runs in a fresh interpr
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -11,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+
+from dicache.models.loading import hidden_packages
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -32,6 +37,17 @@ PROGRESS_BAR = re.compile(r"^\s*[^|]*\d+%\|.*\]\s*$")
 def _messages(stderr: str) -> list[str]:
     """stderr's lines other than progress bars (tqdm rewrites its line with carriage returns)."""
     return [line for line in re.split(r"[\r\n]+", stderr) if line.strip() and not PROGRESS_BAR.match(line)]
+
+
+def test_hidden_packages_look_uninstalled_only_within_the_block():
+    assert "tabnanny" not in sys.modules and importlib.util.find_spec("tabnanny") is not None  # a stdlib module
+    with hidden_packages("tabnanny", "json"):
+        assert importlib.util.find_spec("tabnanny") is None
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module("tabnanny")
+        assert importlib.import_module("json") is json  # imported already: left alone
+    assert "tabnanny" not in sys.modules and importlib.util.find_spec("tabnanny") is not None
+    assert importlib.import_module("tabnanny").check
 
 
 def test_the_progress_filter_keeps_warnings():
