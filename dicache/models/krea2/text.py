@@ -225,9 +225,10 @@ class Krea2TextEncoder:
         `load_format="dummy"`: random weights from `text_encoder/config.json` alone. The parts the taps never read
         are dropped after loading (`drop_untapped_parts`; their count in `dropped_parameters`).
         """
-        # transformers takes about 2 s to import: only loading a text encoder needs it. It would import torchao too
-        # (installed for --quantization), whose transformers integration dicache never uses
+        # torchao, installed for --quantization, stays unimported: transformers would import it, for an integration
+        # that dicache never uses
         with hidden_packages("torchao"):
+            # transformers takes about 2 s to import: only loading a text encoder needs it
             from transformers import AutoConfig, AutoTokenizer, Qwen3VLModel
 
         tokenizer_dir = resolve_component_dir(path_or_repo_id, "tokenizer", **hub_kwargs)
