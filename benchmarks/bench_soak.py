@@ -5,7 +5,8 @@ A `dicache serve` process (the embedded tiny checkpoint with `--tiny`, else a fu
 `--warmup` requests of the same mixture. The mixture (seeded, so every run sends the same requests in the same order):
 generations of several sizes, step counts, CFG on and off, one or two images, every output format and four cache
 settings (off; on with the server's defaults; SGLang's pattern forced by an always-passing threshold; a static step
-mask with TaylorSeer), clients that disconnect mid-request, and bad bodies (each a 400 of another kind).
+mask with TaylorSeer), clients that disconnect mid-request (during the generation, or in the middle of their body),
+and bad bodies (each a 400 of another kind).
 
 Checked, each a row of the table:
 - nothing lost: the server's `dicache_http_requests_total` for the endpoint equals the requests sent, every
@@ -97,6 +98,7 @@ class Request:
     content_type: str = "application/json"
     images: int = 1
     cancel_after_s: float = 0.0
+    cut_body: bool = False  # a cancelled client that leaves in the middle of its body
 
 
 def plan_requests(count: int, mode: str, seed: int, start: int = 0) -> list[Request]:
@@ -123,7 +125,8 @@ def plan_requests(count: int, mode: str, seed: int, start: int = 0) -> list[Requ
             **CACHE_SETTINGS[rng.choice(tuple(CACHE_SETTINGS))],
         }
         delay = rng.uniform(*shape["cancel_s"]) if kind == "cancelled" else 0.0
-        requests.append(Request(index, kind, json.dumps(body).encode(), images=n, cancel_after_s=delay))
+        cut = kind == "cancelled" and rng.random() < 0.3
+        requests.append(Request(index, kind, json.dumps(body).encode(), images=n, cancel_after_s=delay, cut_body=cut))
     return requests
 
 
@@ -220,13 +223,14 @@ class Client:
         return response.status, content
 
     def cancelled(self, request: Request) -> None:
-        """Send `request` on a connection of its own and close it `cancel_after_s` later, unread."""
+        """Send `request` (only the first half of its body with `cut_body`) on a connection of its own and close it
+        `cancel_after_s` later, unread."""
         head = (
             f"POST {GENERATIONS} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: {request.content_type}\r\n"
             f"Content-Length: {len(request.body)}\r\nConnection: close\r\n\r\n"
         ).encode()
         with socket.create_connection((self.host, self.port), timeout=self.timeout_s) as sock:
-            sock.sendall(head + request.body)
+            sock.sendall(head + (request.body[: len(request.body) // 2] if request.cut_body else request.body))
             time.sleep(request.cancel_after_s)
 
     def close(self) -> None:

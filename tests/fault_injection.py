@@ -22,9 +22,11 @@ def phase_modules(pipe: Any) -> dict[str, torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def out_of_memory_in(module: torch.nn.Module, after: int = 0, times: int = 1) -> Iterator[list[int]]:
-    """Raise `torch.OutOfMemoryError` from a forward pre-hook of `module`: its first `after` calls pass, the next
-    `times` raise; yields a list that counts the errors raised."""
+def out_of_memory_in(
+    module: torch.nn.Module, after: int = 0, times: int = 1, error: Exception | None = None
+) -> Iterator[list[int]]:
+    """Raise `error` (default: `torch.OutOfMemoryError(INJECTED)`) from a forward pre-hook of `module`: its first
+    `after` calls pass, the next `times` raise; yields a list that counts the errors raised."""
     raised: list[int] = []
     calls = [0]
 
@@ -32,7 +34,7 @@ def out_of_memory_in(module: torch.nn.Module, after: int = 0, times: int = 1) ->
         calls[0] += 1
         if calls[0] > after and len(raised) < times:
             raised.append(1)
-            raise torch.OutOfMemoryError(INJECTED)
+            raise error if error is not None else torch.OutOfMemoryError(INJECTED)
 
     handle = module.register_forward_pre_hook(hook)
     try:

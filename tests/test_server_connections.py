@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import backend_with_env, pipeline_source, wait_until
+from server_helpers import backend_with_env, metrics_text_to_dict, pipeline_source, post_request, wait_until
 
 from dicache.errors import ConfigError
 from dicache.server import ServerSettings, create_app
@@ -135,3 +135,23 @@ def test_requests_are_served_while_1000_idle_connections_are_held(backend):
         wait_until(lambda: len(connections) == 0, what="the server to close the idle connections")
         wait_until(lambda: open_fds() <= fds_before + 2, what="the descriptors to come back")
         assert httpx.post(srv.url + GENERATIONS, json=TINY, timeout=120).status_code == 200
+
+
+def test_a_client_leaving_in_the_middle_of_its_body_is_counted_499_not_500(backend):
+    """The app answers nothing to a client that left; `/metrics` counted that as a server error (500)."""
+    body = b'{"prompt": "a red fox", "size": "16x16", "num_inference_steps": 2}'
+    with BackgroundServer(create_app(backend, ServerSettings())) as srv:
+        for cut in (len(body) // 2, len(body)):  # in the middle of its body; after it, during the generation
+            with socket.create_connection((srv.host, srv.port), timeout=30) as sock:
+                sock.sendall(post_request(GENERATIONS, body)[: -len(body) + cut or None])
+
+        def statuses() -> dict[str, float]:
+            figures = metrics_text_to_dict(httpx.get(srv.url + "/metrics").text)
+            return {
+                dict(labels)["status"]: value
+                for (name, labels), value in figures.items()
+                if name == "dicache_http_requests_total" and dict(labels)["endpoint"] == GENERATIONS
+            }
+
+        wait_until(lambda: sum(statuses().values()) == 2, what="both requests to be counted")
+        assert statuses() == {"499": 2.0}

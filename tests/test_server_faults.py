@@ -95,6 +95,22 @@ def test_out_of_memory_in_a_phase_is_a_503_that_frees_the_request(served, phase)
     assert [generate(srv.url, seed=seed).status_code for seed in (2, 3)] == [200, 200]
 
 
+@pytest.mark.parametrize(
+    ("message", "status"),
+    [
+        ("CUDA error: out of memory", 503),  # the CUDA runtime's, from a library's own allocation
+        ("CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", 503),
+        ("mat1 and mat2 shapes cannot be multiplied", 500),  # any other error stays a 500
+    ],
+)
+def test_allocation_failures_outside_the_caching_allocator_are_503_too(served, message, status):
+    srv, backend = served
+    with out_of_memory_in(phase_modules(backend.pipe)["denoise"], error=RuntimeError(message)):
+        answer = generate(srv.url)
+    assert answer.status_code == status and message in answer.json()["error"]["message"]
+    assert generate(srv.url).status_code == 200
+
+
 def test_out_of_memory_in_the_generation_probe_is_a_503_and_counted(served):
     srv, backend = served
     before = metrics(srv.url)

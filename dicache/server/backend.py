@@ -281,7 +281,9 @@ class PipelineBackend:
         def guarded(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
             try:
                 return run(phase, fn, *args)
-            except torch.OutOfMemoryError as exc:
+            except RuntimeError as exc:
+                if not is_out_of_memory(exc):
+                    raise
                 detail = (str(exc).strip().splitlines() or ["(no message)"])[0]
                 traceback.clear_frames(exc.__traceback__)  # the finished frames hold the phase's tensors
             raise GenerationOutOfMemory(phase, detail)  # outside the handler: no __context__ holding the frames
@@ -413,6 +415,19 @@ def can_stage(pipe: Any) -> bool:
     transformer = getattr(pipe, "transformer", None)
     has_phases = all(hasattr(pipe, name) for name in ("plan_call", "condition", "starting_latents", "run_denoise"))
     return has_phases and getattr(pipe, "offload", None) is None and not hasattr(transformer, PARALLEL_LAYOUT_ATTR)
+
+
+_OUT_OF_MEMORY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+"""Messages of device allocation failures raised as a plain RuntimeError (a library's own allocation, or the CUDA
+runtime's `cudaErrorMemoryAllocation`) rather than torch's `OutOfMemoryError` (the caching allocator's)."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is a device running out of memory: torch's `OutOfMemoryError`, or a RuntimeError saying so."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    message = str(exc)
+    return isinstance(exc, RuntimeError) and any(text in message for text in _OUT_OF_MEMORY)
 
 
 def release_after_oom(device: Any) -> None:

@@ -174,8 +174,14 @@ def build_info() -> dict[str, str]:
     return {"version": dicache_version, "python": platform.python_version(), "torch": torch.__version__}
 
 
+CLIENT_CLOSED = 499
+"""The status counted for a request whose client left before any answer was sent (nginx's convention)."""
+
+
 class MetricsMiddleware:
-    """Pure ASGI middleware: counts every HTTP answer by endpoint (known paths only, else 'other') and status."""
+    """Pure ASGI middleware: counts every HTTP answer by endpoint (known paths only, else 'other') and status. A
+    request the app leaves unanswered counts as 499 when its client disconnected (e.g. in the middle of its body),
+    else as 500."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, endpoints: frozenset[str]) -> None:
         self.app, self.metrics, self.endpoints = app, metrics, endpoints
@@ -185,7 +191,14 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = 500
+        status = None
+        disconnected = False
+
+        async def receive_and_watch() -> Message:
+            nonlocal disconnected
+            message = await receive()
+            disconnected = disconnected or message["type"] == "http.disconnect"
+            return message
 
         async def send_and_record(message: Message) -> None:
             nonlocal status
@@ -194,8 +207,10 @@ class MetricsMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_record)
+            await self.app(scope, receive_and_watch, send_and_record)
         finally:
+            if status is None:
+                status = CLIENT_CLOSED if disconnected else 500
             path = scope.get("path", "")
             endpoint = path if path in self.endpoints else "other"
             self.metrics.observe_request(endpoint, status, time.perf_counter() - start)
