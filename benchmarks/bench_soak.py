@@ -61,7 +61,7 @@ CACHE_SETTINGS = {
     "mask": {
         "enable_cache": True,
         "cache_dit_params": {
-            "scm_compute_bins": [2, 1, 1],
+            "scm_compute_bins": [3, 1, 1],  # 8 steps covered: every step count of the mixture
             "scm_cache_bins": [1, 1, 1],
             "scm_policy": "static",
             "Fn_compute_blocks": 0,

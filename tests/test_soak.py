@@ -32,3 +32,24 @@ def test_a_soak_of_2000_requests_loses_and_leaks_nothing(tmp_path):
     assert not failed and not result["problems"], (failed, result["problems"])
     assert result["latency"]["ok"], result["latency"]
     assert code == 0 and "**passed**" in (tmp_path / "RESULTS.md").read_text()
+
+
+@pytest.mark.parametrize(("mode", "num_blocks"), [("tiny", 10), ("full", 28)])
+def test_every_request_of_the_mixture_is_the_kind_it_claims(mode, num_blocks):
+    """Each generation of the mixture passes the server's validation for its model (so it must be answered 200),
+    each bad body fails it (400): checked on the CPU before a GPU run depends on it."""
+    from dicache.server.errors import ApiError
+    from dicache.server.generation import Defaults, resolve
+    from dicache.server.schemas import ImageGenerationRequest
+    from dicache.server.settings import ServerSettings
+    from dicache.settings.cache_config import CacheConfig
+
+    defaults = Defaults("turbo", 8, 1.0, 1024, 1024, size_multiple=8 if mode == "tiny" else 16)
+    for request in bench_soak.plan_requests(400, mode, seed=0):
+        try:
+            body = ImageGenerationRequest.model_validate_json(request.body)
+            resolve(body, ServerSettings(), defaults, CacheConfig.defaults(), num_blocks)
+            valid = request.content_type == "application/json"
+        except (ValueError, ApiError):
+            valid = False
+        assert valid == (request.kind != "bad"), request
