@@ -1,19 +1,24 @@
 """`dicache generate`: text-to-image with Krea-2, caching configured from SGLANG_CACHE_DIT_* variables over an
-optional settings profile (`--profile PATH` or SGLANG_CACHE_DIT_PROFILE, e.g. written by `dicache calibrate`)."""
+optional settings profile (`--profile PATH` or SGLANG_CACHE_DIT_PROFILE, e.g. written by `dicache calibrate`).
+
+An image whose latents or pixels hold NaN or inf is not written (and a file already at its path is removed); the
+other images of the command are, and the command then exits 1 with a message naming what was not written."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
+import sys
 import time
 from typing import Literal
 
 import torch
 
 from .. import api
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteOutputError
 from ..models.krea2.checkpoints import resolve_model
+from ..models.krea2.latents import check_finite, finite_per_image, pil_images
 from ..models.krea2.pipeline import Krea2Pipeline
 from ..models.options import DeviceOptions, ModelChoice, SamplingOptions
 from ..offload.settings import OffloadLimits
@@ -84,6 +89,28 @@ def check_size(pipe: Krea2Pipeline, args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag}={value} is invalid: must be a multiple of {multiple} px for {pipe.source}")
 
 
+def write_finite_images(
+    latents: torch.Tensor, images: torch.Tensor, paths: list[pathlib.Path]
+) -> NonFiniteOutputError | None:
+    """Write each image (the pipeline's "pt" output, `(B, 3, H, W)` in [0, 1]) whose latents and pixels are all
+    finite to its path as the pipeline's "pil" output would be; an image with NaN or inf is not written (nor an
+    earlier file at its path left in place). Returns the `NonFiniteOutputError` naming those, or None."""
+    try:
+        check_finite(finite_per_image(latents, images))
+        failure = None
+    except NonFiniteOutputError as exc:
+        failure = exc
+    spoiled = failure.images if failure is not None else {}
+    for index, path in enumerate(paths):
+        if index in spoiled:
+            path.unlink(missing_ok=True)  # an older image there would pass for this one
+            continue
+        (image,) = pil_images(images[index : index + 1].permute(0, 2, 3, 1).cpu().numpy())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path)
+    return failure
+
+
 def run(args: argparse.Namespace) -> int:
     config = cache_config(args.profile)  # defaults < profile (--profile wins over the variable) < environment
     speed_spec(args)  # a bad --quantization-exclude stops here, before loading
@@ -136,16 +163,20 @@ def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
         seed=ctx.agree_seed(args.seed),
         num_images_per_prompt=args.num_images,
         variant=args.variant,
-        output_type="pil" if ctx.is_output_rank else "latent",
+        output_type="pt" if ctx.is_output_rank else "latent",
     )
     seconds = time.perf_counter() - start
     if not ctx.is_output_rank:
         return 0
     paths = output_paths(args.out, len(out.images))
-    for image, path in zip(out.images, paths):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        image.save(path)
-    print(f"wrote {', '.join(str(p) for p in paths)} in {seconds:.2f} s (model: {pipe.source})")
+    failure = write_finite_images(out.latents, out.images, paths)
+    written = [str(p) for i, p in enumerate(paths) if failure is None or i not in failure.images]
+    if written:
+        print(f"wrote {', '.join(written)} in {seconds:.2f} s (model: {pipe.source})")
+    if failure is not None:
+        skipped = ", ".join(str(paths[i]) for i in sorted(failure.images))
+        print(f"error: {failure}; not written: {skipped}", file=sys.stderr)
+        return 1
     if not use_cache:
         print("caching off (set SGLANG_CACHE_DIT_ENABLED=true or pass --cache on)")
         return 0
