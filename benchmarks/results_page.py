@@ -42,8 +42,8 @@ def documents() -> list[pathlib.Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), PAGE]
 
 
-def load(path: pathlib.Path = DATA) -> dict[str, Any]:
-    """The data file, checked: every claim has what its kind needs, every run is an archive file that is not a
+def load(path: pathlib.Path = DATA, archive: pathlib.Path = ARCHIVE) -> dict[str, Any]:
+    """The data file, checked: every claim has what its kind needs, every run is a file of `archive` that is not a
     "(partial)" one, every `{id}` of a view names a claim with a figure. Raises ValueError naming the problem."""
     data = yaml.safe_load(path.read_text())
     machines, sections, claims = data["machines"], data["sections"], data["claims"]
@@ -64,9 +64,9 @@ def load(path: pathlib.Path = DATA) -> dict[str, Any]:
             if not claim.get(key):
                 raise ValueError(f"{where}: {key!r} is missing (or give 'source' for a figure published by others)")
         for run in claim["runs"]:
-            file = ARCHIVE / run
+            file = archive / run
             if not file.is_file():
-                raise ValueError(f"{where}: run {run!r} is not a file of {ARCHIVE.relative_to(ROOT)}")
+                raise ValueError(f"{where}: run {run!r} is not a file of {archive}")
             if "(partial)" in file.read_text().splitlines()[0]:
                 raise ValueError(f"{where}: run {run!r} is a partial run; quote a complete one")
     for name, view in data["views"].items():
@@ -115,7 +115,8 @@ def _measured(claim: dict, data: dict, page: pathlib.Path) -> str:
 
 
 def render_view(data: dict, name: str, page: pathlib.Path) -> list[str]:
-    """A view: its table, each `{id}` replaced by claim id's figure linked to its row on the results page."""
+    """A view: its table, each `{id}` replaced by claim id's figure linked to its row on the results page; under it
+    the caption and the commands (with their dates) that measured the figures."""
     view, claims = data["views"][name], data["claims"]
 
     def quote(match: re.Match) -> str:
@@ -123,7 +124,10 @@ def render_view(data: dict, name: str, page: pathlib.Path) -> list[str]:
         return f"[{claims[match[1]]['figure']}]({target})"
 
     rows = [[re.sub(r"\{([\w-]+)\}", quote, cell) for cell in row] for row in view["rows"]]
-    return [*_table(view["columns"], rows), "", f"_{view['caption'].strip()}_"]
+    quoted = [claims[ref] for ref in re.findall(r"\{([\w-]+)\}", " ".join(" ".join(row) for row in view["rows"]))]
+    measured = list(dict.fromkeys(f"`{c['command']}` ({c['date']})" for c in quoted if "command" in c))
+    caption = f"_{view['caption'].strip()}_ Measured with: " + "; ".join(measured) + "."
+    return [*_table(view["columns"], rows), "", caption]
 
 
 def render_claim_table(data: dict, cid: str, page: pathlib.Path) -> list[str]:
