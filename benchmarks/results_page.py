@@ -58,6 +58,9 @@ def load(path: pathlib.Path = DATA, archive: pathlib.Path = ARCHIVE) -> dict[str
             raise ValueError(f"{where}: machine={claim.get('machine')!r} is not one of {sorted(machines)}")
         if ("figure" in claim) == ("table" in claim):
             raise ValueError(f"{where}: needs exactly one of 'figure' and 'table'")
+        for row in claim.get("table", {}).get("rows", []):
+            if len(row) != len(claim["table"]["columns"]) or not all(isinstance(cell, str) for cell in row):
+                raise ValueError(f"{where}: table row {row!r} needs {len(claim['table']['columns'])} cells, each text")
         if "source" in claim:
             continue
         for key in ("claim", "date", "command", "runs"):
@@ -71,9 +74,9 @@ def load(path: pathlib.Path = DATA, archive: pathlib.Path = ARCHIVE) -> dict[str
                 raise ValueError(f"{where}: run {run!r} is a partial run; quote a complete one")
     for name, view in data["views"].items():
         for row in view["rows"]:
-            if len(row) != len(view["columns"]):
+            if len(row) != len(view["columns"]) or not all(isinstance(cell, str) for cell in row):
                 width = len(view["columns"])
-                raise ValueError(f"{path.name}: view {name!r}: row {row[0]!r} has {len(row)} cells, not {width}")
+                raise ValueError(f"{path.name}: view {name!r}: row {row!r} needs {width} cells, each text")
             for ref in re.findall(r"\{([\w-]+)\}", " ".join(row)):
                 if "figure" not in claims.get(ref, {}):
                     raise ValueError(f"{path.name}: view {name!r} quotes {{{ref}}}, which is no claim with a figure")

@@ -80,8 +80,14 @@ def test_the_data_file_refuses_a_claim_without_its_run_or_with_a_partial_one(tmp
     with pytest.raises(ValueError, match=r"claim 'forward-fp8': run .* is a partial run"):
         results_page.load(tmp_path / "b.yaml", archive)
 
-    del claim["date"]
     claim["runs"] = DATA["claims"]["forward-fp8"]["runs"]
+    data["claims"]["ray-replicas"]["table"]["rows"][0][0] = False  # YAML's unquoted `off`
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"claim 'ray-replicas': table row \[False, .* needs 4 cells, each text"):
+        results_page.load(tmp_path / "d.yaml", archive)
+    data["claims"]["ray-replicas"]["table"]["rows"][0][0] = "off"
+
+    del claim["date"]
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError, match=r"claim 'forward-fp8': 'date' is missing"):
         results_page.load(tmp_path / "c.yaml", archive)
