@@ -17,7 +17,7 @@
     python benchmarks/bench_fp8.py --sections layers,emulated --device cpu --schedules turbo8   # CPU (an hour)
 
 Prints a table per section, appends them to --results, writes $OUT/bench_fp8.json. On the GPU machine the whole of
-issue 27's FP8 step is `bash benchmarks/gpu_issue27.sh fp8` (wheels to carry: see that script).
+the fast path's FP8 step is `bash benchmarks/gpu/fast_path.sh fp8` (wheels to carry: see that script).
 """
 
 from __future__ import annotations

@@ -309,7 +309,7 @@ def test_baselines_and_reference_steps_in_the_cli_and_grid_files(tmp_path, monke
     from dicache.commands.sweep import main
 
     monkeypatch.setitem(sys.modules, "cache_dit", None)  # not installed (and not slow to import): skipped, said so
-    policies = pathlib.Path(__file__).parents[1] / "benchmarks" / "sweep_policies.yaml"
+    policies = pathlib.Path(__file__).parents[1] / "benchmarks" / "grids" / "sweep_policies.yaml"
     assert main(["--grid", str(policies), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "samples (16)" in out and "size: 128 x 128 px" in out and "reference: 200-step Euler" in out

@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "examples:\n"
         "  dicache sweep --quick --out sweep-quick\n"
         "  dicache sweep --schedules 8 28:4.5 --RDT 0.08 0.12 0.24 --TS 0 1 --out sweep-rdt\n"
-        "  dicache sweep --grid benchmarks/sweep_grid.yaml --out sweep-full\n"
+        "  dicache sweep --grid benchmarks/grids/sweep_grid.yaml --out sweep-full\n"
         "schedules: STEPS[:CFG_SCALE[:VARIANT]], CFG scale in the standard convention uncond + s·(cond − uncond),\n"
         "  s = 1 (or omitted) = no CFG; e.g. 8 (Turbo-like), 28:4.5 and 50:4.5 (Raw-like). cache-dit gets g = s − 1.\n"
         "grid axes take lists; their cartesian product is swept. TS 0 = TaylorSeer off.\n"
