@@ -1,6 +1,6 @@
 """Softmax attention with 8-bit matrix products (SageAttention-style), emulated in float32 on any device, for
 fidelity studies (`benchmarks/bench_fp8.py --emulate ...+attention:int8`): the scheme, its operands' rounding, and a
-reference that computes what the Triton kernel of `benchmarks/fp8_attention_kernel.py` computes, up to accumulation
+reference that computes what the Triton kernel of `experiments/fp8_attention_kernel.py` computes, up to accumulation
 order. Measured and not adopted (benchmarks/RESULTS.md, 2026-12-03 19:25 and 19:29): on the embedded checkpoint it
 costs 1.2 dB on Raw 28 on top of the FP8 linears, and on an H200 the kernel is no faster than bf16 cuDNN attention.
 

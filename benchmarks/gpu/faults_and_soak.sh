@@ -6,7 +6,7 @@
 #   faults_gpu.log, faults_gpu.jsonl (one line per measured case), soak.json, soak.md (the table), soak.log,
 #   soak-server.log.
 #
-#   bash benchmarks/gpu_issue45.sh
+#   bash benchmarks/gpu/faults_and_soak.sh
 #
 # Needs the serve extra (fastapi, uvicorn, pydantic, prometheus_client, httpx), carried as wheels as for
 # gpu_issue27.sh.
