@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from .. import __version__
+from ..models.families import is_family_model, pipeline_class
 from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import heldout_prompts_file, resolve_model
 from ..models.krea2.presets import PRESETS, resolve_variant
@@ -26,6 +27,7 @@ from ..settings.cache_config import SETTINGS, CacheConfig
 from ..settings.options import FlagOptions, option
 from ..settings.profiles import write_profile
 from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
+from ..sweep.runners import FamilyRunner
 from ..tuning import (
     CANDIDATES,
     CalibrationError,
@@ -207,10 +209,43 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_family_runner(args: argparse.Namespace, device: str, dtype: Any) -> tuple[Any, dict[str, Any]]:
+    """`_load_runner` for a diffusers pipeline of a registered family (its own `__call__`: `FamilyRunner`)."""
+    name = f"{pipeline_class(args.model)} ({args.model})"
+    if args.variant is not None:
+        raise CalibrationError(f"--variant={args.variant!r} is refused for {name}: variants are Krea-2's presets")
+    family = FamilyRunner.load(args.model, dtype=dtype or torch.float32, device=device)
+    sampling = family.model.sampling
+    steps = args.steps or sampling["steps"]
+    guidance = float(args.guidance if args.guidance is not None else sampling["guidance"])
+    height, width = family.default_size
+    if args.size:
+        width, height = args.size
+    runner = PipelineRunner(family, steps, guidance, None, height, width, embedded_guidance=args.embedded_guidance)
+    meta = {
+        "model": args.model,
+        "model_source": f"{family.model.name} from {args.model}",
+        "num_blocks": runner.num_blocks,
+        "variant": None,
+        "steps": steps,
+        "guidance_scale": guidance,
+        "embedded_guidance": args.embedded_guidance,
+        "width": width,
+        "height": height,
+        "device": str(device),
+        "dtype": str(next(family.pipe.transformer.parameters()).dtype).removeprefix("torch."),
+    }
+    return runner, meta
+
+
 def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The pipeline runner at the resolved schedule and size, and what to record about them."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    if is_family_model(args.model):
+        return _load_family_runner(args, device, dtype)
+    if args.embedded_guidance is not None:
+        raise CalibrationError(f"--embedded-guidance={args.embedded_guidance:g} is refused for Krea-2: it has none")
 
     pipe = Krea2Pipeline.from_pretrained(resolve_model(args.model, args.variant), dtype=dtype, device=device)
     variant = resolve_variant(pipe, args.variant)

@@ -13,6 +13,7 @@ import torch
 
 from .. import api
 from ..errors import ConfigError
+from ..models.families import call_kwargs, is_family_model, load_family_model, pipeline_class
 from ..models.krea2.checkpoints import resolve_model
 from ..models.krea2.pipeline import Krea2Pipeline
 from ..models.options import DeviceOptions, ModelChoice, SamplingOptions
@@ -25,7 +26,10 @@ from .memory import add_offload_arguments, cfg_of, describe, offload_settings
 from .shared import add_parallel_arguments, add_profile_argument
 from .speed import add_speed_arguments, apply_speed_options, speed_spec
 
-HELP = "generate images with Krea-2 (default: the embedded checkpoint) and print the cache statistics"
+HELP = (
+    "generate images with Krea-2 (default: the embedded checkpoint) or a diffusers pipeline of a registered family "
+    "(--model), and print the cache statistics"
+)
 
 
 class GenerateOptions(FlagOptions):
@@ -90,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     use_cache = config.enable_cache if args.cache == "env" else args.cache == "on"
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if is_family_model(args.model):
+        return _generate_family(args, config, use_cache)
     ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
     try:
         return _generate(args, ctx, config, use_cache)
@@ -97,7 +103,90 @@ def run(args: argparse.Namespace) -> int:
         ctx.shutdown()
 
 
+KREA2_ONLY = {
+    "variant": None,
+    "tp_size": 1,
+    "ulysses_degree": 1,
+    "quantization": "none",
+    "quantization_exclude": None,
+    "compile": False,
+    "load_format": "auto",
+    "text_encoder_quantization": "none",
+}
+"""Options only the native Krea-2 pipeline takes, with their defaults (a family's pipeline refuses other values)."""
+
+
+def refuse_krea2_options(args: argparse.Namespace, name: str) -> None:
+    """A `ConfigError` naming the first option set that a family's pipeline (`name`) cannot take."""
+    for key, default in KREA2_ONLY.items():
+        if getattr(args, key, default) != default:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag}={getattr(args, key)!r} is refused for {name}: only Krea-2 takes it")
+    if offload_settings(args, parallel=False).any:
+        raise ConfigError(f"the memory options (--dit-layerwise-offload, ...) are refused for {name}: Krea-2 only")
+
+
+def _generate_family(args: argparse.Namespace, config, use_cache: bool) -> int:
+    """`generate` on a diffusers pipeline of a registered family: its own `__call__`, the same statistics."""
+    name = f"{pipeline_class(args.model)} ({args.model})"
+    refuse_krea2_options(args, name)
+    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    model = load_family_model(args.model, dtype=dtype, device=args.device)
+    sampling = model.sampling
+    steps = args.steps or sampling["steps"]
+    guidance = args.guidance if args.guidance is not None else sampling["guidance"]
+    height, width = model.default_size
+    kwargs = call_kwargs(
+        model,
+        steps=steps,
+        guidance=guidance,
+        embedded_guidance=args.embedded_guidance,
+        height=args.height or height,
+        width=args.width or width,
+        seed=args.seed,
+    )
+    if args.negative_prompt is not None:
+        kwargs["negative_prompt"] = args.negative_prompt
+    if use_cache:
+        api.enable(model.pipe, config)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.pipe(list(args.prompt), num_images_per_prompt=args.num_images, output_type="pil", **kwargs)
+    seconds = time.perf_counter() - start
+    images = out.images if hasattr(out, "images") else out.frames
+    paths = output_paths(args.out, len(images))
+    for image, path in zip(images, paths):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path)
+    print(
+        f"wrote {', '.join(str(p) for p in paths)} in {seconds:.2f} s (model: {model.name} from {args.model}; "
+        f"{steps} steps, guidance {guidance:g})"
+    )
+    return _report(args, config, use_cache, model.pipe)
+
+
+def _report(args: argparse.Namespace, config, use_cache: bool, pipe) -> int:
+    """Print the cache statistics (and write them with `--stats-json`)."""
+    if not use_cache:
+        print("caching off (set SGLANG_CACHE_DIT_ENABLED=true or pass --cache on)")
+        return 0
+    profile = describe_profile(config)
+    if profile:
+        print(profile)
+    stats = api.stats(pipe)
+    print(stats.table())
+    if args.stats_json:
+        record = {
+            **stats.to_dict(),
+            "config": {"settings": config.model_dump(), "sources": config.sources(), "profile": profile_source(config)},
+        }
+        pathlib.Path(args.stats_json).write_text(json.dumps(record, indent=2))
+    return 0
+
+
 def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
+    if args.embedded_guidance is not None:
+        raise ConfigError(f"--embedded-guidance={args.embedded_guidance:g} is refused for Krea-2: it has none")
     offload = offload_settings(args, parallel=ctx.enabled)
     limits = OffloadLimits(  # the plan covers this command's request
         max_height=args.height,
@@ -146,19 +235,4 @@ def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         image.save(path)
     print(f"wrote {', '.join(str(p) for p in paths)} in {seconds:.2f} s (model: {pipe.source})")
-    if not use_cache:
-        print("caching off (set SGLANG_CACHE_DIT_ENABLED=true or pass --cache on)")
-        return 0
-
-    profile = describe_profile(config)
-    if profile:
-        print(profile)
-    stats = api.stats(pipe)
-    print(stats.table())
-    if args.stats_json:
-        record = {
-            **stats.to_dict(),
-            "config": {"settings": config.model_dump(), "sources": config.sources(), "profile": profile_source(config)},
-        }
-        pathlib.Path(args.stats_json).write_text(json.dumps(record, indent=2))
-    return 0
+    return _report(args, config, use_cache, pipe)

@@ -138,6 +138,7 @@ def render_report(results: dict[str, Any]) -> str:
         f"- machine: {meta['machine']}; {meta['date']}; versions: "
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v),
         "",
+        *_family_lines(meta),
         "Fidelity is measured against the uncached run of the same pipeline, prompt and seed, averaged over the "
         f"samples: PSNR = 10·log10(1/MSE) on images in [0, 1] (capped at {PSNR_CAP_DB:g} dB), SSIM (pytorch-msssim; "
         f"MS-SSIM only at ≥ {MS_SSIM_MIN_SIZE} px), relative L2 = ‖a − b‖/‖b‖ on the final latents. Compute fraction "
@@ -160,6 +161,27 @@ def render_report(results: dict[str, Any]) -> str:
     for note in meta.get("notes", []):
         lines.append(f"- note: {note}")
     return "\n".join(lines) + "\n"
+
+
+def _family_lines(meta: dict[str, Any]) -> list[str]:
+    """What differs for a family's diffusers pipeline (above the Krea-2 wording that follows), else nothing."""
+    if not meta.get("family"):
+        return []
+    on = meta.get("measured_on", "image")
+    where = (
+        "the decoded images"
+        if on == "image"
+        else "the final latents, because the uncached images are flat (a tiny untrained VAE): PSNR of "
+        "0.5 + latents / 8 (a peak-to-peak of 8, ±4σ of unit-variance latents), SSIM on the same view"
+    )
+    return [
+        f"**This model is a diffusers pipeline, {meta['family']}**: ours and cache-dit both run the pipeline's own "
+        "`__call__` (seed through its generator, the family's guidance), cache-dit through `cache_dit.enable_cache` "
+        "on the same pipeline (so both share its uncached references), and the fewer-steps baseline is the same call "
+        f"with fewer steps (Heun and curved need Krea-2's pieces; no FLOPs estimate). Fidelity is measured on {where}. "
+        "Where the text below says native pipeline or Krea2Pipeline, read this pipeline.",
+        "",
+    ]
 
 
 def _bv(entry: dict[str, Any] | None, best: bool = False) -> str:

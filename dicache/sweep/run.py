@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..engine.policies import step_mask
+from ..errors import ConfigError
 from . import solvers
 from .cachedit import unsupported_reason
 from .compare import compare
@@ -83,11 +85,21 @@ class Sweep(SweepKeys):
         self._warm: set[str] = set()
         self._hirefs: list[dict[str, Any]] | None = None
         self._euler_runs = 0
+        for schedule in spec.schedules:  # settings the model cannot take are refused before any run
+            if hasattr(native, "check_schedule"):
+                try:
+                    native.check_schedule(schedule)
+                except ConfigError as exc:
+                    raise SweepSpecError(f"schedule {schedule.name!r}: {exc}") from None
+        refusal = getattr(native, "mask_refusal", None)
         for cell in dict.fromkeys(c for m in spec.methods for c in spec.method_cells(m)):
             try:
                 cell.config.check_block_split(native.num_blocks)
             except Exception as exc:
                 raise SweepSpecError(f"grid cell {cell.label!r}: {exc}") from None
+            for schedule in spec.schedules if refusal is not None else ():
+                if step_mask(cell.config, schedule.steps) is not None and refusal(schedule.steps):
+                    raise SweepSpecError(f"grid cell {cell.label!r}: {refusal(schedule.steps)}")
 
     # ------------------------------------------------------------------ planning
     def planned_generations(self) -> int:
@@ -158,7 +170,9 @@ class Sweep(SweepKeys):
         return kind == "curved" and solvers.evaluations(kind, schedule.steps, count) >= schedule.steps
 
     def _pipelines(self) -> list[str]:
-        return ["native"] + (["diffusers"] if self.cache_dit is not None else [])
+        """The pipelines with their own uncached references (cache-dit on a family's pipeline shares native's)."""
+        own = self.cache_dit is not None and not getattr(self.cache_dit, "shares_references", False)
+        return ["native"] + (["diffusers"] if own else [])
 
     def _cells(self) -> list[tuple[str, Cell]]:
         return [(m, c) for m in self.spec.methods for c in self.spec.method_cells(m)]
@@ -178,10 +192,12 @@ class Sweep(SweepKeys):
             return "diffusers"
         return method if method in QUANTIZED_METHODS.values() else "native"
 
-    @staticmethod
-    def _reference_pipeline(pipeline: str) -> str:
-        """Whose uncached samples a pipeline is measured against: a quantized model against the unquantized one."""
-        return "native" if pipeline in QUANTIZED_METHODS.values() else pipeline
+    def _reference_pipeline(self, pipeline: str) -> str:
+        """Whose uncached samples a pipeline is measured against: a quantized model against the unquantized one,
+        cache-dit on a family's pipeline against that pipeline's (native) references."""
+        if pipeline in QUANTIZED_METHODS.values() or pipeline not in self._pipelines():
+            return "native"
+        return pipeline
 
     # ------------------------------------------------------------------ running
     def run(self) -> dict[str, Any]:
@@ -434,6 +450,8 @@ class Sweep(SweepKeys):
             "width": self.width,
             "num_blocks": self.native.num_blocks,
             "is_distilled": bool(getattr(getattr(self.native, "pipe", None), "is_distilled", False)),
+            "family": None if getattr(self.native, "model", None) is None else self.native.model.name,
+            "measured_on": getattr(self.native, "measured_on", None) or "image",
             "samples": [list(s) for s in self.spec.samples],
             "schedules": [s.to_dict() | {"name": s.name, "slug": s.slug} for s in self.spec.schedules],
             "methods": list(self.spec.methods),

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..engine.policies import step_mask
 from ..errors import ConfigError
 from ..settings.cache_config import CacheConfig
 from ..sweep.metrics import PSNR_CAP_DB, psnr
@@ -156,10 +157,13 @@ def calibrate(
     if not samples:
         raise CalibrationError("calibration needs at least one prompt")
     results = []
+    refusal = runner.mask_refusal() if hasattr(runner, "mask_refusal") else None  # e.g. a scheduler of order 2
     for index, overrides in enumerate(candidates):
         result = CandidateResult(index, overrides)
         try:
             result.config = check_candidate(overrides, runner.num_blocks, runner.steps, base)
+            if refusal is not None and step_mask(result.config, runner.steps) is not None:
+                raise ConfigError(refusal)
         except (ConfigError, TypeError, ValueError) as exc:
             result.status, result.error = "invalid", str(exc)
             if on_reject is not None:
@@ -167,7 +171,7 @@ def calibrate(
         results.append(result)
     valid = [r for r in results if r.status != "invalid"]
     n = len(samples)
-    searching = step_masks and runner.steps <= MAX_MASK_STEPS
+    searching = step_masks and runner.steps <= MAX_MASK_STEPS and refusal is None
     planned_masks = max_scored(runner.steps) if searching else 0  # an upper bound: the total never grows
     with progress_bar(
         total=n * (1 + len(valid) + planned_masks), desc="calibrate", unit="image", disable=not progress, leave=False
