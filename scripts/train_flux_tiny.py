@@ -259,7 +259,8 @@ def save_pipeline(pipe, out_dir: Path, extras: dict) -> None:
     pipe.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     pipe.to(torch.float32)
     for name in ("tokenizer", "tokenizer_2"):
-        save_tokenizer(getattr(pipe, name), out_dir / name)
+        if getattr(pipe, name, None) is not None:
+            save_tokenizer(getattr(pipe, name), out_dir / name)
     for name, data in extras.items():
         (out_dir / name).write_text(json.dumps(data, indent=2) + "\n")
 

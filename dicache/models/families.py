@@ -146,9 +146,10 @@ def load_family_model(
     return FamilyModel(pipe, family_of(pipe), str(model), read_dicache_json(folder))
 
 
-def wrap_pipeline(pipe: Any) -> FamilyModel:
-    """A pipeline a user built in Python, as a `FamilyModel` (no dicache.json)."""
-    return FamilyModel(pipe, family_of(pipe))
+def wrap_pipeline(pipe: Any, call: Mapping[str, Any] | None = None) -> FamilyModel:
+    """A pipeline a user built in Python, as a `FamilyModel`; `call`: extra keyword arguments of every call (as a
+    checkpoint's dicache.json `call`)."""
+    return FamilyModel(pipe, family_of(pipe), extras={"call": dict(call)} if call else {})
 
 
 def call_parameters(pipe: Any) -> Mapping[str, inspect.Parameter]:

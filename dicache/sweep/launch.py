@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +55,12 @@ def run_sweep(
     dtype: torch.dtype = torch.float32,
     device: str | None = None,
     pipe: Any = None,
+    call: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load the model(s) named by `spec` (both pipelines in `dtype` on `device`), run (or resume) the sweep into
     `out_dir`, write `results.json`, `report.md` and the plots; returns the results. cache-dit is loaded only when
     `spec.methods` has it. `pipe`: a pipeline built in Python (our Krea-2 or a registered family's) instead of
-    `spec.model`; its resumed records are keyed by its class.
+    `spec.model`; its resumed records are keyed by its class; `call`: extra keyword arguments of its every call.
 
     A family's diffusers pipeline (`dicache.models.families`) runs through its own `__call__`; cache-dit caches the
     same pipeline (`cache_dit.enable_cache`). Nothing needs a network when the model is a local folder (the embedded
@@ -76,7 +77,7 @@ def run_sweep(
     model_id = f"{model_id}|{str(dtype).removeprefix('torch.')}|{torch.device(device or 'cpu').type}"
     with _full_float32():
         if pipe is not None:
-            native = runner_for(pipe)
+            native = runner_for(pipe, call)
         elif family:
             native = FamilyRunner.load(spec.model, dtype=dtype, device=device)
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -424,6 +425,11 @@ def latent_view(latents: torch.Tensor) -> torch.Tensor:
     return (0.5 + plane / LATENT_PEAK)[None].expand(3, -1, -1).contiguous()
 
 
-def runner_for(pipe: Any) -> NativeRunner:
-    """The runner of a pipeline built in Python: `NativeRunner` for our Krea-2, else `FamilyRunner`."""
-    return NativeRunner(pipe) if isinstance(pipe, Krea2Pipeline) else FamilyRunner(pipe)
+def runner_for(pipe: Any, call: Mapping[str, Any] | None = None) -> NativeRunner:
+    """The runner of a pipeline built in Python: `NativeRunner` for our Krea-2, else `FamilyRunner` (`call`: extra
+    keyword arguments of every call of a family's pipeline, e.g. `max_sequence_length`)."""
+    if isinstance(pipe, Krea2Pipeline):
+        if call:
+            raise ConfigError(f"call={dict(call)!r} is refused for Krea-2: it is for a family's diffusers pipeline")
+        return NativeRunner(pipe)
+    return FamilyRunner(wrap_pipeline(pipe, call))

@@ -4,7 +4,7 @@ takes and `profile.save(path)` writes as a settings profile."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -40,16 +40,18 @@ def calibrate(
     candidates: Sequence[Any] | None = None,
     step_masks: bool = True,
     progress: bool = False,
+    call: Mapping[str, Any] | None = None,
 ) -> Profile:
     """The least-compute cache settings whose PSNR against the uncached image meets `target_psnr` on `prompts`
     (strings, seed 0, 1, …; or (prompt, seed) pairs), at the schedule you will sample with: `steps` / `guidance`
     (the standard CFG scale; 1 = off) default to Krea-2's preset, or for a family's pipeline to its call's default
-    steps and no CFG. The procedure is `dicache calibrate`'s (`dicache.tuning`); the pipeline is left uncached.
+    steps and no CFG; `call`: extra keyword arguments of its every call (e.g. `max_sequence_length`). The procedure
+    is `dicache calibrate`'s (`dicache.tuning`); the pipeline is left uncached.
     `TargetNotMet` when no candidate meets the target; a setting the model cannot take is refused before any run."""
     samples = [(p, i) if isinstance(p, str) else (str(p[0]), int(p[1])) for i, p in enumerate(prompts)]
     if not samples:
         raise CalibrationError("dicache.calibrate needs at least one prompt")
-    runner = runner_for(pipe)
+    runner = runner_for(pipe, call)
     variant = None
     if isinstance(runner, FamilyRunner):
         default_steps, default_guidance = runner.model.sampling["steps"], runner.model.sampling["guidance"]
