@@ -168,6 +168,7 @@ def test_settings_a_family_cannot_take_are_refused_before_any_run_naming_setting
 
     pipe = DiffusionPipeline.from_pretrained(folders["pixart"], dtype=torch.float32)
     pipe.scheduler = HeunDiscreteScheduler.from_config(pipe.scheduler.config)
+
     @functools.wraps(type(pipe).__call__)  # the same signature: how the guidance is passed is read from it
     def no_run(*args, **kwargs):
         pytest.fail("a run started before the refusal")
@@ -209,3 +210,38 @@ def test_the_trained_flux_runs_through_generate_and_a_sweep(tmp_path, capsys, on
     assert main([*argv, "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["measured_on"] == "image"  # a trained VAE: fidelity on the decoded images
+
+
+def test_calibrate_grid_out_picks_the_best_candidate_per_compute_bin():
+    """`--grid-out`: per budget bin [f − 0.05, f + 0.05), the complete candidate with the best criterion PSNR on the
+    calibration's prompts; a list value is wrapped so the sweep's grid does not expand it; empty bins are said."""
+    from dicache.tuning import budget_grid
+    from dicache.tuning.search import Calibration, CandidateResult
+
+    def candidate(index, overrides, compute, psnrs, status="complete"):
+        result = CandidateResult(index, overrides, status=status)
+        result.psnr = dict(enumerate(psnrs))
+        result.blocks_run = {i: round(compute * 100) for i in range(len(psnrs))}
+        result.blocks_total = {i: 100 for i in range(len(psnrs))}
+        return result
+
+    candidates = [
+        candidate(0, {"residual_diff_threshold": 0.1}, 0.30, [40.0, 30.0]),  # min 30
+        candidate(1, {"scm_compute_bins": [1, 1], "scm_cache_bins": [2, 2]}, 0.33, [33.0, 32.0]),  # min 32: best
+        candidate(2, {"residual_diff_threshold": 0.2}, 0.31, [50.0], status="stopped"),  # incomplete: never chosen
+        candidate(3, {"residual_diff_threshold": 0.3}, 0.36, [45.0, 45.0]),  # in the 0.4 bin
+    ]
+    calibration = Calibration([("a", 0), ("b", 1)], 35.0, "min", [100, 100], 1.0, candidates, None)
+    grid, lines = budget_grid(calibration, [0.3, 0.4, 0.5], [{"RDT": [0.1]}])
+    assert grid["grid"] == [
+        {"scm_compute_bins": [[1, 1]], "scm_cache_bins": [[2, 2]]},
+        {"residual_diff_threshold": [0.3]},
+    ]
+    assert grid["compute_targets"] == [0.3, 0.4, 0.5] and grid["cachedit_grid"] == [{"RDT": [0.1]}]
+    assert (
+        lines[0].startswith("budget 0.3: #1")
+        and lines[2] == "budget 0.5: no complete candidate with compute in its bin"
+    )
+    from dicache.sweep.spec import expand_grid
+
+    assert [c.overrides for c in expand_grid(grid["grid"])][0]["scm_compute_bins"] == [1, 1]

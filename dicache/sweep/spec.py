@@ -263,6 +263,12 @@ DEFAULT_GRID: list[dict[str, list[Any]]] = [
     {"W": [8], "RDT": [0.08], "MC": [-1], "TS": [0, 1]},
     {"SCM": ["slow", "medium", "fast", "ultra"], "SCM_POLICY": ["static"], "W": [0], "TS": [0, 1]},
 ]
+CACHEDIT_GRID: list[dict[str, list[Any]]] = [
+    {"Fn": [1], "RDT": [0.08, 0.12, 0.16, 0.24, 0.32], "MC": [-1], "TS": [0, 1]},
+    {"SCM": ["slow", "medium", "fast", "ultra"], "SCM_POLICY": ["static"], "W": [0], "TS": [0, 1]},
+]
+"""cache-dit's own settings for an answer table (`cachedit_grid` of a grid file `dicache calibrate --grid-out`
+writes): its dynamic DBCache (Fn 1) at five thresholds and its step-mask presets, TaylorSeer off and on."""
 QUICK_SCHEDULES = ("8", "28:4.5")
 DEFAULT_SCHEDULES = ("8", "28:4.5", "50:4.5")
 TURBO_SCHEDULES = ("8",)

@@ -93,6 +93,7 @@ def calibrate(
         height=height,
         device=str(parameter.device),
         dtype=str(parameter.dtype).removeprefix("torch."),
+        measured_on=getattr(runner, "measured_on", None) or "image",
         fitted_on={"prompt": samples[0][0], "seed": samples[0][1]},
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         dicache_version=__version__,
