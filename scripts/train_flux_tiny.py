@@ -252,12 +252,20 @@ def dicache_json(size: int = IMAGE_SIZE) -> dict:
     }
 
 
+BF16_COMPONENTS = ("transformer", "vae")
+"""Stored in bf16; the small text encoders stay float32, because transformers loads a model in its stored dtype and
+diffusers its own in float32: a plain `FluxPipeline.from_pretrained(dir)` then runs in float32 throughout."""
+
+
 def save_pipeline(pipe, out_dir: Path, extras: dict) -> None:
-    """``save_pretrained`` in bf16, the tokenizers portably, then dicache.json and the extra JSON files."""
+    """``save_pretrained`` (transformer and VAE in bf16), the tokenizers portably, then the extra JSON files."""
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    pipe.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
-    pipe.to(torch.float32)
+    for name in BF16_COMPONENTS:
+        getattr(pipe, name).to(torch.bfloat16)
+    pipe.save_pretrained(out_dir, safe_serialization=True)
+    for name in BF16_COMPONENTS:
+        getattr(pipe, name).to(torch.float32)
     for name in ("tokenizer", "tokenizer_2"):
         if getattr(pipe, name, None) is not None:
             save_tokenizer(getattr(pipe, name), out_dir / name)
@@ -421,7 +429,7 @@ def sample_grid(folder: Path, entries: list[dict], out_path: Path, seeds: int, s
     from diffusers import FluxPipeline
     from PIL import Image
 
-    pipe = FluxPipeline.from_pretrained(folder, dtype=torch.float32).to(device)
+    pipe = FluxPipeline.from_pretrained(folder).to(device)  # as a user would: no arguments
     pipe.set_progress_bar_config(disable=True)
     rows = []
     start = time.time()

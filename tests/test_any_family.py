@@ -75,7 +75,7 @@ def test_calibrate_writes_a_profile_that_generate_uses(folders, tmp_path, capsys
 def test_calibrate_from_python_returns_a_profile_enable_takes(folders, one_thread):
     from diffusers import FluxPipeline
 
-    pipe = FluxPipeline.from_pretrained(folders["flux"], dtype=torch.float32)  # built by the user: no dicache.json
+    pipe = FluxPipeline.from_pretrained(folders["flux"])  # built by the user, plainly; no dicache.json
     pipe.set_progress_bar_config(disable=True)
     profile = dicache.calibrate(
         pipe,
@@ -129,7 +129,7 @@ def test_a_sweep_from_python_on_a_batched_cfg_family(folders, tmp_path, one_thre
     from dicache.sweep.launch import run_sweep
     from dicache.sweep.spec import Schedule, SweepSpec, expand_grid
 
-    pipe = DiffusionPipeline.from_pretrained(folders["pixart"], dtype=torch.float32)
+    pipe = DiffusionPipeline.from_pretrained(folders["pixart"])
     spec = SweepSpec(
         samples=[("red apple", 0)],
         schedules=[Schedule(8, 4.5)],
@@ -166,7 +166,7 @@ def test_settings_a_family_cannot_take_are_refused_before_any_run_naming_setting
     assert main(["generate", "x", "--model", flux, "--variant", "turbo", "--out", str(tmp_path / "b.png")]) == 2
     assert "--variant='turbo' is refused for FluxPipeline" in capsys.readouterr().err
 
-    pipe = DiffusionPipeline.from_pretrained(folders["pixart"], dtype=torch.float32)
+    pipe = DiffusionPipeline.from_pretrained(folders["pixart"])
     pipe.scheduler = HeunDiscreteScheduler.from_config(pipe.scheduler.config)
 
     @functools.wraps(type(pipe).__call__)  # the same signature: how the guidance is passed is read from it
