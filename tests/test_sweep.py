@@ -534,6 +534,8 @@ def test_the_progress_bar_total_is_known_first_never_grows_and_library_logs_pass
     written: list[str] = []
 
     class Bar(progress.tqdm):
+        monitor_interval = 0  # no monitor thread left running after the test
+
         def update(self, n=1):
             totals.append(self.total)
             return super().update(n)
