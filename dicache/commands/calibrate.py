@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(list(CANDIDATES), indent=2))
         return 0
     candidates = load_candidates(args.candidates) if args.candidates else list(CANDIDATES)
-    samples = resolve_samples(args.prompts, args.model, args.prompt_split)
+    samples = resolve_samples(args.prompts, args.model, getattr(args, "prompt_split", "heldout"))
 
     previous_threads = torch.get_num_threads()
     if args.threads:
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         meta["measured_on"] = measured_on
         where = "decoded images" if measured_on == "image" else "final latents (the decoded images are flat)"
         print(f"fidelity measured on the {where}")
-    if args.grid_out:
+    if getattr(args, "grid_out", None):
         grid, lines = budget_grid(result, args.budgets or list(RECOMMENDED_BUDGETS), CACHEDIT_GRID)
         path = Path(args.grid_out)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -247,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_family_runner(args: argparse.Namespace, device: str, dtype: Any) -> tuple[Any, dict[str, Any]]:
     """`_load_runner` for a diffusers pipeline of a registered family (its own `__call__`: `FamilyRunner`)."""
+    embedded = getattr(args, "embedded_guidance", None)
     name = f"{pipeline_class(args.model)} ({args.model})"
     if args.variant is not None:
         raise CalibrationError(f"--variant={args.variant!r} is refused for {name}: variants are Krea-2's presets")
@@ -257,7 +258,7 @@ def _load_family_runner(args: argparse.Namespace, device: str, dtype: Any) -> tu
     height, width = family.default_size
     if args.size:
         width, height = args.size
-    runner = PipelineRunner(family, steps, guidance, None, height, width, embedded_guidance=args.embedded_guidance)
+    runner = PipelineRunner(family, steps, guidance, None, height, width, embedded_guidance=embedded)
     meta = {
         "model": args.model,
         "model_source": f"{family.model.name} from {args.model}",
@@ -265,7 +266,7 @@ def _load_family_runner(args: argparse.Namespace, device: str, dtype: Any) -> tu
         "variant": None,
         "steps": steps,
         "guidance_scale": guidance,
-        "embedded_guidance": args.embedded_guidance,
+        "embedded_guidance": embedded,
         "width": width,
         "height": height,
         "device": str(device),
@@ -280,8 +281,9 @@ def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if is_family_model(args.model):
         return _load_family_runner(args, device, dtype)
-    if args.embedded_guidance is not None:
-        raise CalibrationError(f"--embedded-guidance={args.embedded_guidance:g} is refused for Krea-2: it has none")
+    embedded = getattr(args, "embedded_guidance", None)  # absent from a namespace built without SamplingOptions
+    if embedded is not None:
+        raise CalibrationError(f"--embedded-guidance={embedded:g} is refused for Krea-2: it has none")
 
     pipe = Krea2Pipeline.from_pretrained(resolve_model(args.model, args.variant), dtype=dtype, device=device)
     variant = resolve_variant(pipe, args.variant)

@@ -140,7 +140,7 @@ def _generate_family(args: argparse.Namespace, config, use_cache: bool) -> int:
         model,
         steps=steps,
         guidance=guidance,
-        embedded_guidance=args.embedded_guidance,
+        embedded_guidance=getattr(args, "embedded_guidance", None),
         height=args.height or height,
         width=args.width or width,
         seed=args.seed,
@@ -185,8 +185,9 @@ def _report(args: argparse.Namespace, config, use_cache: bool, pipe) -> int:
 
 
 def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
-    if args.embedded_guidance is not None:
-        raise ConfigError(f"--embedded-guidance={args.embedded_guidance:g} is refused for Krea-2: it has none")
+    embedded = getattr(args, "embedded_guidance", None)  # absent from a namespace built without SamplingOptions
+    if embedded is not None:
+        raise ConfigError(f"--embedded-guidance={embedded:g} is refused for Krea-2: it has none")
     offload = offload_settings(args, parallel=ctx.enabled)
     limits = OffloadLimits(  # the plan covers this command's request
         max_height=args.height,
