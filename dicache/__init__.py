@@ -22,12 +22,15 @@ from .errors import BlockFormError, BlockSplitError, ConfigError, DicacheError, 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time `__getattr__` imports these on first use
     from .api import disable, enable, is_enabled, request, session_of, stats, step
     from .settings.cache_config import CacheConfig
+    from .settings.profiles import Profile
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     **dict.fromkeys(("disable", "enable", "is_enabled", "request", "session_of", "stats", "step"), ".api"),
     "CacheConfig": ".settings.cache_config",
+    "Profile": ".settings.profiles",
+    "calibrate": ".tuning.api",
 }
 
 __all__ = [
@@ -38,8 +41,10 @@ __all__ = [
     "ConfigError",
     "DicacheError",
     "NotEnabledError",
+    "Profile",
     "RequestStats",
     "UnsupportedModelError",
+    "calibrate",
     "disable",
     "enable",
     "is_enabled",
