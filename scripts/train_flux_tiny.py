@@ -379,17 +379,17 @@ def train_dit(pipe, latents, seqs, pooled, caption_idx, empty, args, device) -> 
         sigma = torch.sigmoid(torch.randn(bsz, device=device, generator=gen))
         noise = torch.randn(x0.shape, device=device, generator=gen)
         xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
-        with autocast(device):
-            v = transformer(
-                hidden_states=xt,
-                timestep=sigma,
-                guidance=None,
-                pooled_projections=pool,
-                encoder_hidden_states=text,
-                txt_ids=txt_ids,
-                img_ids=img_ids,
-                return_dict=False,
-            )[0]
+        # float32 with TF32 matmuls: under bf16 autocast, cuBLAS failed in this backward on the H200 (2026-12-04)
+        v = transformer(
+            hidden_states=xt,
+            timestep=sigma,
+            guidance=None,
+            pooled_projections=pool,
+            encoder_hidden_states=text,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
         loss = F.mse_loss(v.float(), noise - x0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
