@@ -17,7 +17,7 @@ Runs (each the median of `--reps` timed pipeline calls after one warm-up, synchr
   cache-dit gets the nearest ones (listed), and dicache also runs with exactly those.
 
 Checks: both caches computed the same steps (dicache.stats, cache_dit.summary), and their latents agree (PSNR of
-`0.5 + latents / 8`, rel. L2). Exit status 1 when the computed steps differ (after writing everything).
+`0.5 + latents / 8`, rel. L2). Exit status 1 when the computed steps differ or a mode failed (after writing everything).
 
     python benchmarks/bench_family_speed.py --out $OUT/bench_family_speed.json [--profile flux.json]
     python benchmarks/bench_family_speed.py --tiny --modes eager      # the same code on a tiny Flux, CPU
@@ -203,6 +203,7 @@ class Bench:
         self.labels = (label(self.ours), label(self.theirs))  # a mask that does not fit STEPS is refused here
         self.runs: dict[str, dict[str, dict]] = {}
         self.setup: dict = {}
+        self.errors: dict[str, str] = {}
 
     def build(self) -> None:
         """The pipeline: the transformer initialised on the device (random weights), then cast to the dtype."""
@@ -318,9 +319,17 @@ class Bench:
         self.cache_dit_run(mode, "cache-dit", self.theirs)
 
     def run(self) -> dict:
+        """Every mode; a mode that fails after another completed is reported (`errors`) instead of losing the rest."""
         self.build()
         for mode in self.args.modes:
-            self.run_mode(mode)
+            try:
+                self.run_mode(mode)
+            except Exception as exc:
+                if not any(m in self.runs for m in self.args.modes if m != mode):
+                    raise
+                self.errors[mode] = f"{type(exc).__name__}: {exc}"
+                self.runs.pop(mode, None)
+                print(f"{mode} failed: {self.errors[mode]}", flush=True)
         return self.results()
 
     def results(self) -> dict:
@@ -348,6 +357,7 @@ class Bench:
             "cache_dit_settings": self.theirs.model_dump(),
             "cache_dit_changes": self.changes,
             "rows": rows,
+            "errors": self.errors,
             "same_computed_steps": self.same_computed_steps(rows),
         }
 
@@ -446,6 +456,8 @@ def markdown(results: dict, command: str) -> str:
             f"{fmt_db(ours['psnr_vs_cache_dit_db'])} dB, rel. L2 {ours['rel_l2_vs_cache_dit']:.2e}; dicache vs no "
             f"cache: PSNR {fmt_db(ours['psnr_vs_no_cache_db'])} dB"
         )
+    for mode, error in results["errors"].items():
+        lines.append(f"- **{mode} failed**: {error[:300]}")
     if not results["same_computed_steps"]:
         lines.append("- **MISMATCH**: a dicache run computed another number of steps than its cache-dit reference")
     lines.append("")
@@ -468,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1, allow_nan=True))
     publish(text, args.results)
-    return 0 if results["same_computed_steps"] else 1
+    return 0 if results["same_computed_steps"] and not results["errors"] else 1
 
 
 if __name__ == "__main__":

@@ -98,3 +98,13 @@ def test_a_mask_that_does_not_fit_28_steps_is_refused_before_the_model_is_built(
     assert bench_family_speed.main([*TINY, "--profile", str(profile)]) == 2
     captured = capsys.readouterr()
     assert "scm_compute_bins" in captured.err and "built:" not in captured.out
+
+
+def test_a_failing_compiled_mode_keeps_the_eager_results_and_exits_1(tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    argv = ["--tiny", "--modes", "eager,compiled", "--compile-backend", "no-such-backend", "--reps", "1"]
+    assert bench_family_speed.main([*argv, "--out", str(out)]) == 1
+    results = json.loads(out.read_text())
+    assert list(results["errors"]) == ["compiled"] and "no-such-backend" in results["errors"]["compiled"]
+    assert all("eager" in r and "compiled" not in r for r in results["rows"])
+    assert "**compiled failed**" in capsys.readouterr().out
