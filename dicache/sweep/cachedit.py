@@ -96,6 +96,28 @@ def cache_dit_settings(config: CacheConfig, schedule: Schedule) -> tuple[dict[st
     return kwargs, (config.taylorseer_order if config.enable_taylorseer else None)
 
 
+def enable_equivalent(pipe: Any, config: CacheConfig, schedule: Schedule) -> None:
+    """`cache_dit.enable_cache(pipe, ...)` with the settings equivalent to `config` on `schedule`
+    (`cache_dit_settings`; TaylorSeer as `TaylorSeerCalibratorConfig(order)`). `ValueError` when it has none."""
+    cache_dit = import_cache_dit()
+    kwargs, order = cache_dit_settings(config, schedule)
+    calibrator = None if order is None else cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=order)
+    cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(**kwargs), calibrator_config=calibrator)
+
+
+def cached_steps(pipe: Any, cfg: bool) -> dict[str, list[int]]:
+    """The step indices cache-dit cached in `pipe`'s last call, `{"cond": [...], "uncond": [...]}` (uncond only with
+    `cfg`), from its first cache context (`cache_dit.summary`); {} when cache-dit is not enabled on `pipe`."""
+    stats = [s for s in import_cache_dit().summary(pipe, logging=False) if s.cache_options]
+    if not stats:
+        return {}
+    first = stats[0]
+    out = {"cond": list(first.cached_steps or [])}
+    if cfg:
+        out["uncond"] = list(first.cfg_cached_steps or [])
+    return out
+
+
 class CacheDitRunner:
     """diffusers' `Krea2Pipeline`, plain (`cache=None`) or cached by cache-dit with the settings equivalent to `cache`.
 
@@ -176,13 +198,7 @@ class CacheDitRunner:
             self.cache_dit.disable_cache(self.pipe)
             self._active = None
         if cache is not None:
-            kwargs, order = cache_dit_settings(cache, schedule)
-            calibrator = None
-            if order is not None:
-                calibrator = self.cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=order)
-            self.cache_dit.enable_cache(
-                self.pipe, cache_config=self.cache_dit.DBCacheConfig(**kwargs), calibrator_config=calibrator
-            )
+            enable_equivalent(self.pipe, cache, schedule)
             self._active = key
 
     def close(self) -> None:
@@ -213,14 +229,7 @@ class CacheDitRunner:
         )
 
     def _cached_steps(self, cfg: bool) -> dict[str, list[int]]:
-        stats = [s for s in self.cache_dit.summary(self.pipe, logging=False) if s.cache_options]
-        if not stats:
-            return {}
-        first = stats[0]
-        out = {"cond": list(first.cached_steps or [])}
-        if cfg:
-            out["uncond"] = list(first.cfg_cached_steps or [])
-        return out
+        return cached_steps(self.pipe, cfg)
 
     @contextlib.contextmanager
     def _schedule_variant(self, schedule: Schedule):
