@@ -4,7 +4,7 @@ count and a guidance scale.
 
 A checkpoint's `model_index.json` names its pipeline class (`_class_name`): `Krea2Pipeline` is ours (the native
 pipeline, `models/krea2`); any other class is loaded by diffusers' `DiffusionPipeline.from_pretrained` and must hold
-a transformer of a registered family (`engine/adapters/families.py`). A hub id resolves through the local hub cache
+a transformer of a registered family (`blocks/families.py`). A hub id resolves through the local hub cache
 (`loading.resolve_component_dir`; offline and not cached: a `CheckpointError` saying how to fetch it). An optional
 `dicache.json` beside it gives what diffusers' defaults do not: `default_size` ([height, width] px), `sampling`
 (`steps`, `guidance`: the schedule the model is meant for) and `call` (extra keyword arguments of every call, e.g.
@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from ..engine.adapters.families import find_family
+from ..blocks.families import find_family
 from ..errors import ConfigError, UnsupportedModelError
 from .krea2.checkpoints import EMBEDDED_CHECKPOINT, read_dicache_json
-from .loading import CheckpointError, read_json, resolve_component_dir
+from .loading import CheckpointError, hidden_packages, read_json, resolve_component_dir
 
 NATIVE_PIPELINES = ("Krea2Pipeline",)
 """Pipeline classes the native Krea-2 pipeline loads (our `Krea2Pipeline`); any other goes through diffusers."""
@@ -130,16 +130,16 @@ def load_family_model(
 ) -> FamilyModel:
     """Load `--model` with diffusers' `DiffusionPipeline.from_pretrained` (the class `model_index.json` names), in
     `dtype` (default float32) on `device` (default CPU); check its family; progress bars off."""
-    # diffusers is optional (the `diffusers` extra): only a family checkpoint needs it
-    try:
-        from diffusers import DiffusionPipeline
-    except ImportError as exc:
-        raise CheckpointError(
-            f"{model}: a {pipeline_class(model)} checkpoint needs diffusers (pip install diffusers): {exc}"
-        ) from None
-
     folder = model_folder(model)
-    pipe = DiffusionPipeline.from_pretrained(folder, dtype=dtype or torch.float32)
+    with hidden_packages("torchao"):  # diffusers and transformers import it when installed; no family path uses it
+        # diffusers is optional (the `diffusers` extra): only a family checkpoint needs it
+        try:
+            from diffusers import DiffusionPipeline
+        except ImportError as exc:
+            raise CheckpointError(
+                f"{model}: a {pipeline_class(model)} checkpoint needs diffusers (pip install diffusers): {exc}"
+            ) from None
+        pipe = DiffusionPipeline.from_pretrained(folder, dtype=dtype or torch.float32)
     if device is not None:
         pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
