@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 from ..engine.policies import make_policy
 from ..errors import ConfigError
 from ..formatting import clip_repr
-from ..settings.cache_config import CacheConfig
+from ..settings.cache_config import SETTINGS_BY_KEY, CacheConfig
 from ..settings.options import value_type
 from .errors import ApiError
 from .schemas import ImageGenerationRequest, integral
@@ -215,8 +215,7 @@ def _json_kind(key: str) -> tuple[str, Callable[[Any], bool]]:
     kind = _unwrapped(value_type(CacheConfig.model_fields[key]))
     if get_origin(kind) is Literal:
         choices = get_args(kind)
-        noun = "one of " + ", ".join(repr(c) for c in choices)
-        return noun, lambda v: any(type(v) is type(c) and v == c for c in choices)
+        return SETTINGS_BY_KEY[key].allowed, lambda v: any(type(v) is type(c) and v == c for c in choices)
     if get_origin(kind) is list:
         item_noun, item_fits = _JSON_KINDS[_unwrapped(get_args(kind)[0])]
         noun = "a JSON list of " + item_noun.removeprefix("a JSON ").removeprefix("an ") + "s"
@@ -244,10 +243,12 @@ def check_json_types(overrides: Mapping[str, Any]) -> dict[str, Any]:
             value = _integral_json(value)
         if not fits(value):
             got = _JSON_NAMES.get(type(value), type(value).__name__)
+            kind = _unwrapped(value_type(CacheConfig.model_fields[key]))
+            if get_origin(kind) is not Literal or type(value) not in {type(c) for c in get_args(kind)}:
+                noun += f", got {'an' if got[0] in 'aeiou' else 'a'} {got}"  # the JSON type is wrong too
             raise ApiError(
                 400,
-                f"cache_dit_params: cache override key {key!r}={clip_repr(value)} is invalid: must be {noun}, "
-                f"got {'an' if got[0] in 'aeiou' else 'a'} {got}",
+                f"cache_dit_params: cache override key {key!r}={clip_repr(value)} is invalid: must be {noun}",
                 "cache_dit_params",
             )
         checked[key] = value
