@@ -336,9 +336,11 @@ RAY_FUZZ_CASES = 1000
 
 
 def test_the_ray_serve_http_path_fuzzed_from_its_own_schema(ray_url, model_source, tmp_path):
-    """After the group test (the cluster's CPUs are free): one replica with the schema fuzz's bounds and an API key,
-    behind Serve's proxy (with its error middleware), fuzzed as tests/test_schema_fuzz.py fuzzes the single-process
-    server, with fewer cases: with the key and without it."""
+    """One replica with the schema fuzz's bounds and an API key, behind Serve's proxy (with its error middleware),
+    fuzzed as tests/test_schema_fuzz.py fuzzes the single-process server, with fewer cases: with the key and without
+    it. After the group test, which removed the command's app (the cluster has 2 CPUs); removed here too when run
+    alone."""
+    serve.delete(APP_NAME)
     settings = settings_from_args(parse_serve_argv([*FUZZ_FLAGS, "--api-key", FUZZ_KEY]))
     spec = ReplicaSpec(settings=settings, model=model_source, variant="turbo", device="cpu", torch_threads=1)
     serve.run(build_application(spec, RayServeOptions(replicas=1)), name="dicache-fuzz", route_prefix="/")

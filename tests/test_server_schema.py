@@ -238,3 +238,20 @@ def test_openai_only_fields_state_their_single_value():
     assert properties["partial_images"]["anyOf"] == [{"const": 0}, {"type": "null"}]
     for field in ("frame_count", "frame_duration_ms", "svg"):
         assert properties[field]["anyOf"] == [{"type": "null"}], field
+
+
+def test_a_server_step_mask_states_its_fewest_steps():
+    """A rule between fields JSON Schema cannot state (the server's SGLANG_CACHE_DIT_SCM_PRESET needs 4 steps while
+    caching) is said in words, with the number the check applies."""
+    base = CacheConfig.defaults().merged({"enable_cache": True, "scm_preset": "fast"})
+    steps = body_schema(document(ServerSettings(docs=True), Backend(cache_config=base)))["properties"]
+    assert "at least 4" in steps["num_inference_steps"]["description"]
+    for count, taken in ((3, False), (4, True)):
+        try:
+            resolve(ImageGenerationRequest(prompt="x", num_inference_steps=count), ServerSettings(), RAW, base, 10)
+        except ApiError:
+            assert not taken
+        else:
+            assert taken
+    plain = body_schema(document(ServerSettings(docs=True)))["properties"]["num_inference_steps"]
+    assert "step mask" not in plain["description"]

@@ -22,7 +22,8 @@ from fastapi.openapi.utils import get_openapi
 
 from ..settings.cache_config import CacheConfig
 from .auth import is_protected
-from .generation import REQUEST_BOUNDS, Defaults, SizeRule, default_breaks_bound
+from .errors import ApiError
+from .generation import REQUEST_BOUNDS, Defaults, SizeRule, check_step_mask, default_breaks_bound
 from .schemas import ErrorResponse, ImageGenerationRequest
 from .settings import ServerSettings
 
@@ -79,6 +80,11 @@ def generation_request_schema(
     for bound in REQUEST_BOUNDS:
         _value_schema(properties[bound.field])[bound.keyword] = bound.limit(settings)
     properties["num_inference_steps"]["default"] = defaults.num_inference_steps  # the served variant's preset
+    fewest = fewest_masked_steps(base, settings.max_steps)
+    if fewest is not None:  # a rule between fields (caching on, this server's mask): in words
+        properties["num_inference_steps"]["description"] += (
+            f" With this server's step mask (caching on) at least {fewest}; fewer with enable_cache false."
+        )
     properties["guidance_scale"]["default"] = defaults.guidance_scale
     for bound in REQUEST_BOUNDS:
         if default_breaks_bound(bound, settings, defaults):
@@ -100,6 +106,20 @@ def generation_request_schema(
     }
     schema["required"] = sorted(required, key=list(properties).index)
     return schema
+
+
+def fewest_masked_steps(base: CacheConfig, max_steps: int) -> int | None:
+    """The fewest steps this server's own step mask takes when a request caches (`check_step_mask`), or None
+    when it has no mask or caching is off by default."""
+    if not (base.enable_cache and base.has_step_mask):
+        return None
+    for steps in range(1, max_steps + 1):
+        try:
+            check_step_mask(base, steps, {})
+        except ApiError:
+            continue
+        return steps
+    return None
 
 
 CROSS_RULES = (
