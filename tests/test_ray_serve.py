@@ -9,6 +9,8 @@ CPU replicas of the embedded checkpoint.
   within its client timeout;
 - a replica holding its model over 2 processes (Ulysses 2, gloo, a placement group of 2 CPU bundles) gives the
   single-process bytes and cache decisions too;
+- requests generated from the app's own /openapi.json (`schema_fuzz`, as tests/test_schema_fuzz.py, fewer cases)
+  pass every schemathesis check through Serve's proxy, with and without the API key;
 - SIGTERM stops the command with exit status 0;
 - SIGTERM with requests in flight drains every replica as the single-process server drains: a new request and
   `/health` get 503 + Retry-After (OpenAI shape, not Serve's 404), the accepted requests get 200 or, past a short
