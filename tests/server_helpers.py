@@ -29,9 +29,9 @@ def pipeline_source(tmp_dir: pathlib.Path) -> str | None:
     return str(tmp_dir)
 
 
-def backend_with_env(model_source: str | None, env: dict[str, str]) -> Any:
+def backend_with_env(model_source: str | None, env: dict[str, str], variant: str | None = None) -> Any:
     """The real backend on CPU, its cache settings read from exactly `env`'s SGLANG_CACHE_DIT_* at start-up (as
-    `dicache serve` does), default size 32x32."""
+    `dicache serve` does), default size 32x32; `variant` as `dicache serve --variant`."""
     import pytest
 
     from dicache.server import load_backend
@@ -41,7 +41,7 @@ def backend_with_env(model_source: str | None, env: dict[str, str]) -> Any:
             mp.delenv(name)
         for name, value in env.items():
             mp.setenv(name, value)
-        return load_backend(model_source, device="cpu", default_size=(32, 32))
+        return load_backend(model_source, variant, device="cpu", default_size=(32, 32))
 
 
 def metrics_text_to_dict(text: str) -> dict[tuple[str, tuple], float]:

@@ -9,6 +9,8 @@ CPU replicas of the embedded checkpoint.
   within its client timeout;
 - a replica holding its model over 2 processes (Ulysses 2, gloo, a placement group of 2 CPU bundles) gives the
   single-process bytes and cache decisions too;
+- requests generated from the app's own /openapi.json (`schema_fuzz`, as tests/test_schema_fuzz.py, fewer cases)
+  pass every schemathesis check through Serve's proxy, with and without the API key;
 - SIGTERM stops the command with exit status 0;
 - SIGTERM with requests in flight drains every replica as the single-process server drains: a new request and
   `/health` get 503 + Retry-After (OpenAI shape, not Serve's 404), the accepted requests get 200 or, past a short
@@ -35,6 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from schema_fuzz import KEY as FUZZ_KEY
+from schema_fuzz import SERVE_FLAGS as FUZZ_FLAGS
+from schema_fuzz import answered, generations, schemathesis_run, server_counts
 from server_helpers import pipeline_source, wait_until
 
 # Ray reads its authentication mode once, when imported; a driver joining a cluster by address must say "token"
@@ -318,6 +323,48 @@ def test_ulysses_group_replica_gives_the_single_process_bytes(ray_url, single_ur
                 )
     finally:
         serve.delete("dicache-sp")
+
+
+RAY_FUZZ_COVERAGE = """
+[[operations]]
+include-path = "/v1/images/generations"
+phases.coverage.generation.mode = "negative"
+phases.coverage.generation.deterministic = true
+"""
+"""The Ray fuzz's configuration: the generation endpoint's coverage phase sends schema-invalid requests only (its
+schema-valid ones, 200-odd images, go through the single-process fuzz, tests/test_schema_fuzz.py)."""
+RAY_FUZZ_CASES = 1000
+"""Requests the Ray Serve fuzz generates, at least (two derandomised runs: with the API key and without)."""
+
+
+def test_the_ray_serve_http_path_fuzzed_from_its_own_schema(ray_url, model_source, tmp_path):
+    """One replica with the schema fuzz's bounds and an API key, behind Serve's proxy (with its error middleware),
+    fuzzed as tests/test_schema_fuzz.py fuzzes the single-process server, with fewer cases: with the key and without
+    it. After the group test, which removed the command's app (the cluster has 2 CPUs); removed here too when run
+    alone."""
+    serve.delete(APP_NAME)
+    settings = settings_from_args(parse_serve_argv([*FUZZ_FLAGS, "--api-key", FUZZ_KEY]))
+    spec = ReplicaSpec(settings=settings, model=model_source, variant="turbo", device="cpu", torch_threads=1)
+    serve.run(build_application(spec, RayServeOptions(replicas=1)), name="dicache-fuzz", route_prefix="/")
+    try:
+        cases = {}
+        for name, key, config in (("key", FUZZ_KEY, RAY_FUZZ_COVERAGE), ("no_key", None, "")):
+            (tmp_path / name).mkdir()
+            run = schemathesis_run(ray_url, tmp_path / name, key, max_examples=10, config=config)
+            run.check(f"ray {name}")
+            cases[name] = run.cases
+            print(f"ray schema fuzz {name}: {run.cases} cases, {run.wall_s:.1f} s wall, {run.cpu_s:.1f} s CPU")
+        assert sum(cases.values()) >= RAY_FUZZ_CASES, cases
+        counts = server_counts(ray_url, FUZZ_KEY)
+        assert answered(counts, "5") == 0 and generations(counts, "failed") == 0
+        assert generations(counts, "ok") >= 1  # schema-valid requests went through Serve to the replica
+        headers = {"Authorization": f"Bearer {FUZZ_KEY}"}
+        assert httpx.get(ray_url + "/health", timeout=30).json() == {"status": "ok"}
+        body = {"prompt": "a red fox", "size": "32x32", "num_inference_steps": 2, "seed": 1}
+        answer = httpx.post(ray_url + GENERATIONS, json=body, headers=headers, timeout=CLIENT_TIMEOUT)
+        assert answer.status_code == 200 and answer.json()["data"][0]["b64_json"], answer.text[:300]
+    finally:
+        serve.delete("dicache-fuzz")
 
 
 def test_sigterm_stops_the_command_with_status_0(command):

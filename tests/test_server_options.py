@@ -44,7 +44,7 @@ def test_options_reach_their_fields_by_name(monkeypatch):
     )
     settings = settings_from_args(args)
     assert (settings.request_timeout_s, settings.drain_grace_s, settings.body_timeout_s) == (12.0, 0.0, 3.0)
-    assert settings.max_pixels == 64 * 64 and settings.protect_metrics and settings.api_key == "k" * 16
+    assert settings.max_side == 64 and settings.protect_metrics and settings.api_key == "k" * 16
     limits = limits_from_args(parse_serve_argv(["--keep-alive-timeout", "2", "--header-timeout", "4"]))
     assert (limits.keep_alive_s, limits.header_timeout_s) == (2.0, 4.0)
 
@@ -114,7 +114,7 @@ def test_a_model_default_size_outside_the_limits_asks_for_a_size():
     from dicache.settings.cache_config import CacheConfig
 
     defaults = Defaults(variant=None, num_inference_steps=4, guidance_scale=1.0, width=1024, height=1024)
-    settings = ServerSettings(max_side=512, max_pixels=512 * 512)
+    settings = ServerSettings(max_side=512)
     for size in (None, "auto"):
         with pytest.raises(ApiError) as caught:
             resolve(ImageGenerationRequest(prompt="x", size=size), settings, defaults, CacheConfig.defaults())

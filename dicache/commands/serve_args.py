@@ -42,9 +42,9 @@ def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    """`ServerSettings` from the options (`server_settings`: `max_pixels` is `--max-side` squared, the key
-    `--api-key` else DICACHE_API_KEY); `--workers` left out: 2, or 1 when the memory options ask for offload (an
-    offloaded pipeline runs one generation at a time)."""
+    """`ServerSettings` from the options (`server_settings`: the key `--api-key` else DICACHE_API_KEY); `--workers`
+    left out: 2, or 1 when the memory options ask for offload (an offloaded pipeline runs one generation at a
+    time)."""
     values = values_from_args(args, ServerSettings)
     if values["workers"] is None:
         offloaded = OffloadSettings(**values_from_args(args, OffloadSettings)).any

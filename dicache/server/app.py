@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..settings.cache_config import CacheConfig
 from ..settings.profiles import profile_source
@@ -35,16 +35,17 @@ from .handling import GenerationProbe, await_job, job_runner, parse_generation_r
 from .jobs import JobQueue
 from .memory import memory_breakdown
 from .metrics import MetricsMiddleware, ServerMetrics
+from .openapi import generation_request_schema, install_openapi, request_body, responses
 from .schemas import (
     GUIDANCE_DOC,
     IGNORED_FIELDS,
-    ErrorResponse,
     GenerationInfo,
-    ImageGenerationRequest,
+    HealthStatus,
     ImageObject,
     ImagesResponse,
     ModelCard,
     ModelList,
+    ProbeResult,
     Timings,
 )
 from .settings import ANSWER_TIMEOUT_S, ServerSettings
@@ -78,7 +79,8 @@ ignored: {", ".join(IGNORED_FIELDS)}. Numbers and booleans are strict (`"n": tru
 
 **guidance_scale**: {GUIDANCE_DOC}
 
-**size**: "WIDTHxHEIGHT", each side a multiple of 16 within the server's limits.
+**size**: "WIDTHxHEIGHT" in plain digits, each side a multiple of 16 within the server's limits (the schema's
+pattern lists them).
 
 **Caching**: the server's settings come from `SGLANG_CACHE_DIT_*` over its settings profile (`--profile`) at start-up;
 `enable_cache` and `cache_dit_params` (keys as in cache-dit / SGLang, e.g. `residual_diff_threshold`) override them
@@ -86,15 +88,9 @@ for this request only. The response's `cache_stats` has the request's computed /
 seed and parameters give a bitwise identical image, whatever else the server is doing.
 
 Errors: 400 (bad field: the message names it, the value and what is allowed), 401 (API key), 408 (body too slow),
-413 (body too large), 429 (queue full), 503 (shutting down), 504 (request timeout).
+413 (body too large), 429 (queue full), 503 (shutting down), 504 (not answered within the server's --timeout,
+waiting included). Every bound in this schema is the one the server applies.
 """
-
-REQUEST_BODY_DOC = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": ImageGenerationRequest.model_json_schema()}},
-    }
-}
 
 
 def create_app(
@@ -164,17 +160,16 @@ def create_app(
     app.add_middleware(DrainMiddleware, drain=drain)
     app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=ENDPOINTS)
 
-    errors: dict[int | str, dict[str, Any]] = {
-        code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 429, 503, 504)
-    }
+    body_schema = generation_request_schema(settings, backend.defaults, backend.cache_config, backend.num_blocks)
+    install_openapi(app, settings, {GENERATIONS: body_schema})
 
     @app.post(
         GENERATIONS,
         response_model=ImagesResponse,
-        responses=errors,
+        responses=responses(settings, GENERATIONS, (400, 408, 413, 429, 503, 504)),
         summary="Generate images",
         description=GENERATE_DESCRIPTION,
-        openapi_extra=REQUEST_BODY_DOC,
+        openapi_extra={"requestBody": request_body(body_schema)},
     )
     async def generate_images(request: Request) -> ImagesResponse | Response:
         arrived = time.monotonic()
@@ -213,11 +208,21 @@ def create_app(
             return Response(response_body(answer, data_json), media_type="application/json")
         return answer
 
-    @app.get("/v1/models", response_model=ModelList, summary="The served model")
+    @app.get(
+        "/v1/models",
+        response_model=ModelList,
+        responses=responses(settings, "/v1/models", (503,)),
+        summary="The served model",
+    )
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=settings.model_id, created=started)])
 
-    @app.get("/v1/models/{model_id}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    @app.get(
+        "/v1/models/{model_id}",
+        response_model=ModelCard,
+        responses=responses(settings, "/v1/models/{model_id}", (404, 503)),
+        summary="One served model",
+    )
     async def get_model(model_id: str) -> ModelCard:
         if model_id != settings.model_id:
             raise ApiError(
@@ -230,6 +235,7 @@ def create_app(
 
     @app.get(
         "/v1/server_info",
+        responses=responses(settings, "/v1/server_info", (503,)),
         summary="Queue state, limits, the start-up cache settings and the GPU memory breakdown (API key if set)",
     )
     async def server_info() -> dict[str, Any]:
@@ -255,19 +261,34 @@ def create_app(
         }
 
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
-    @app.get("/health", summary="Liveness: 200 ok, or 503 while draining")
+    @app.get(
+        "/health",
+        response_model=HealthStatus,
+        responses={503: {"model": HealthStatus, "description": "draining: the server is shutting down"}},
+        summary="Liveness: 200 ok, or 503 while draining",
+    )
     async def health() -> JSONResponse:
         status = _status(queue, drain)
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
-    @app.get("/health_generate", summary="Generates a tiny image through the queue: 200 once it is done")
+    @app.get(
+        "/health_generate",
+        response_model=ProbeResult,
+        responses=responses(settings, "/health_generate", (503,)),
+        summary="Generates a tiny image through the queue: 200 once it is done",
+    )
     async def health_generate() -> JSONResponse:
         if drain.draining or queue.closing:
             raise ApiError(503, "the server is draining", code="shutting_down")
         seconds = await probe.run(settings.request_timeout_s)
         return JSONResponse({"status": "ok", "generate_s": round(seconds, 6)})
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses=responses(settings, "/metrics", ()),
+        summary="Prometheus metrics (text exposition format)",
+    )
     async def prometheus_metrics() -> Response:
         content, media_type = metrics.render()
         return Response(content, media_type=media_type)

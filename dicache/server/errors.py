@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import Send
 
 from ..formatting import clip_repr
@@ -139,6 +140,16 @@ def key_at_error(raw: bytes, message: str) -> str | None:
     return keys[-1].decode(errors="replace") if keys else None
 
 
+def allowed_methods(request: Request) -> str:
+    """The `Allow` value of a 405: every method that some route at the request's path answers (a path served by
+    several routes, e.g. GET and HEAD `/health`, lists them all)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map ApiError, request validation, HTTP errors and anything unexpected to OpenAI-shaped JSON."""
 
@@ -159,7 +170,11 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 400 and message == "There was an error parsing the body":
             message = "malformed JSON body: it could not be decoded (send a UTF-8 JSON object)"
         elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
+            allow = allowed_methods(request)
+            message = f"method {request.method} is not allowed on {request.url.path}; allowed: {allow}"
+            response = error_response(405, message)
+            response.headers["Allow"] = allow  # RFC 9110 15.5.6
+            return response
         return error_response(exc.status_code, message)
 
     @app.exception_handler(Exception)

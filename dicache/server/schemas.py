@@ -1,14 +1,25 @@
 """Request and response bodies of the OpenAI-compatible endpoints (pydantic models; they also document the API).
 
 Bounds that depend on the server's settings (`n`, `size`, steps, prompt length) are checked after parsing, by
-`dicache.server.requests.resolve`; the models here check types and fixed ranges only.
+`dicache.server.generation.resolve`, and stated in /openapi.json by `dicache.server.openapi`; the models here check
+types and fixed ranges only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
 
 SEED_MAX = 2**63 - 1
 
@@ -20,6 +31,23 @@ GUIDANCE_DOC = (
 )
 
 
+def integral(value: Any) -> Any:
+    """A JSON number without a fractional part (`4.0`) as the integer it is (JSON Schema's "integer" admits it, and
+    /openapi.json says "integer"); anything else unchanged."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def only(*values: Any) -> Callable[[dict[str, Any]], None]:
+    """`json_schema_extra` of an optional field that accepts only `values` (or null), whatever its type admits: the
+    schema states what the validators let through."""
+
+    def apply(schema: dict[str, Any]) -> None:
+        schema.pop("type", None)
+        schema["anyOf"] = [*({"const": value} for value in values), {"type": "null"}]
+
+    return apply
+
+
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 IGNORED_FIELDS = ("quality", "style", "moderation", "complexity", "user", "safety_identifier")
 """OpenAI fields accepted and validated but without effect here (documented in the API description)."""
@@ -29,7 +57,7 @@ class ImageGenerationRequest(BaseModel):
     """`POST /v1/images/generations`: the OpenAI Images API's fields plus the diffusion and cache controls.
 
     Numbers and booleans are strict, as in OpenAI's API: `"n": true`, `"guidance_scale": "4.5"` or
-    `"enable_cache": "yes"` are 400s, not silently converted.
+    `"enable_cache": "yes"` are 400s, not silently converted (`"n": 2.0` is the JSON number 2, as JSON Schema has it).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -39,9 +67,8 @@ class ImageGenerationRequest(BaseModel):
     n: StrictInt = Field(1, ge=1, description="Number of images (bounded by the server's --max-n).")
     size: StrictStr | None = Field(
         None,
-        description="'WIDTHxHEIGHT', each side a multiple of 16 within the server's limits, or 'auto' (the default "
-        "size of the served model).",
-        examples=["1024x1024"],
+        description="'WIDTHxHEIGHT' in plain digits, each side a multiple of 16 within the server's limits, or 'auto' "
+        "(the default size of the served model, when it is within them).",
     )
     response_format: Literal["b64_json"] | None = Field(
         None, description="Only 'b64_json' (base64 image in the response) is supported; this server hosts no URLs."
@@ -69,13 +96,21 @@ class ImageGenerationRequest(BaseModel):
     complexity: Literal["low", "medium", "high"] | None = Field(None, description="Accepted and ignored.")
     user: StrictStr | None = Field(None, description="Accepted for OpenAI compatibility; ignored.")
     safety_identifier: StrictStr | None = Field(None, description="Accepted for OpenAI compatibility; ignored.")
-    stream: StrictBool | None = Field(None, description="Only false: this server does not stream.")
-    partial_images: StrictInt | None = Field(
-        None, description="Only 0 (no partial images): this server does not stream."
+    stream: StrictBool | None = Field(
+        None, description="Only false: this server does not stream.", json_schema_extra=only(False)
     )
-    frame_count: StrictInt | None = Field(None, description="GIF output only, which this server does not produce.")
-    frame_duration_ms: StrictInt | None = Field(None, description="GIF output only; not produced here.")
-    svg: dict[str, Any] | None = Field(None, description="SVG output only, which this server does not produce.")
+    partial_images: StrictInt | None = Field(
+        None, description="Only 0 (no partial images): this server does not stream.", json_schema_extra=only(0)
+    )
+    frame_count: StrictInt | None = Field(
+        None, description="GIF output only, which this server does not produce.", json_schema_extra=only()
+    )
+    frame_duration_ms: StrictInt | None = Field(
+        None, description="GIF output only; not produced here.", json_schema_extra=only()
+    )
+    svg: dict[str, Any] | None = Field(
+        None, description="SVG output only, which this server does not produce.", json_schema_extra=only()
+    )
     negative_prompt: StrictStr | None = Field(None, description="What to steer away from (used when CFG is on).")
     num_inference_steps: StrictInt | None = Field(
         None, ge=1, description="Denoising steps; default: the variant's preset."
@@ -101,15 +136,34 @@ class ImageGenerationRequest(BaseModel):
         "The top-level enable_cache, when given, wins over an enable_cache key here.",
     )
 
-    @field_validator("output_format", "background", "stream", "partial_images", mode="before")
+    @field_validator(
+        "n",
+        "output_compression",
+        "partial_images",
+        "frame_count",
+        "frame_duration_ms",
+        "num_inference_steps",
+        "seed",
+        mode="before",
+    )
+    @classmethod
+    def _integral(cls, value: Any) -> Any:
+        return integral(value)
+
+    @field_validator("output_format", "background", "stream", mode="before")
     @classmethod
     def _explain_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         """OpenAI values this server cannot honour get a message saying why, not just the allowed list."""
         reason = _UNSUPPORTED.get((info.field_name, value if isinstance(value, str | bool) else None))
-        if info.field_name == "partial_images" and isinstance(value, int) and not isinstance(value, bool) and value:
-            reason = "partial images need streaming, which this server does not do: send 0 or leave it out"
         if reason:
             raise ValueError(reason)
+        return value
+
+    @field_validator("partial_images")
+    @classmethod
+    def _no_partial_images(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError("partial images need streaming, which this server does not do: send 0 or leave it out")
         return value
 
     @field_validator("frame_count", "frame_duration_ms", "svg")
@@ -204,3 +258,16 @@ class ErrorResponse(BaseModel):
     """OpenAI's error shape, so that the `openai` client raises with the message."""
 
     error: ErrorDetail
+
+
+class HealthStatus(BaseModel):
+    """`/health`: "ok" (200), or "draining" (503) once the server is shutting down."""
+
+    status: Literal["ok", "draining"]
+
+
+class ProbeResult(BaseModel):
+    """`/health_generate`: the probe generation finished."""
+
+    status: Literal["ok"]
+    generate_s: float = Field(..., description="Seconds the probe generation took on its worker.")

@@ -45,7 +45,6 @@ class ServerSettings(Options):
     its options from them (`dicache.commands.fields`). A bad value raises ValueError naming the field, the value
     and what is allowed. Fields without a flag:
         min_side, size_multiple: bounds of `size` "WxH" (each side a multiple of `size_multiple`).
-        max_pixels: most pixels per image (width * height); `dicache serve` sets it to `max_side` squared.
         api_key: when set, `/v1/*` needs `Authorization: Bearer <api_key>` (401 otherwise). Never shown in repr.
         protect_metrics / docs / drain_grace_s / body_timeout_s: see their options.
     """
@@ -88,7 +87,6 @@ class ServerSettings(Options):
         help="largest image side; the work of one step grows with (side^2 x n)^2",
     )
     size_multiple: int = option(16, ge=1)
-    max_pixels: int = option(2048 * 2048, ge=1)
     max_steps: int = option(200, flag="--max-steps", ge=1, le=1000, help="most steps")
     max_prompt_chars: int = option(4000, flag="--max-prompt-chars", ge=1, le=1_000_000, help="longest prompt")
     max_body_bytes: int = option(
@@ -124,8 +122,6 @@ class ServerSettings(Options):
     def _check_together(self) -> ServerSettings:
         if self.max_side < self.min_side:
             raise ValueError(f"ServerSettings.max_side={self.max_side} must be >= min_side={self.min_side}")
-        if self.max_pixels < self.min_side * self.min_side:
-            raise ValueError(f"ServerSettings.max_pixels={self.max_pixels} must be >= min_side squared")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("ServerSettings.api_key is empty: give a key or None (no authentication)")
         if self.protect_metrics and self.api_key is None:
@@ -174,18 +170,17 @@ class ConnectionLimits(Options):
 
 
 def server_settings(values: Mapping[str, Any], api_key: str | None, environ: Mapping[str, str] | None = None):
-    """`ServerSettings` from `dicache serve`'s options (`values` by field name): `max_pixels` is `max_side` squared,
-    the key `api_key` (`--api-key`) else `DICACHE_API_KEY` of `environ` (default: the process environment). A bad
-    value is a `ConfigError` naming the option."""
+    """`ServerSettings` from `dicache serve`'s options (`values` by field name), the key `api_key` (`--api-key`) else
+    `DICACHE_API_KEY` of `environ` (default: the process environment). A bad value is a `ConfigError` naming the
+    option."""
     env = os.environ if environ is None else environ
     if api_key is not None and not api_key.strip():  # e.g. --api-key "$KEY" with KEY unset
         raise ConfigError("serve: --api-key is empty: give a key, or leave the option out (no authentication)")
     key = api_key or env.get(API_KEY_ENV) or None
     if values.get("protect_metrics") and not key:
         raise ConfigError(f"serve: --metrics-auth needs an API key (--api-key or {API_KEY_ENV})")
-    side = values.get("max_side", ServerSettings.model_fields["max_side"].default)
     try:
-        return ServerSettings(**values, max_pixels=side * side, api_key=key)
+        return ServerSettings(**values, api_key=key)
     except ValueError as exc:
         raise ConfigError(f"serve: {exc}") from None
 
