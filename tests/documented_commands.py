@@ -63,7 +63,7 @@ def command_lines(text: str) -> list[str]:
 def _split_on_operators(words: list[str]) -> list[list[str]]:
     parts, current = [], []
     for word in words:
-        if word in ("&&", "||", ";", "|"):
+        if word in ("&&", "||", ";", "|", "&"):  # "&": a command run in the background
             parts.append(current)
             current = []
         else:
