@@ -111,6 +111,9 @@ def create_app(
     metrics = metrics or ServerMetrics()
     GC_PAUSES.install()
     metrics.set_model_info(model_info(backend, settings))
+    device = getattr(getattr(backend, "pipe", None), "device", None)  # a torch.device
+    if getattr(device, "type", None) == "cuda":
+        metrics.watch_gpus([device])
     started = int(time.time())
 
     queue = JobQueue(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -494,6 +494,10 @@ class Krea2Transformer(nn.Module):
                 param.data = param.data.to(target)
         return self
 
+    def block_names(self) -> list[str]:
+        """The qualified names of the blocks, in order: `transformer_blocks.<i>`."""
+        return [f"transformer_blocks.{i}" for i in range(len(self.transformer_blocks))]
+
     def compile_blocks(
         self, *, fullgraph: bool = True, dynamic: bool | None = None, backend: str = "inductor"
     ) -> Krea2Transformer:
@@ -643,14 +647,18 @@ class Krea2Transformer(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         load_format: str = "auto",
+        on_block: Callable[[Krea2Transformer, str], None] | None = None,
         **hub_kwargs,
     ) -> Krea2Transformer:
         """Load a diffusers-layout checkpoint (`config.json` + safetensors, single or sharded) in eval mode.
 
-        Built on the meta device and filled with tensors read straight onto `device` (default CPU). dtype default:
-        bf16 on CUDA, fp32 otherwise; RMSNorm weights always fp32. `load_format="dummy"`: random weights from
-        config.json alone (see `materialize_random`). `hub_kwargs` go to `resolve_component_dir`
-        (cache_dir, revision, local_files_only). Errors: `CheckpointError` naming the file / key.
+        Built on the meta device and filled with tensors read straight onto `device` (default CPU), shards in
+        parallel (`dicache.models.loading.load_streamed`). dtype default: bf16 on CUDA, fp32 otherwise; RMSNorm
+        weights always fp32. `load_format="dummy"`: random weights from config.json alone (see `materialize_random`).
+        `on_block(model, "transformer_blocks.<i>")` is called as soon as each block's weights are in place, while the
+        next ones are read (e.g. to quantise it: the whole model never exists in bf16). `hub_kwargs` go to
+        `resolve_component_dir` (cache_dir, revision, local_files_only). Errors: `CheckpointError` naming the file /
+        key.
         """
         return load_component(
             path_or_repo_id,
@@ -660,6 +668,8 @@ class Krea2Transformer(nn.Module):
             device=device,
             load_format=load_format,
             keep_fp32=keeps_fp32,
+            parts=(lambda model: model.block_names()) if on_block is not None else (),
+            on_part=on_block,
             **hub_kwargs,
         )
 
