@@ -197,8 +197,8 @@ def load_artifact(store: str | os.PathLike, key: ArtifactKey) -> ArtifactOutcome
                 "SHA-256 differs); compiling from scratch",
             )
         files = _unpack(tar_path, compile_cache_dirs())
-    except (OSError, ValueError, tarfile.TarError, json.JSONDecodeError) as exc:
-        return outcome("unreadable", f"cannot read it ({type(exc).__name__}: {exc}); compiling from scratch")
+    except (OSError, ValueError, tarfile.TarError) as exc:
+        return outcome("unreadable", f"cannot use it ({type(exc).__name__}: {exc}); compiling from scratch")
     message = f"loaded {folder.name} ({files} files, {size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s"
     return outcome("loaded", message, logging.INFO, files=files, bytes=size)
 
@@ -370,15 +370,17 @@ def _replace_folder(staging: pathlib.Path, folder: pathlib.Path) -> None:
 def compile_counters() -> dict[str, int]:
     """torch.compile's own counters so far in this process: graphs compiled by dynamo, and the hits and misses of
     inductor's FX graph cache and of the AOTAutograd cache (a process that loaded a complete artifact compiles
-    graphs with hits only)."""
+    graphs with hits only; a bypass is a graph the cache cannot hold, compiled every time)."""
     from torch._dynamo.utils import counters  # seconds to import: only compiling needs it
 
     return {
         "graphs": int(counters["stats"]["unique_graphs"]),
         "fx_graph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
         "fx_graph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+        "fx_graph_cache_bypass": int(counters["inductor"]["fxgraph_cache_bypass"]),
         "aot_autograd_cache_hit": int(counters["aot_autograd"]["autograd_cache_hit"]),
         "aot_autograd_cache_miss": int(counters["aot_autograd"]["autograd_cache_miss"]),
+        "aot_autograd_cache_bypass": int(counters["aot_autograd"]["autograd_cache_bypass"]),
     }
 
 
