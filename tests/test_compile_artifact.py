@@ -10,7 +10,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tarfile
 
 import pytest
 
