@@ -233,7 +233,8 @@ def create_app(
 
     @app.get(
         "/v1/server_info",
-        summary="Queue state, limits, the start-up cache settings and the GPU memory breakdown (API key if set)",
+        summary="Queue state, limits, the start-up cache settings, the GPU memory breakdown and the start-up's phases "
+        "(API key if set)",
     )
     async def server_info() -> dict[str, Any]:
         return {
@@ -255,6 +256,7 @@ def create_app(
             },
             "memory": memory_breakdown(getattr(backend, "pipe", None)),
             "gc": GC_PAUSES.snapshot(),
+            "startup": getattr(backend, "startup", None),
         }
 
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
