@@ -122,7 +122,7 @@ def test_the_app_watches_the_served_gpu_only_on_cuda(monkeypatch):
     monkeypatch.setattr(ServerMetrics, "watch_gpus", lambda self, devices, nvml=None: watched.append(devices))
 
     class Backend:
-        defaults = types.SimpleNamespace(variant="turbo", width=64, height=64)
+        defaults = types.SimpleNamespace(variant="turbo", width=64, height=64, size_multiple=16, num_inference_steps=8)
         num_blocks = 1
         cache_config = None
 
