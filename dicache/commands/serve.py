@@ -89,6 +89,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_rates(reads: dict) -> dict:
+    """Each component read from files: seconds, GB and GB/s (what `/v1/server_info` "startup" "reads" shows)."""
+    return {
+        name: {
+            "seconds": read["seconds"],
+            "GB": round(read["bytes"] / 1e9, 3),
+            "GBps": round(read["bytes"] / 1e9 / read["seconds"], 3) if read["seconds"] > 0 else None,
+        }
+        for name, read in reads.items()
+    }
+
+
 def start_backend(args: argparse.Namespace, ctx: Any, cache_config: Any, workers: int, timeline: Any) -> Any:
     """Everything `dicache serve` does before it listens, on every rank: load (quantising while reading, unless the
     model is split over processes: then after the split), split, compile, warm up from the compile artifact
@@ -123,6 +135,7 @@ def start_backend(args: argparse.Namespace, ctx: Any, cache_config: Any, workers
     )
     for name, seconds in getattr(backend.pipe, "load_timings", {}).items():
         timeline.add(name, seconds)
+    timeline.details["reads"] = read_rates(getattr(backend.pipe, "load_reads", {}))
     if describe(backend.pipe):
         print(describe(backend.pipe), flush=True)
     parallelize_pipeline(backend.pipe, ctx)

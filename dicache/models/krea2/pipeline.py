@@ -186,7 +186,8 @@ class Krea2Pipeline(PipelineOptimizations):
         loads, so that loading never holds the bf16 model whole; the same model as `quantize` after loading.
         `compile=True` applies `compile` after loading (for a model split over GPUs, load it unquantised and call
         `quantize` and `compile` yourself after `dicache.parallel.parallelize_pipeline`). `load_timings` then holds
-        the seconds spent reading weights and quantising (`weights`, `quantization`).
+        the seconds spent reading weights and quantising (`weights`, `quantization`), `load_reads` each component's
+        read seconds and file bytes (`load_components`).
 
         Memory: `offload_settings`, or the same options by name among the keyword arguments (SGLang's names,
         `dit_layerwise_offload=True, text_encoder_cpu_offload=True, ...`: the fields of `OffloadSettings`), load the
@@ -207,6 +208,7 @@ class Krea2Pipeline(PipelineOptimizations):
         if text_encoder_quantization is not None and offload.any:
             raise QuantizationError("text_encoder_quantization cannot be combined with the memory (offload) options")
         timings: dict[str, float] = {}
+        reads: dict[str, dict[str, float]] = {}
         pipe = cls(
             **load_components(
                 path_or_repo_id,
@@ -217,11 +219,12 @@ class Krea2Pipeline(PipelineOptimizations):
                 quantization=None if offload.any else spec,  # resident: each block quantised as it is read
                 text_encoder_quantization=text_encoder_quantization,
                 timings=timings,
+                reads=reads,
                 **kwargs,
             )
         )
         pipe.source = str(path_or_repo_id)
-        pipe.load_timings = timings
+        pipe.load_timings, pipe.load_reads = timings, reads
         if text_encoder_quantization is not None:
             pipe.text_encoder_quantization = text_encoder_quantization
         # order: quantize (the memory plan reads the weights' actual bytes), plan and place, compile
