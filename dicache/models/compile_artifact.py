@@ -152,7 +152,10 @@ def compile_cache_dirs() -> dict[str, pathlib.Path]:
     """Where this process's compiles read and write their caches: `inductor` (`TORCHINDUCTOR_CACHE_DIR`, else
     inductor's default under the temporary folder) and, when `TRITON_CACHE_DIR` is set to a folder outside it,
     `triton` (otherwise inductor keeps Triton's kernels in its own folder)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir  # seconds to import: only compiling needs it
+    try:  # seconds to import: only compiling needs it
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # torch before the module existed
+        from torch._inductor.utils import cache_dir
 
     dirs = {"inductor": pathlib.Path(cache_dir())}
     triton = os.environ.get("TRITON_CACHE_DIR", "").strip()

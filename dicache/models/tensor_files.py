@@ -124,6 +124,8 @@ def read_tensor_files(
     gives the dtype a tensor is wanted in (None: as stored); a conversion happens on the device after the read.
     Errors of any reading thread (OSError, `TensorFileError`) are raised here, naming the file."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the reading threads' current device is not this one's
+        device = torch.device("cuda", torch.cuda.current_device())
     files = [pathlib.Path(f) for f in files]
     headers = {file: read_header(file) for file in files}  # every header checked before any data is read
     if not files:
@@ -181,6 +183,7 @@ class _Reader:
         self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda:
+            torch.cuda.set_device(device)  # this thread's copies and events on the tensors' device
             self.staging = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             self.copied = [None, None]  # the event after the last copy out of each buffer
             self.turn = 0

@@ -111,7 +111,7 @@ class PipelineOptimizations:
             "dicache": dicache_version(),
             "dtype": str(transformer.dtype),
             "transformer": config_digest(dict(transformer.config)),
-            "text_encoder": config_digest(model.config.to_dict()) if model is not None else "none",
+            "text_encoder": config_digest(_public(model.config.to_dict())) if model is not None else "none",
             "vae": config_digest(vae.config) if vae is not None else "none",
             "quantization": repr(getattr(transformer, "quantization", None)),
             "text_encoder_quantization": str(getattr(self, "text_encoder_quantization", None)),
@@ -160,3 +160,8 @@ class PipelineOptimizations:
         """Stop offloading: streamed / offloaded weights stay in host memory, the rest on the device."""
         if self.offload is not None:
             self.offload.remove()
+
+
+def _public(config: dict) -> dict:
+    """A transformers configuration without its private entries (`_name_or_path`: where it was read from)."""
+    return {key: value for key, value in config.items() if not key.startswith("_")}
