@@ -405,6 +405,13 @@ def markdown(results: dict, args, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def filesystem(path: pathlib.Path) -> str:
+    """The type and device of the file system holding `path` (`df -T`), e.g. 'ext4 /dev/nvme0n1p1'."""
+    out = subprocess.run(["df", "-T", str(path)], capture_output=True, text=True).stdout.splitlines()
+    parts = out[-1].split() if len(out) > 1 else []
+    return f"{parts[1]} {parts[0]}" if len(parts) > 1 else "an unknown file system"
+
+
 def machine() -> str:
     import torch
 
@@ -428,6 +435,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=8, help="files read at a time for the disk's rate")
     p.add_argument("--no-drop-caches", dest="drop_caches", action="store_false")
     p.add_argument(
+        "--keep-artifacts",
+        action="store_true",
+        help="keep the compile artifacts of an earlier run of this benchmark on this machine (default: start without)",
+    )
+    p.add_argument(
         "--deadline",
         type=float,
         default=510,
@@ -440,14 +452,16 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.checkpoint.parent / "runs"
     store = work / "artifacts"
-    shutil.rmtree(work, ignore_errors=True)
+    if not args.keep_artifacts:
+        shutil.rmtree(work, ignore_errors=True)
     written = write_checkpoint(args.checkpoint, args.tiny, args.device)
     files = weight_files(args.checkpoint)
     drop_page_cache(files)
     disk = read_rate(files, args.threads)
     results = {
         "machine": machine(),
-        "checkpoint": f"{args.checkpoint} ({disk['GB']} GB of weights, written in {written['written_s']} s)",
+        "checkpoint": f"{args.checkpoint} on {filesystem(args.checkpoint)} ({disk['GB']} GB of weights, written in "
+        f"{written['written_s']} s)",
         "disk": disk,
         "serve": [],
         "generate": [],

@@ -26,7 +26,7 @@ from dicache.models.compile_artifact import (
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KEY = ArtifactKey({"torch": "2.13.0", "gpu": "NVIDIA H200", "shapes": "[1024, 1024]"})
-LOGGER = "dicache.compile_artifact"
+LOGGER = "dicache.models.compile_artifact"
 
 
 @pytest.fixture

@@ -141,7 +141,12 @@ def test_from_pretrained_quantises_while_loading_and_reports_the_phases():
     for got, expected in pairs:
         a, b = _state(got), _state(expected)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert set(pipe.load_timings) == {"imports", "weights", "quantization"} and all(v >= 0 for v in pipe.load_timings.values())
+    assert set(pipe.load_timings) == {"imports", "weights", "quantization"}
+    assert all(seconds >= 0 for seconds in pipe.load_timings.values())
+    assert set(pipe.load_reads) == {"transformer", "text_encoder", "vae"}
+    assert pipe.load_reads["transformer"]["bytes"] == sum(
+        f.stat().st_size for f in (EMBEDDED_CHECKPOINT / "transformer").glob("*.safetensors")
+    )
 
 
 def test_random_weights_drawn_block_by_block_are_the_same_weights():

@@ -17,7 +17,7 @@ kernels: torch, Triton, CUDA and cuDNN versions, the GPU, the model's configurat
 the shapes warmed. One store can therefore hold the artifacts of several GPU types or models side by side.
 
 `load_artifact` and `save_artifact` never raise for what a user's disk can do (no artifact, another key, a truncated,
-corrupt or unreadable file, a read-only folder): each logs one line on `dicache.compile_artifact` and returns an
+corrupt or unreadable file, a read-only folder): each logs one line on this module's logger and returns an
 `ArtifactOutcome`; the caller then compiles as it would have anyway.
 """
 
@@ -53,7 +53,7 @@ PAYLOAD = "caches.tar"
 DIGEST_CHARS = 16
 _CHUNK = 8 << 20
 _SKIPPED = ("locks",)  # inductor's lock files: per process, never content
-log = logging.getLogger("dicache.compile_artifact")
+log = logging.getLogger(__name__)
 
 
 def artifact_store(option: str | os.PathLike | None, environ: Mapping[str, str] | None = None) -> pathlib.Path | None:
