@@ -296,11 +296,19 @@ floor are scaled exactly as before."""
 
 
 def fp8_linears(model: nn.Module, names: set[str]) -> None:
-    """torchao's dynamic FP8 (module docstring) on the linears of `model` named in `names`, in place."""
+    """torchao's dynamic FP8 (module docstring) on the linears of `model` named in `names`, in place.
+
+    torch.compile's settings are left alone: torchao's default (`set_inductor_config=True`) turns inductor's
+    coordinate-descent tuning on, in every direction, for the whole process, so that every Triton kernel compiled
+    afterwards (the blocks', the VAE decoder's at full resolution, the text encoder's) is benchmarked over many
+    block sizes at its first run: minutes of a cold start and its autotuning memory, for an FP8 block no faster
+    (-0.2 %, benchmarks/RESULTS.md 2026-12-03 21:13, `probe_fp8_block_compile.py`)."""
     check_fp8_support(_device_of(model, names))
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=FP8_ACTIVATION_FLOOR)
+    config = Float8DynamicActivationFloat8WeightConfig(
+        granularity=PerRow(), activation_value_lb=FP8_ACTIVATION_FLOOR, set_inductor_config=False
+    )
     _quantize_linears(model, names, config)
 
 
