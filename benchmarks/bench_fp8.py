@@ -17,7 +17,7 @@
     python benchmarks/bench_fp8.py --sections layers,emulated --device cpu --schedules turbo8   # CPU (an hour)
 
 Prints a table per section, appends them to --results, writes $OUT/bench_fp8.json. On the GPU machine the whole of
-issue 27's FP8 step is `bash benchmarks/gpu_issue27.sh fp8` (wheels to carry: see that script).
+the fast path's FP8 step is `bash benchmarks/gpu/fast_path.sh fp8` (wheels to carry: see that script).
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from publish import command_line, markdown_table, publish  # noqa: E402
 
-from dicache.fp8_emulation import ACTIVATION_BLOCK, WEIGHT_BLOCK, EmulatedScheme  # noqa: E402
-from dicache.hadamard import DEFAULT_MAX_BLOCK  # noqa: E402
 from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT  # noqa: E402
 from dicache.quantization import (  # noqa: E402
@@ -50,6 +48,8 @@ from dicache.quantization import (  # noqa: E402
     QuantizationSpec,
     parse_quantization,
 )
+from dicache.quantization.fp8_emulation import ACTIVATION_BLOCK, WEIGHT_BLOCK, EmulatedScheme  # noqa: E402
+from dicache.quantization.hadamard import DEFAULT_MAX_BLOCK  # noqa: E402
 from dicache.sweep.metrics import psnr  # noqa: E402
 from dicache.tuning import RECOMMENDED_FAMILY  # noqa: E402
 
@@ -192,7 +192,7 @@ def section_emulated(args, results: dict) -> list[dict]:
     linears matching GROUPS ("all", group names or globs, comma-separated; "text_encoder": the text encoder's
     decoder-layer linears, as `--text-encoder-quantization fp8` picks them) compute in emulated FP8 with SCHEME;
     PSNR against the same pipeline in its own dtype (bf16), same seeds."""
-    from dicache.fp8_emulation import emulate_fp8, restore_linears
+    from dicache.quantization.fp8_emulation import emulate_fp8, restore_linears
 
     samples = heldout()[: args.num_prompts]
     pipe = Krea2Pipeline.from_pretrained(device=args.device, dtype=torch.bfloat16)
@@ -246,7 +246,7 @@ ATTENTION_FLAGS = ("nosmooth", "pvbf16", "vhead")
 
 def _attention_scheme(options: str):
     """The `Fp8AttentionScheme` of an `attention:` part's OPTIONS; ValueError naming a bad format or flag."""
-    from dicache.fp8_attention_emulation import Fp8AttentionScheme
+    from dicache.quantization.fp8_attention_emulation import Fp8AttentionScheme
 
     fmt, *flags = options.split(",")
     unknown = sorted(set(flags) - set(ATTENTION_FLAGS))
@@ -267,8 +267,8 @@ def _emulate_attention(transformer: torch.nn.Module, options: str) -> list[torch
     returns the modules changed (delete their `kernel` to undo)."""
     import functools
 
-    from dicache.fp8_attention_emulation import fp8_attention_reference
     from dicache.models.krea2.transformer import Attention
+    from dicache.quantization.fp8_attention_emulation import fp8_attention_reference
 
     kernel = functools.partial(fp8_attention_reference, scheme=_attention_scheme(options))
     changed = [m for m in transformer.modules() if isinstance(m, Attention) and "kernel" not in vars(m)]
@@ -297,9 +297,9 @@ def section_layers(args, results: dict) -> list[dict]:
     exact output for each emulated scaling (plus SmoothQuant's scale migration with alpha 0.5 and the rounding of the
     weights alone and of the activations alone), and how far the largest input channel stands out (max / median of
     the per-channel maxima; outliers are what finer scales, rotations and smoothing are for)."""
-    from dicache.fp8_emulation import fake_quantize
-    from dicache.hadamard import HadamardRotation
     from dicache.quantization import selected_linears
+    from dicache.quantization.fp8_emulation import fake_quantize
+    from dicache.quantization.hadamard import HadamardRotation
 
     pipe = Krea2Pipeline.from_pretrained(device=args.device, dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)

@@ -6,8 +6,9 @@ measuring the residual diff every step but never caching (W=0, RDT tiny: the wor
 
     python benchmarks/bench_hook_overhead.py [--results benchmarks/RESULTS.md]
 
-prints a table and, with --results, appends it (command, machine, date) to the results file. The pytest-benchmark
-functions below can also be run directly: `python -m pytest benchmarks/bench_hook_overhead.py --benchmark-only`.
+prints a table and, with --results, publishes it (command, machine, date) to the results page (publish.py). The
+pytest-benchmark functions below can also be run directly:
+`python -m pytest benchmarks/bench_hook_overhead.py --benchmark-only`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import dicache
-from dicache.models.krea2 import Krea2Transformer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from publish import publish  # noqa: E402
+
+import dicache  # noqa: E402
+from dicache.models.krea2 import Krea2Transformer  # noqa: E402
 
 CONFIG = dict(
     in_channels=64,
@@ -183,23 +187,17 @@ def main() -> int:
             f"| {medians[bench_names[case]] * 1e3:.1f} |"
         )
     table = "\n".join(lines)
-    print(table)
-    if args.results:
-        machine = f"{platform.machine()}, 1 thread, torch {torch.__version__}"
-        section = (
-            f"\n## Hook overhead with nothing cached ({datetime.date.today()})\n\n"
-            f"Command: `python benchmarks/bench_hook_overhead.py --results {args.results}`  \n"
-            f"Machine: {machine} (CPU; process CPU time per step)  \nModel: native Krea-2 transformer, 8 blocks, "
-            f"width 256, {GRID * GRID} image + {TEXT} text tokens, fp32. Interleaved: {args.rounds} rounds, the three "
-            f"cases alternating within each round (the primary figure); pytest-benchmark: {ROUNDS} rounds per case, "
-            "one case after the other (sensitive to load drifting between cases).\n\n"
-            f"{table}\n"
-        )
-        path = Path(args.results)
-        if not path.exists():
-            path.write_text("# Benchmark results\n")
-        with path.open("a") as f:
-            f.write(section)
+    machine = f"{platform.machine()}, 1 thread, torch {torch.__version__}"
+    section = (
+        f"## Hook overhead with nothing cached ({datetime.date.today()})\n\n"
+        f"Command: `python benchmarks/bench_hook_overhead.py{f' --results {args.results}' if args.results else ''}`  \n"
+        f"Machine: {machine} (CPU; process CPU time per step)  \nModel: native Krea-2 transformer, 8 blocks, "
+        f"width 256, {GRID * GRID} image + {TEXT} text tokens, fp32. Interleaved: {args.rounds} rounds, the three "
+        f"cases alternating within each round (the primary figure); pytest-benchmark: {ROUNDS} rounds per case, "
+        "one case after the other (sensitive to load drifting between cases).\n\n"
+        f"{table}\n"
+    )
+    publish(section, args.results)
     return 0
 
 

@@ -29,7 +29,10 @@ from collections.abc import Callable
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from publish import publish  # noqa: E402
 
 from dicache.models.krea2.tiny import small_transformer_config  # noqa: E402
 from dicache.models.krea2.transformer import Krea2Transformer  # noqa: E402
@@ -196,6 +199,22 @@ class Timer:
                 times.append(time.perf_counter() - t0)
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else float("nan")
         return {"seconds": statistics.median(times), "min_s": min(times), "first_call_s": first_s, "peak_gib": peak}
+
+
+def gpu_clock() -> dict:
+    """SM clock (MHz), power draw and enforced power limit (W) of GPU 0 right now, read through NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return {
+            "sm_clock_MHz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+            "power_W": round(pynvml.nvmlDeviceGetPowerUsage(handle) / 1000, 1),
+            "power_limit_W": round(pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000, 1),
+        }
+    except Exception as err:  # pynvml missing or not permitted
+        return {"clock_error": str(err)[:80]}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -479,22 +498,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     report = run(args)
     table = markdown(report)
-    print(table)
-
     out = pathlib.Path(args.out or pathlib.Path(os.environ.get("OUT", ".")) / "bench_krea2_forward.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\nJSON: {out}")
-
-    if args.results:
-        section = (
-            f"\n## Krea-2 forward, native vs diffusers ({report['date'][:10]})\n\n"
-            f"- command: `{report['command']}`\n- machine: {report['machine']}\n"
-            f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}\n\n{table}\n"
-        )
-        with open(args.results, "a", encoding="utf-8") as handle:
-            handle.write(section)
-        print(f"appended to {args.results}")
+    print(f"JSON: {out}\n")
+    section = (
+        f"## Krea-2 forward, native vs diffusers ({report['date'][:10]})\n\n"
+        f"- command: `{report['command']}`\n- machine: {report['machine']}\n"
+        f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}\n\n{table}\n"
+    )
+    publish(section, args.results)
 
 
 if __name__ == "__main__":

@@ -48,9 +48,9 @@ from bench_krea2_forward import (  # noqa: E402
     block_flops,
     build_models,
     forward_flops,
+    gpu_clock,
     text_path_flops,
 )
-from probe_forward_time import gpu_clock  # noqa: E402
 from publish import command_line, markdown_table, publish  # noqa: E402
 
 import dicache  # noqa: E402

@@ -42,6 +42,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from publish import publish  # noqa: E402
 
 import dicache  # noqa: E402
 from dicache.models.krea2.pipeline import Krea2Pipeline  # noqa: E402
@@ -458,11 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(report, indent=2))
     out.with_suffix(".md").write_text(markdown(report))  # the RESULTS.md section, also when run on another machine
     print(f"wrote {out} and {out.with_suffix('.md')}")
-    if args.results:
-        path = pathlib.Path(args.results)
-        with path.open("a") as f:
-            f.write(("\n" if path.exists() and path.stat().st_size else "") + markdown(report))
-        print(f"appended to {path}")
+    publish(markdown(report), args.results)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ bounded number of requests from `--concurrency` client threads: a mix of Turbo-s
 Raw-style (CFG `--guidance`, `--raw-steps`) requests at `--size`, once with `enable_cache=false` and once with
 `enable_cache=true` (the server's SGLANG_CACHE_DIT_* settings, plus `--cache-params` if given). Same prompts and seeds
 in both passes. With `--rounds R` the two passes alternate R times (no cache, cache, no cache, ...) so that drift in
-the machine's load hits both alike; figures pool the rounds. Prints a table and appends a section to `--results`
-(default benchmarks/RESULTS.md).
+the machine's load hits both alike; figures pool the rounds. Prints a table and publishes it to `--results`
+(default benchmarks/RESULTS.md: an archive file and a run-log line; `--no-results`: print only).
 
     python benchmarks/bench_server_load.py                                   # embedded checkpoint
     python benchmarks/bench_server_load.py --model /path/to/krea2 --requests 48 --concurrency 8
@@ -45,6 +45,9 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from publish import publish  # noqa: E402
 
 MAX_REQUESTS = 1000
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -198,12 +201,9 @@ def machine() -> str:
 def append_results(
     path: pathlib.Path, args: argparse.Namespace, argv: list[str], rows: dict, info: dict, summary: list[str]
 ) -> None:
-    header = "# Benchmark results\n"
-    text = path.read_text() if path.exists() else header
-    if not text.startswith("#"):
-        text = header + "\n" + text
+    """The run's section, published to the results page `path` (an archive file and a run-log line)."""
     section = [
-        f"\n## Server load (`bench_server_load.py`), {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n",
+        f"## Server load (`bench_server_load.py`), {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n",
         f"- command: `python benchmarks/bench_server_load.py {' '.join(argv)}`".rstrip() + "",
         f"- machine: {machine()}",
         f"- model: {info['model']}; server: {info['server']}",
@@ -218,7 +218,7 @@ def append_results(
         *summary,
         "",
     ]
-    path.write_text(text.rstrip("\n") + "\n" + "\n".join(section))
+    publish("\n".join(section), path)
 
 
 def run_load(url: str, args: argparse.Namespace, cache_params: dict | None, key: str | None = None) -> dict[str, dict]:
@@ -334,7 +334,6 @@ def main_ray(args: argparse.Namespace, argv: list[str], cache_params: dict | Non
             "cache": cache,
         }
         append_results(pathlib.Path(args.results), args, argv, rows, info, summary)
-        print(f"appended to {args.results}")
     return 0
 
 
@@ -391,7 +390,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_results:
         summary = [f"Throughput with caching: x{speedup:.2f}."]
         append_results(pathlib.Path(args.results), args, argv, rows, info, summary)
-        print(f"appended to {args.results}")
     return 0
 
 

@@ -1,16 +1,16 @@
-"""Run a sweep of `benchmarks/` and append its summary to `benchmarks/RESULTS.md` (and print it).
+"""Run a sweep grid of `benchmarks/grids/` and publish its summary to `benchmarks/RESULTS.md` (and print it).
 
     python benchmarks/sweep_results.py [--out build/sweep-compare] [--model DIR] [--num-prompts K] [--no-append] [...]
     python benchmarks/sweep_results.py --policies [--device cuda]      # the four-baseline evaluation
 
-Default: the ours-vs-cache-dit sweep of `sweep_grid.yaml` into build/sweep-compare. `--policies`: the evaluation of
-`sweep_policies.yaml` into build/sweep-policies — dicache settings against fewer-steps Euler, fewer-steps Heun, the
-curved static schedule and cache-dit, with PSNR against the uncached run and against the 200-step Euler reference,
-per compute bin 0.3..0.8, and the issue's targets.
+Default: the ours-vs-cache-dit sweep of `grids/sweep_grid.yaml` into build/sweep-compare. `--policies`: the
+evaluation of `grids/sweep_policies.yaml` into build/sweep-policies — dicache settings against fewer-steps Euler,
+fewer-steps Heun, the curved static schedule and cache-dit, with PSNR against the uncached run and against the
+200-step Euler reference, per compute bin 0.3..0.8, and the issue's targets.
 Other options (e.g. `--device cuda`, `--threads 1`, `--reference-steps 100`, `--baselines euler heun curved`) are
 passed on to `dicache sweep`.
 
-The sweep is resumable (rerun the same command after an interruption). The appended section names the command, the
+The sweep is resumable (rerun the same command after an interruption). The published section names the command, the
 machine, the date and, per schedule, the comparison tables (the best dicache setting per compute bin against the best
 baseline at its compute, the margin in dB, the targets) and the best PSNR of each method at every compute budget.
 The full report stays in `--out` (report.md, results.json, plots/, grids/).
@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+GRIDS = HERE / "grids"
 RESULTS_MD = HERE / "RESULTS.md"
 
 
@@ -36,10 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, help="override the grid file's number of prompts")
     parser.add_argument("--schedules", nargs="+", help="override the grid file's schedules")
     parser.add_argument("--note", action="append", default=[], help="a note line for the RESULTS.md section")
-    parser.add_argument("--no-append", action="store_true", help="print the section instead of appending it")
+    parser.add_argument("--no-append", action="store_true", help="print the section instead of publishing it")
     args, passthrough = parser.parse_known_args(argv)
-    args.grid = args.grid or str(HERE / ("sweep_policies.yaml" if args.policies else "sweep_grid.yaml"))
+    args.grid = args.grid or str(GRIDS / ("sweep_policies.yaml" if args.policies else "sweep_grid.yaml"))
     args.out = args.out or ("build/sweep-policies" if args.policies else "build/sweep-compare")
+
+    from publish import publish
 
     from dicache.commands.sweep import main as sweep_main
     from dicache.sweep.report import render_summary
@@ -59,14 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads((Path(args.out) / "results.json").read_text())
     command = "python benchmarks/sweep_results.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     section = render_summary(results, command=command.strip(), notes=args.note)
-    print(section)
+    publish(section, None if args.no_append else RESULTS_MD)
     if args.no_append:
         return 0
-    if not RESULTS_MD.is_file():
-        RESULTS_MD.write_text("# Benchmark results\n")
-    with RESULTS_MD.open("a") as f:
-        f.write("\n" + section)
-    print(f"appended to {RESULTS_MD}; full report: {Path(args.out) / 'report.md'}")
+    print(f"published to {RESULTS_MD}; full report: {Path(args.out) / 'report.md'}")
     return 0
 
 

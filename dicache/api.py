@@ -11,15 +11,16 @@ from typing import Any
 
 from torch import nn
 
+from .blocks.families import stack_specs
+from .blocks.generic import FormArg
 from .engine.adapters import find_pipeline_adapter
-from .engine.adapters.families import stack_specs
-from .engine.adapters.generic import FormArg
 from .engine.install import InstalledHooks, install
 from .engine.session import CacheSession
 from .engine.state import RequestState
 from .engine.stats import RequestStats
 from .errors import NotEnabledError, UnsupportedModelError
 from .settings.cache_config import CacheConfig
+from .settings.profiles import Profile
 
 
 @dataclass
@@ -39,11 +40,15 @@ class _Handle:
 _HANDLES: weakref.WeakKeyDictionary[Any, _Handle] = weakref.WeakKeyDictionary()
 
 
-def _as_config(config: CacheConfig | Mapping[str, Any] | None, base: CacheConfig | None, caller: str) -> CacheConfig:
+def _as_config(
+    config: CacheConfig | Profile | Mapping[str, Any] | None, base: CacheConfig | None, caller: str
+) -> CacheConfig:
     """What the public functions accept, as one validated config: a config as it is, a dict of override keys over
     `base` (None: the environment), None as `base` (None: the environment)."""
     if isinstance(config, CacheConfig):
         return config
+    if isinstance(config, Profile):  # what dicache.calibrate returns
+        return config.config
     if config is None or isinstance(config, Mapping):
         overrides = dict(config or {})
         return base.merged(overrides) if base is not None else CacheConfig.from_env(**overrides)
@@ -55,7 +60,7 @@ def _as_config(config: CacheConfig | Mapping[str, Any] | None, base: CacheConfig
 
 def enable(
     obj: Any,
-    config: CacheConfig | Mapping[str, Any] | None = None,
+    config: CacheConfig | Profile | Mapping[str, Any] | None = None,
     *,
     form: FormArg = None,
     lists: str = "joined",
@@ -67,8 +72,9 @@ def enable(
             diffusers pipeline with a `transformer`, or a bare transformer module whose blocks sit in
             `nn.ModuleList`s. Every transformer of a pipeline (Wan 2.2: `transformer` and `transformer_2`) gets its
             own cache state, warm-up and stats (`dicache.stats(pipe.transformer_2)`).
-        config: a `CacheConfig`, a dict of override keys merged over the environment, or None for the
-            environment (`SGLANG_CACHE_DIT_*`). Caching is on whatever `SGLANG_CACHE_DIT_ENABLED` says.
+        config: a `CacheConfig`, a `Profile` (what `dicache.calibrate` returns), a dict of override keys merged over
+            the environment, or None for the environment (`SGLANG_CACHE_DIT_*`). Caching is on whatever
+            `SGLANG_CACHE_DIT_ENABLED` says.
         form: how blocks are called, when the registered (or, for unknown models, `h -> h`) form is not right: a
             `BlockForm` or a label such as `"(h, e) -> (e, h)"` for every block list, one per list, or a mapping
             from block-list attribute to form (which declares the lists of a model without a family entry). The

@@ -40,3 +40,14 @@ class StartupError(DicacheError, RuntimeError):
     message says what failed and which option to change; the command line exits 1."""
 
     exit_status = 1
+
+
+class NonFiniteOutputError(RuntimeError):
+    """Images whose latents or decoded pixels hold NaN or inf (a numerical failure of the model, not bad input): they
+    are never encoded or written. `images` maps each such image's index (in the call's batch) to where its values
+    went non-finite ("latents" after denoising, or the "decoded image"); `total` is the batch size."""
+
+    def __init__(self, images: dict[int, str], total: int) -> None:
+        self.images, self.total = dict(images), total
+        where = "; ".join(f"image {i + 1} of {total}: {place}" for i, place in sorted(self.images.items()))
+        super().__init__(f"non-finite values (NaN or inf) in the output, so it is not returned ({where})")

@@ -29,5 +29,7 @@ def test_tiny_logic_mode_streams_fewer_bytes_with_more_resident_blocks_and_with_
     assert rows[("ours@3", "off")]["bytes_per_image"] < rows[("ours@1", "off")]["bytes_per_image"]
     group = rows[("diffusers-group@1", "off")]
     assert group["computed_calls"] == 12 and group["bytes_per_image"] > rows[("ours@1", "off")]["bytes_per_image"]
-    text = results.read_text()
+    (archived,) = (tmp_path / "results" / "archive").glob("*-bench_offload.md")  # publish.py: one file per run
+    text = archived.read_text()
     assert "cache-aware layerwise offload" in text and "| ours@1 | raw6 | off |" in text
+    assert f"(results/archive/{archived.name})" in results.read_text()  # and its line in the run log

@@ -174,12 +174,12 @@ def test_describe_lists_every_knob_and_env_example_is_current():
     assert committed == env_example(), "env.example is stale: run `dicache config --env-example > env.example`"
 
 
-def test_readme_settings_table_is_generated_from_the_field_declarations():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+def test_docs_settings_table_is_generated_from_the_field_declarations():
+    page = (Path(__file__).parent.parent / "docs" / "settings.md").read_text()
     table = markdown_table()
-    assert table in readme, "README's settings table is stale: paste the output of `dicache config --markdown`"
+    assert table in page, "docs/settings.md's table is stale: paste the output of `dicache config --markdown`"
     header = table.splitlines()[0]
-    assert readme.count(header) == 1, "README holds more than one settings table (a stale copy next to the current one)"
+    assert page.count(header) == 1, "docs/settings.md holds more than one settings table (a stale copy beside it)"
     for setting in SETTINGS:
         assert f"| `{setting.env_name}` | `{setting.key}` |" in table and setting.meaning in table.replace("\\|", "|")
 

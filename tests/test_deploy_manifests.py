@@ -143,7 +143,7 @@ def test_compiled_server_keeps_its_compile_cache_on_a_writable_volume_and_has_ti
     pod = _kind(_docs(SERVER), "Deployment")["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     args = parse_serve_argv(container["command"][2:])
-    assert args.compile and args.quantization == "fp8"  # the fast path of the README's speed table
+    assert args.compile and args.quantization == "fp8"  # the fast path of docs/speed.md
     _assert_compile_cache_on_a_writable_volume(pod["spec"], container)
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 900  # cold compile 6-8 min + loading

@@ -1,6 +1,8 @@
 """Every import path the documentation names keeps working after the package's layout changes (docs/architecture.md
 §1): the public API, `dicache.<module>.<name>` references and `module:attribute` import paths in the README, docs,
-notebooks and deploy manifests, and the `from dicache... import ...` lines of their code."""
+notebooks and deploy manifests, and the `from dicache... import ...` lines of their code. And what the README and
+docs/ tell a user to run or open is there: their command lines parse (`dicache`) or name scripts, files and options
+that exist, the repository paths they name exist, their links lead to a file (and anchor)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from documented_commands import command_lines, links, problem_with_command, problem_with_link, repository_paths
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCUMENTS = [
@@ -21,6 +24,8 @@ DOCUMENTS = [
     *sorted((ROOT / "deploy").rglob("*.yaml")),
 ]
 
+GUIDES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+"""The user's documents: what they say to run, open or follow must exist."""
 PUBLIC_API = ("enable", "disable", "stats", "request", "step", "is_enabled", "session_of", "CacheConfig")
 """The one-call API (issue #28 names it), importable from the package itself."""
 
@@ -81,3 +86,40 @@ def test_public_api_and_dicache_adapters_after_a_bare_import_dicache():
     from dicache.engine.adapters import DualStream as EngineDualStream
 
     assert DualStream is EngineDualStream
+
+
+def _commands() -> list[tuple[str, str]]:
+    return [(path.name, command) for path in GUIDES for command in command_lines(path.read_text())]
+
+
+def test_the_guides_hold_the_commands_ci_runs():
+    commands = [command for _, command in _commands()]
+    assert len(commands) > 40 and any(c.startswith("dicache serve") for c in commands)
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_command = 'pip install torch==2.13.0 -e ".[test]" && python -m pytest'
+    assert test_command in ci and f"    {test_command}\n" in readme  # .ci/run runs the README's test command verbatim
+
+
+@pytest.mark.parametrize(("document", "command"), _commands())
+def test_documented_command_runs_as_written(document, command):
+    assert problem_with_command(command) is None, f"{document}: {command}: {problem_with_command(command)}"
+
+
+def test_documented_repository_paths_exist():
+    missing = [(p.name, path) for p in GUIDES for path in repository_paths(p.read_text()) if not (ROOT / path).exists()]
+    assert not missing
+
+
+def test_documented_links_lead_somewhere():
+    broken = [(p.name, problem_with_link(p, target)) for p in GUIDES for target in links(p.read_text())]
+    assert not [(name, problem) for name, problem in broken if problem]
+
+
+def test_a_renamed_flag_or_a_moved_script_is_caught():
+    """The checks above can fail: each of these is what a stale document would say."""
+    assert "refuses" in problem_with_command("dicache generate 'red apple' --no-such-flag")
+    assert "does not exist" in problem_with_command("python benchmarks/no_such_benchmark.py --results x.md")
+    assert "defines no --no-such-option" in problem_with_command("python benchmarks/bench_serving.py --no-such-option")
+    assert problem_with_command("SGLANG_CACHE_DIT_FN=0 torchrun --nproc_per_node 2 -m dicache.cli generate x") is None
+    assert problem_with_link(ROOT / "README.md", "benchmarks/RESULTS.md#no-such-claim") is not None

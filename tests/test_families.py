@@ -32,7 +32,7 @@ from tiny_families_more import auraflow, hunyuan_dit_pag, qwen_image_edit, small
 import dicache
 from dicache import BlockFormError
 from dicache.adapters import FAMILIES, find_family
-from dicache.engine.adapters.family_docs import markdown_table
+from dicache.blocks.family_docs import markdown_table
 from dicache.engine.adapters.pipelines import read_schedule
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -95,14 +95,14 @@ without cache-dit (the `bench` extra); for a family cache-dit cannot run (`Case.
 dicache's own figure in cache-dit's list layout."""
 
 
-def test_registry_names_diffusers_classes_and_the_readme_table_is_current():
+def test_registry_names_diffusers_classes_and_the_docs_table_is_current():
     import diffusers
 
     for family in FAMILIES:
         for name in family.pipelines + family.transformer_classes:
             assert hasattr(diffusers, name), (family.name, name)
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert markdown_table() in readme, "README's families table is stale: paste family_docs.markdown_table()"
+    page = (Path(__file__).parent.parent / "docs" / "families.md").read_text()
+    assert markdown_table() in page, "docs/families.md's table is stale: paste family_docs.markdown_table()"
 
 
 def test_every_registered_family_has_a_case():

@@ -9,7 +9,7 @@ from toymodels import FormTransformer, TwoListTransformer, timesteps
 import dicache
 from dicache import BlockFormError, CacheConfig, ConfigError, UnsupportedModelError
 from dicache.adapters import FORMS, stack_spec
-from dicache.engine.adapters.forms import fitting_forms
+from dicache.blocks.forms import fitting_forms
 from dicache.engine.install import observe_blocks
 from dicache.engine.policies import middle_segments
 

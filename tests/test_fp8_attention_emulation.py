@@ -1,5 +1,5 @@
-"""The 8-bit attention scheme emulated in float32 (`dicache.fp8_attention_emulation`): operand layout and scales, and
-the reference's agreement with exact attention, its masking, grouping and key smoothing."""
+"""The 8-bit attention scheme emulated in float32 (`dicache.quantization.fp8_attention_emulation`): operand layout
+and scales, and the reference's agreement with exact attention, its masking, grouping and key smoothing."""
 
 import math
 import pathlib
@@ -8,9 +8,13 @@ import sys
 import pytest
 import torch
 
-from dicache.fp8_attention_emulation import Fp8AttentionScheme, fp8_attention_reference, quantize_attention_inputs
-from dicache.fp8_emulation import E4M3_MAX
 from dicache.models.krea2.attention import gqa_attention
+from dicache.quantization.fp8_attention_emulation import (
+    Fp8AttentionScheme,
+    fp8_attention_reference,
+    quantize_attention_inputs,
+)
+from dicache.quantization.fp8_emulation import E4M3_MAX
 
 
 def operands(seed=0, batch=2, q_heads=4, kv_heads=2, tokens=40, head_dim=16, key_offset=0.0):

@@ -1,4 +1,4 @@
-"""The 8-bit attention kernel of `benchmarks/fp8_attention_kernel.py` (a measured candidate, not the product's path)
+"""The 8-bit attention kernel of `experiments/fp8_attention_kernel.py` (a measured candidate, not the product's path)
 computes its float32 reference on a CUDA GPU with FP8 tensor cores, masked or not, grouped heads and ragged lengths.
 
 Run on the GPU machine: `python -m pytest -m gpu tests/test_fp8_attention_gpu.py`. Skipped on CPU.
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dicache.fp8_attention_emulation import Fp8AttentionScheme, fp8_attention_reference
+from dicache.quantization.fp8_attention_emulation import Fp8AttentionScheme, fp8_attention_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.gpu
 def kernel():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a CUDA GPU with FP8 tensor cores")
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-    import fp8_attention_kernel  # benchmark code: imports triton
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+    import fp8_attention_kernel  # experiment code: imports triton
 
     return fp8_attention_kernel
 

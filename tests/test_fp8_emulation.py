@@ -1,13 +1,14 @@
-"""FP8 on a CPU: the emulated e4m3 quantisation (`dicache.fp8_emulation`) follows torchao's arithmetic, its block
-scales isolate an outlier, and the Hadamard rotation (`dicache.hadamard`) is an exact, self-inverse change of basis
-that leaves a linear layer's output unchanged."""
+"""FP8 on a CPU: the emulated e4m3 quantisation (`dicache.quantization.fp8_emulation`) follows torchao's arithmetic,
+its block scales isolate an outlier, and the Hadamard rotation (`dicache.quantization.hadamard`) is an exact,
+self-inverse change of basis that leaves a linear layer's output unchanged."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dicache.fp8_emulation import (
+from dicache.quantization import QuantizationError, parse_quantization
+from dicache.quantization.fp8_emulation import (
     ACTIVATION_BLOCK,
     E4M3_MAX,
     PER_ROW,
@@ -16,8 +17,7 @@ from dicache.fp8_emulation import (
     fake_quantize,
     restore_linears,
 )
-from dicache.hadamard import HadamardRotation, block_size, hadamard_matrix
-from dicache.quantization import QuantizationError, parse_quantization
+from dicache.quantization.hadamard import HadamardRotation, block_size, hadamard_matrix
 
 
 def test_hadamard_matrices_are_symmetric_orthogonal_and_flat():

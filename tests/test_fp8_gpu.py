@@ -9,9 +9,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import dicache
-from dicache.joint_linears import linear_computing
 from dicache.models.krea2 import Krea2Pipeline
 from dicache.quantization import selected_linears
+from dicache.quantization.joint_linears import linear_computing
 
 pytestmark = pytest.mark.gpu
 

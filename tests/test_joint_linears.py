@@ -1,13 +1,14 @@
-"""Projections of one input joined into one GEMM (`dicache.joint_linears`, `QuantizationSpec.join_projections`)."""
+"""Projections of one input joined into one GEMM (`dicache.quantization.joint_linears`,
+`QuantizationSpec.join_projections`)."""
 
 import pytest
 import torch
 from torch import nn
 
-from dicache.joint_linears import JointLinear, join_linears, linear_computing, linear_outputs
 from dicache.models.krea2.latents import position_ids
 from dicache.models.krea2.tiny import random_tiny_transformer
 from dicache.quantization import QuantizationSpec, join_selected, quantize_transformer, selected_linears
+from dicache.quantization.joint_linears import JointLinear, join_linears, linear_computing, linear_outputs
 
 
 def tiny_inputs(model, seed=0):

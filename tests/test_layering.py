@@ -3,6 +3,7 @@ level and inside functions, read with `ast` (no module is imported).
 
 - every module belongs to one unit of `LAYERS`; an import never goes from a lower layer to a higher one;
 - no import cycle between modules, nor between units;
+- no module of `dicache/models/` imports the engine (or the API over it): model code has no cache logic;
 - an import inside a function says why it waits: a comment on its line or on the line before it, unless it imports an
   optional third-party dependency (`OPTIONAL`), which names itself.
 """
@@ -22,15 +23,7 @@ PACKAGE = ROOT / "dicache"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dicache.errors", "dicache.formatting", "dicache._lazy"),
-    (
-        "dicache.settings",
-        "dicache.quantization",
-        "dicache.fp8_storage",
-        "dicache.hadamard",
-        "dicache.fp8_emulation",
-        "dicache.fp8_attention_emulation",
-        "dicache.joint_linears",
-    ),
+    ("dicache.settings", "dicache.quantization", "dicache.blocks"),
     (
         "dicache.engine.policies",
         "dicache.engine.calibrators",
@@ -233,6 +226,42 @@ def upward(imports: list[Import]) -> list[str]:
 def test_no_import_goes_up_a_layer():
     found = upward(IMPORTS)
     assert not found, "\n".join(found)
+
+
+MODEL = "dicache.models"
+ENGINE = ("dicache.engine", "dicache.api", "dicache.adapters", "dicache")
+"""The engine and the public API over it (`dicache` itself resolves `enable`, `stats`, ... to `dicache.api`)."""
+
+
+def engine_imports_of_models(imports: list[Import]) -> list[str]:
+    """The imports by a module of `dicache/models/` of the engine or of the API over it, as readable lines."""
+    return sorted(
+        f"{i.source}:{i.line} imports {i.target}{' (inside a function)' if i.lazy else ''}"
+        for i in imports
+        if (i.source == MODEL or i.source.startswith(MODEL + "."))
+        and (i.target in ENGINE or i.target.startswith("dicache.engine."))
+    )
+
+
+def test_no_model_module_imports_the_engine():
+    """Model code has no cache logic: it reads its block stack from `dicache.blocks`, below the engine, and hands its
+    memory glue to `dicache.offload`; it never imports the engine (docs/architecture.md §1)."""
+    found = engine_imports_of_models(IMPORTS)
+    assert not found, "\n".join(found)
+
+
+def test_an_engine_import_of_a_model_is_found():
+    assert engine_imports_of_models(
+        [
+            Import("dicache.models.krea2.memory", "dicache.engine.adapters", False, 16),
+            Import("dicache.models.krea2.pipeline", "dicache", True, 9),
+            Import("dicache.models.krea2.pipeline", "dicache.blocks", False, 3),
+            Import("dicache.offload.layerwise", "dicache.engine.install", False, 27),
+        ]
+    ) == [
+        "dicache.models.krea2.memory:16 imports dicache.engine.adapters",
+        "dicache.models.krea2.pipeline:9 imports dicache (inside a function)",
+    ]
 
 
 def test_an_upward_import_is_found():

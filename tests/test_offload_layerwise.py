@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SIZE, STEPS, NUM_BLOCKS = 64, 10, 6
 DYNAMIC = {"Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "max_warmup_steps": 2, "residual_diff_threshold": 0.6}
-CURVED = {**RECOMMENDED_FAMILY, "scm_compute_fraction": 0.4}  # README "Recommended settings"
+CURVED = {**RECOMMENDED_FAMILY, "scm_compute_fraction": 0.4}  # docs/settings.md "Recommended settings"
 
 
 def make_pipe():

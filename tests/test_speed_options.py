@@ -181,7 +181,7 @@ def test_fp8_leaves_torch_compile_settings_alone(monkeypatch):
     slower, hungrier cold compile for no faster block); `fp8_linears` asks it not to. The GPU check is stubbed: what
     is tested is the config handed to torchao and the process's settings after."""
     pytest.importorskip("torchao")
-    import dicache.quantization as quantization
+    import dicache.quantization.weights as quantization
 
     seen = []
     monkeypatch.setattr(quantization, "check_fp8_support", lambda device: None)

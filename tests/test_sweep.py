@@ -513,3 +513,59 @@ def test_quantization_axis_cli_errors(checkpoint, tmp_path, capsys):
     if not torch.cuda.is_available():  # bf16 on a CPU: FP8 itself cannot run, said before sweeping
         assert main([*base, "--quantization", "fp8", "--methods", "ours", "--dtype", "bfloat16"]) == 2
         assert "quantization='fp8' needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_the_progress_bar_total_is_known_first_never_grows_and_library_logs_pass_above_it(checkpoint, tmp_path):
+    """The bar's total is set before the first image (the per-cell fewer-steps runs at their most) and only ever
+    lowered; a driven library's console log line (as cache-dit's "Acceleration hooks is disabled …") goes through
+    tqdm while the bar is open, not straight to the terminal under it."""
+    import logging
+    import sys
+
+    from dicache.sweep import progress
+    from dicache.sweep.run import Sweep
+    from dicache.sweep.runners import NativeRunner
+
+    library = logging.getLogger("a_driven_library")
+    handler = logging.StreamHandler(sys.stderr)
+    library.addHandler(handler)
+    library.propagate = False
+    totals: list[float] = []
+    written: list[str] = []
+
+    class Bar(progress.tqdm):
+        monitor_interval = 0  # no monitor thread left running after the test
+
+        def update(self, n=1):
+            totals.append(self.total)
+            return super().update(n)
+
+        @classmethod
+        def write(cls, s, *args, **kwargs):
+            written.append(s)
+
+    class Logging(NativeRunner):
+        def generate(self, *args, **kwargs):
+            library.warning("Acceleration hooks is disabled for: Krea2Transformer.")
+            return super().generate(*args, **kwargs)
+
+    spec = SweepSpec(
+        samples=[("a red apple", 0)],
+        schedules=[Schedule(6)],
+        cells=expand_grid(CELLS),
+        methods=("ours",),
+        height=SIZE,
+        width=SIZE,
+        baselines=("euler",),
+        reference_steps=None,
+    )
+    try:
+        original, progress.tqdm = progress.tqdm, Bar
+        runner = Logging(NativeRunner.load(str(checkpoint)).pipe)
+        Sweep(spec, tmp_path, runner, progress=True, log=lambda _: None).run()
+    finally:
+        progress.tqdm = original
+        library.removeHandler(handler)
+    assert totals and all(b <= a for a, b in zip(totals, totals[1:])) and totals[0] >= len(totals)
+    assert written and all("Acceleration hooks is disabled" in line for line in written)
+    assert library.handlers == [] and handler.stream is sys.stderr  # the library's handler is back after the bar

@@ -263,7 +263,8 @@ def test_baseline_curves_interpolate_and_the_conservative_rule():
     assert pts == [(0.3, 20.0), (0.5, 30.0)]  # 0.4 at 19 dB is dominated
     assert compare.value_at(pts, 0.45) == (pytest.approx(27.5), "interpolated")
     assert compare.value_at(pts, 0.5) == (30.0, "exact")
-    assert compare.value_at(pts, 0.2) == (20.0, "below")
+    assert compare.value_at(pts, 0.2) == (None, "not reached")  # its cheapest run costs 0.3: no value at 0.2
+    assert compare.value_at(pts, 0.298) == (20.0, "exact")  # within the stated rounding tolerance
     assert compare.value_at(pts, 0.6) == (30.0, "extrapolated")
     assert compare.value_at(pts, 0.45, "at_least") == (30.0, "at_least")
     assert compare.value_at(pts, 0.6, "at_least") is None
@@ -309,7 +310,7 @@ def test_baselines_and_reference_steps_in_the_cli_and_grid_files(tmp_path, monke
     from dicache.commands.sweep import main
 
     monkeypatch.setitem(sys.modules, "cache_dit", None)  # not installed (and not slow to import): skipped, said so
-    policies = pathlib.Path(__file__).parents[1] / "benchmarks" / "sweep_policies.yaml"
+    policies = pathlib.Path(__file__).parents[1] / "benchmarks" / "grids" / "sweep_policies.yaml"
     assert main(["--grid", str(policies), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "samples (16)" in out and "size: 128 x 128 px" in out and "reference: 200-step Euler" in out

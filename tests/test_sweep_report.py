@@ -162,3 +162,33 @@ def test_a_real_sweep_report_opens_with_a_grid_setting_and_its_margin(tmp_path, 
     (entry,) = answer.recommendations(results)
     margin = entry["rows"][0]["margin"]
     assert margin is not None and f"{margin:+.2f} dB" in row
+
+
+def test_a_baseline_whose_cheapest_run_costs_more_than_the_bin_never_counts_there():
+    """cache-dit's cheapest run costs 0.66 (issue 42): it must not be the answer in the 0.3 and 0.4 bins, where only
+    Euler reaches; a bin no dicache run reaches says so; the 0.7 bin compares cache-dit through its own run."""
+    results = _results()
+    results["meta"]["methods"] = ["ours", "cache-dit"]
+    results["meta"]["compute_targets"] = [0.3, 0.4, 0.5, 0.7]
+    results["records"] += [
+        _record("ours", "F0 curved 0.3", 0.3, 29.0),
+        _record("fewer-steps", "8 of 28 steps", 0.286, 25.0),
+        _record("cache-dit", "F1B0 W4 MC3 R0.24", 0.66, 34.91),
+        _record("cache-dit", "F1B0 W4 MC3 R0.12", 0.75, 38.0),
+        _record("ours", "F1B0 W0 SCM slow/static", 0.7, 37.0),
+    ]
+    (entry,) = answer.recommendations(results)
+    rows = {r["budget"]: r for r in entry["rows"]}
+    assert rows[0.3]["baseline"] == "fewer-steps" and rows[0.3]["unreached"] == {"cache-dit": 0.66, "curved": 0.36}
+    assert rows[0.3]["margin"] == pytest.approx(29.0 - (25.0 + 3.0 * 0.014 / 0.104))  # Euler 0.286 → 0.39
+    assert rows[0.4]["baseline"] == "curved" and "cache-dit" in rows[0.4]["unreached"]
+    assert rows[0.7]["baseline"] == "cache-dit"  # 0.66 ≤ 0.7: cache-dit counts, interpolated toward 0.75
+    assert rows[0.7]["baseline_psnr"] == pytest.approx(34.91 + (38.0 - 34.91) * 0.04 / 0.09)
+    report = render_report(results)
+    answer_rows = report.split("## Which settings to use")[1].split("\n## ")[0].splitlines()
+    row = next(line for line in answer_rows if line.startswith("| 0.3 |"))
+    assert "use cache-dit" not in row and "cache-dit 0.66" in row and "34.91" not in row
+    assert row.split("|")[2].strip() == "**F0 curved 0.3**"
+    bins = [line for line in report.splitlines() if line.startswith("| 0.3 (0.25–0.35)")]
+    assert bins and all("not reached (cheapest 0.66)" in line for line in bins)
+    assert "no dicache run in this bin" in next(line for line in report.splitlines() if line.startswith("| 0.5 (0.45"))

@@ -1,5 +1,5 @@
 """`--text-encoder-quantization fp8` on a CPU: the text encoder's decoder-layer weights stored in FP8
-(`dicache.fp8_storage`), computed in the activation dtype; `fp8-dynamic` (FP8 GEMMs) needs an FP8 GPU
+(`dicache.quantization.fp8_storage`), computed in the activation dtype; `fp8-dynamic` (FP8 GEMMs) needs an FP8 GPU
 (test_fp8_gpu.py)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 
 from dicache.cli import main
-from dicache.fp8_storage import Float8StoredLinear, power_of_two_scales
 from dicache.models.krea2 import Krea2Pipeline
 from dicache.quantization import TEXT_ENCODER_FP8_INCLUDE, QuantizationError, quantize_text_encoder
+from dicache.quantization.fp8_storage import Float8StoredLinear, power_of_two_scales
 from dicache.server.memory import module_bytes
 
 CPU = torch.device("cpu")
@@ -114,7 +114,7 @@ def test_float8_stored_linear_rejects_what_it_cannot_hold():
 def test_compiled_stored_linears_keep_the_eager_values_with_one_graph_per_bias_choice():
     from torch._dynamo.testing import CompileCounter
 
-    from dicache.fp8_storage import compile_stored_linears, store_linears_in_fp8
+    from dicache.quantization.fp8_storage import compile_stored_linears, store_linears_in_fp8
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32, bias=False))

@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
-from dicache.fp8_storage import Float8StoredLinear, compile_stored_linears
 from dicache.models.krea2 import Krea2Pipeline
 from dicache.models.krea2.checkpoints import EMBEDDED_CHECKPOINT
 from dicache.models.krea2.text import Krea2TextEncoder
 from dicache.models.static_graphs import StaticGraphs
 from dicache.quantization import quantize_text_encoder
+from dicache.quantization.fp8_storage import Float8StoredLinear, compile_stored_linears
 
 pytestmark = pytest.mark.gpu
 

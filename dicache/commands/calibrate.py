@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from .. import __version__
+from ..models.families import is_family_model, pipeline_class
 from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import heldout_prompts_file, resolve_model
 from ..models.krea2.presets import PRESETS, resolve_variant
@@ -26,11 +27,15 @@ from ..settings.cache_config import SETTINGS, CacheConfig
 from ..settings.options import FlagOptions, option
 from ..settings.profiles import write_profile
 from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
+from ..sweep.runners import FamilyRunner
+from ..sweep.settings import RECOMMENDED_BUDGETS
+from ..sweep.spec import CACHEDIT_GRID
 from ..tuning import (
     CANDIDATES,
     CalibrationError,
     PipelineRunner,
     TargetNotMet,
+    budget_grid,
     calibrate,
     calibration_record,
     fit_algorithms,
@@ -99,6 +104,27 @@ class CalibrateOptions(FlagOptions):
     no_early_stop: bool = option(
         False, flag="--no-early-stop", help="run every candidate on every prompt (fuller table, slower)"
     )
+    prompt_split: Literal["heldout", "train"] = option(
+        "heldout",
+        flag="--prompt-split",
+        help="the split of the checkpoint's heldout_prompts.json a count of --prompts takes: train = its training "
+        "captions (settings chosen apart from the held-out prompts a sweep then measures)",
+    )
+    grid_out: str | None = option(
+        None,
+        flag="--grid-out",
+        metavar="PATH",
+        help="also write a `dicache sweep --grid` JSON file: per --budgets bin the candidate with the best PSNR on "
+        "these prompts (with --no-early-stop every candidate runs on every prompt), plus cache-dit's own grid; "
+        "written whether or not the target is met",
+    )
+    budgets: list[float] | None = option(
+        None,
+        flag="--budgets",
+        metavar="F",
+        default_text="0.3 0.4 ... 0.8",
+        help="compute bins of --grid-out (each f: compute in [f - 0.05, f + 0.05))",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,8 +149,8 @@ def _heldout_file(model: str | None) -> Path:
     return heldout_prompts_file(model)
 
 
-def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
-    """(prompt, seed) pairs of `--prompts`: a count of the checkpoint's held-out prompts (built-in ones when it
+def resolve_samples(prompts: str, model: str | None, split: str = "heldout") -> list[tuple[str, int]]:
+    """(prompt, seed) pairs of `--prompts`: a count of the checkpoint's prompts of `split` (built-in ones when it
     has none), or a prompt file."""
     text = prompts.strip()
     if text.isdigit():
@@ -132,7 +158,7 @@ def resolve_samples(prompts: str, model: str | None) -> list[tuple[str, int]]:
         if count < 1:
             raise CalibrationError(f"--prompts={prompts!r} is invalid: a count must be >= 1 (or give a prompt file)")
         path = _heldout_file(model)
-        pairs = read_prompts(path, split="heldout") if path.is_file() else [(p, None) for p in FALLBACK_PROMPTS]
+        pairs = read_prompts(path, split=split) if path.is_file() else [(p, None) for p in FALLBACK_PROMPTS]
         return make_samples(pairs, None, count)
     if not Path(text).is_file():
         raise CalibrationError(f"--prompts={prompts!r} is neither a count nor an existing prompt file")
@@ -148,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(list(CANDIDATES), indent=2))
         return 0
     candidates = load_candidates(args.candidates) if args.candidates else list(CANDIDATES)
-    samples = resolve_samples(args.prompts, args.model)
+    samples = resolve_samples(args.prompts, args.model, getattr(args, "prompt_split", "heldout"))
 
     previous_threads = torch.get_num_threads()
     if args.threads:
@@ -183,6 +209,18 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(previous_threads)
 
     print(format_table(result))
+    measured_on = getattr(runner.native, "measured_on", None)  # a family's pipeline: images, or latents if flat
+    if measured_on is not None:
+        meta["measured_on"] = measured_on
+        where = "decoded images" if measured_on == "image" else "final latents (the decoded images are flat)"
+        print(f"fidelity measured on the {where}")
+    if getattr(args, "grid_out", None):
+        grid, lines = budget_grid(result, args.budgets or list(RECOMMENDED_BUDGETS), CACHEDIT_GRID)
+        path = Path(args.grid_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(grid, indent=2) + "\n")
+        print("\n".join(lines))
+        print(f"wrote {path}: dicache sweep --grid {path} measures these settings (on other prompts)")
     if result.chosen is None:
         raise TargetNotMet(result.failure_message())
 
@@ -207,10 +245,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_family_runner(args: argparse.Namespace, device: str, dtype: Any) -> tuple[Any, dict[str, Any]]:
+    """`_load_runner` for a diffusers pipeline of a registered family (its own `__call__`: `FamilyRunner`)."""
+    embedded = getattr(args, "embedded_guidance", None)
+    name = f"{pipeline_class(args.model)} ({args.model})"
+    if args.variant is not None:
+        raise CalibrationError(f"--variant={args.variant!r} is refused for {name}: variants are Krea-2's presets")
+    family = FamilyRunner.load(args.model, dtype=dtype or torch.float32, device=device)
+    sampling = family.model.sampling
+    steps = args.steps or sampling["steps"]
+    guidance = float(args.guidance if args.guidance is not None else sampling["guidance"])
+    height, width = family.default_size
+    if args.size:
+        width, height = args.size
+    runner = PipelineRunner(family, steps, guidance, None, height, width, embedded_guidance=embedded)
+    meta = {
+        "model": args.model,
+        "model_source": f"{family.model.name} from {args.model}",
+        "num_blocks": runner.num_blocks,
+        "variant": None,
+        "steps": steps,
+        "guidance_scale": guidance,
+        "embedded_guidance": embedded,
+        "width": width,
+        "height": height,
+        "device": str(device),
+        "dtype": str(next(family.pipe.transformer.parameters()).dtype).removeprefix("torch."),
+    }
+    return runner, meta
+
+
 def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The pipeline runner at the resolved schedule and size, and what to record about them."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    if is_family_model(args.model):
+        return _load_family_runner(args, device, dtype)
+    embedded = getattr(args, "embedded_guidance", None)  # absent from a namespace built without SamplingOptions
+    if embedded is not None:
+        raise CalibrationError(f"--embedded-guidance={embedded:g} is refused for Krea-2: it has none")
 
     pipe = Krea2Pipeline.from_pretrained(resolve_model(args.model, args.variant), dtype=dtype, device=device)
     variant = resolve_variant(pipe, args.variant)

@@ -22,7 +22,7 @@ class ConfigOptions(Options):
 
     as_json: bool = option(False, flag="--json", help="print JSON instead of a table")
     env_example: bool = option(False, flag="--env-example", help="print env.example (every variable and default)")
-    markdown: bool = option(False, flag="--markdown", help="print the README's settings table (Markdown)")
+    markdown: bool = option(False, flag="--markdown", help="print the settings table of docs/settings.md (Markdown)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,20 +1,26 @@
 """`dicache generate`: text-to-image with Krea-2, caching configured from SGLANG_CACHE_DIT_* variables over an
-optional settings profile (`--profile PATH` or SGLANG_CACHE_DIT_PROFILE, e.g. written by `dicache calibrate`)."""
+optional settings profile (`--profile PATH` or SGLANG_CACHE_DIT_PROFILE, e.g. written by `dicache calibrate`).
+
+An image whose latents or pixels hold NaN or inf is not written (and a file already at its path is removed); the
+other images of the command are, and the command then exits 1 with a message naming what was not written."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
+import sys
 import time
 from typing import Literal
 
 import torch
 
 from .. import api
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteOutputError
 from ..models.compile_artifact import load_artifact, save_artifact
+from ..models.families import call_kwargs, is_family_model, load_family_model, pipeline_class
 from ..models.krea2.checkpoints import resolve_model
+from ..models.krea2.latents import FINITE_PLACES, check_finite, finite_per_image, pil_images
 from ..models.krea2.pipeline import Krea2Pipeline
 from ..models.options import DeviceOptions, ModelChoice, SamplingOptions
 from ..offload.settings import OffloadLimits
@@ -32,7 +38,10 @@ from .speed import (
     text_encoder_quantization,
 )
 
-HELP = "generate images with Krea-2 (default: the embedded checkpoint) and print the cache statistics"
+HELP = (
+    "generate images with Krea-2 (default: the embedded checkpoint) or a diffusers pipeline of a registered family "
+    "(--model), and print the cache statistics"
+)
 
 
 class GenerateOptions(FlagOptions):
@@ -109,12 +118,50 @@ def request_shapes(pipe: Krea2Pipeline, args: argparse.Namespace, ctx, use_cache
     }
 
 
+def write_finite_images(
+    latents: torch.Tensor | None, images: torch.Tensor, paths: list[pathlib.Path]
+) -> NonFiniteOutputError | None:
+    """Write each image (a pipeline's "pt" output, `(B, 3, H, W)` in [0, 1]) whose latents (when given) and pixels
+    are all finite to its path as the pipeline's "pil" output would be; an image with NaN or inf is not written (nor
+    an earlier file at its path left in place). Returns the `NonFiniteOutputError` naming those, or None."""
+    checked, places = ((latents, images), FINITE_PLACES) if latents is not None else ((images,), FINITE_PLACES[1:])
+    try:
+        check_finite(finite_per_image(*checked), places)
+        failure = None
+    except NonFiniteOutputError as exc:
+        failure = exc
+    spoiled = failure.images if failure is not None else {}
+    for index, path in enumerate(paths):
+        if index in spoiled:
+            path.unlink(missing_ok=True)  # an older image there would pass for this one
+            continue
+        (image,) = pil_images(images[index : index + 1].permute(0, 2, 3, 1).cpu().numpy())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path)
+    return failure
+
+
+def write_and_say(latents: torch.Tensor | None, images: torch.Tensor, paths: list[pathlib.Path], what: str) -> bool:
+    """`write_finite_images`, then "wrote <paths> <what>" for those written and, on stderr, the error naming those
+    that were not. Returns whether every image was written."""
+    failure = write_finite_images(latents, images, paths)
+    written = [str(p) for i, p in enumerate(paths) if failure is None or i not in failure.images]
+    if written:
+        print(f"wrote {', '.join(written)} {what}")
+    if failure is not None:
+        skipped = ", ".join(str(paths[i]) for i in sorted(failure.images))
+        print(f"error: {failure}; not written: {skipped}", file=sys.stderr)
+    return failure is None
+
+
 def run(args: argparse.Namespace) -> int:
     config = cache_config(args.profile)  # defaults < profile (--profile wins over the variable) < environment
     speed_spec(args)  # a bad --quantization-exclude stops here, before loading
     use_cache = config.enable_cache if args.cache == "env" else args.cache == "on"
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if is_family_model(args.model):
+        return _generate_family(args, config, use_cache)
     ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
     try:
         return _generate(args, ctx, config, use_cache)
@@ -122,7 +169,99 @@ def run(args: argparse.Namespace) -> int:
         ctx.shutdown()
 
 
+KREA2_ONLY = {
+    "variant": None,
+    "tp_size": 1,
+    "ulysses_degree": 1,
+    "quantization": "none",
+    "quantization_exclude": None,
+    "compile": False,
+    "compile_artifact": None,
+    "load_format": "auto",
+    "text_encoder_quantization": "none",
+}
+"""Options only the native Krea-2 pipeline takes, with their defaults (a family's pipeline refuses other values)."""
+
+
+def refuse_krea2_options(args: argparse.Namespace, name: str) -> None:
+    """A `ConfigError` naming the first option set that a family's pipeline (`name`) cannot take."""
+    for key, default in KREA2_ONLY.items():
+        if getattr(args, key, default) != default:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag}={getattr(args, key)!r} is refused for {name}: only Krea-2 takes it")
+    if offload_settings(args, parallel=False).any:
+        raise ConfigError(f"the memory options (--dit-layerwise-offload, ...) are refused for {name}: Krea-2 only")
+
+
+def _generate_family(args: argparse.Namespace, config, use_cache: bool) -> int:
+    """`generate` on a diffusers pipeline of a registered family: its own `__call__`, the same statistics."""
+    name = f"{pipeline_class(args.model)} ({args.model})"
+    refuse_krea2_options(args, name)
+    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    model = load_family_model(args.model, dtype=dtype, device=args.device)
+    sampling = model.sampling
+    steps = args.steps or sampling["steps"]
+    guidance = args.guidance if args.guidance is not None else sampling["guidance"]
+    height, width = model.default_size
+    kwargs = call_kwargs(
+        model,
+        steps=steps,
+        guidance=guidance,
+        embedded_guidance=getattr(args, "embedded_guidance", None),
+        height=args.height or height,
+        width=args.width or width,
+        seed=args.seed,
+    )
+    if args.negative_prompt is not None:
+        kwargs["negative_prompt"] = args.negative_prompt
+    if use_cache:
+        api.enable(model.pipe, config)
+    start = time.perf_counter()
+    pipe = model.pipe
+    video = not hasattr(pipe, "image_processor")  # a video pipeline has a video processor instead
+    with torch.no_grad():
+        out = pipe(
+            list(args.prompt), num_images_per_prompt=args.num_images, output_type="pil" if video else "pt", **kwargs
+        )
+    seconds = time.perf_counter() - start
+    what = f"in {seconds:.2f} s (model: {model.name} from {args.model}; {steps} steps, guidance {guidance:g})"
+    if video:  # frames as PIL images; their pixels are not checked
+        frames = out.frames
+        paths = output_paths(args.out, len(frames))
+        for image, path in zip(frames, paths):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            image.save(path)
+        print(f"wrote {', '.join(str(p) for p in paths)} {what}")
+        return _report(args, config, use_cache, model.pipe)
+    paths = output_paths(args.out, len(out.images))
+    if not write_and_say(None, out.images.float(), paths, what):  # "pt": (B, 3, H, W) in [0, 1]
+        return 1
+    return _report(args, config, use_cache, pipe)
+
+
+def _report(args: argparse.Namespace, config, use_cache: bool, pipe) -> int:
+    """Print the cache statistics (and write them with `--stats-json`)."""
+    if not use_cache:
+        print("caching off (set SGLANG_CACHE_DIT_ENABLED=true or pass --cache on)")
+        return 0
+    profile = describe_profile(config)
+    if profile:
+        print(profile)
+    stats = api.stats(pipe)
+    print(stats.table())
+    if args.stats_json:
+        record = {
+            **stats.to_dict(),
+            "config": {"settings": config.model_dump(), "sources": config.sources(), "profile": profile_source(config)},
+        }
+        pathlib.Path(args.stats_json).write_text(json.dumps(record, indent=2))
+    return 0
+
+
 def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
+    embedded = getattr(args, "embedded_guidance", None)  # absent from a namespace built without SamplingOptions
+    if embedded is not None:
+        raise ConfigError(f"--embedded-guidance={embedded:g} is refused for Krea-2: it has none")
     offload = offload_settings(args, parallel=ctx.enabled)
     limits = OffloadLimits(  # the plan covers this command's request
         max_height=args.height,
@@ -166,7 +305,7 @@ def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
         seed=ctx.agree_seed(args.seed),
         num_images_per_prompt=args.num_images,
         variant=args.variant,
-        output_type="pil" if ctx.is_output_rank else "latent",
+        output_type="pt" if ctx.is_output_rank else "latent",
     )
     seconds = time.perf_counter() - start
     if key is not None and loaded.status != "loaded":
@@ -174,23 +313,6 @@ def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
     if not ctx.is_output_rank:
         return 0
     paths = output_paths(args.out, len(out.images))
-    for image, path in zip(out.images, paths):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        image.save(path)
-    print(f"wrote {', '.join(str(p) for p in paths)} in {seconds:.2f} s (model: {pipe.source})")
-    if not use_cache:
-        print("caching off (set SGLANG_CACHE_DIT_ENABLED=true or pass --cache on)")
-        return 0
-
-    profile = describe_profile(config)
-    if profile:
-        print(profile)
-    stats = api.stats(pipe)
-    print(stats.table())
-    if args.stats_json:
-        record = {
-            **stats.to_dict(),
-            "config": {"settings": config.model_dump(), "sources": config.sources(), "profile": profile_source(config)},
-        }
-        pathlib.Path(args.stats_json).write_text(json.dumps(record, indent=2))
-    return 0
+    if not write_and_say(out.latents, out.images, paths, f"in {seconds:.2f} s (model: {pipe.source})"):
+        return 1
+    return _report(args, config, use_cache, pipe)

@@ -18,12 +18,13 @@ from typing import Any, Literal
 import torch
 
 from ..errors import DicacheError
+from ..models.families import checkpoint_schedule, is_family_model
 from ..models.krea2.checkpoints import default_checkpoint, heldout_prompts_file
 from ..models.options import ModelChoice
 from ..settings.options import FlagOptions, option
 from ..sweep import spec as S
 from ..sweep.cachedit import INSTALL_HINT, cache_dit_available
-from ..sweep.launch import run_sweep
+from ..sweep.launch import FAMILY_BASELINES, run_sweep
 from ..sweep.prompts import FALLBACK_PROMPTS, read_prompts
 from ..sweep.report import write_report
 from ..sweep.settings import grid_axes
@@ -121,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "examples:\n"
         "  dicache sweep --quick --out sweep-quick\n"
         "  dicache sweep --schedules 8 28:4.5 --RDT 0.08 0.12 0.24 --TS 0 1 --out sweep-rdt\n"
-        "  dicache sweep --grid benchmarks/sweep_grid.yaml --out sweep-full\n"
+        "  dicache sweep --grid benchmarks/grids/sweep_grid.yaml --out sweep-full\n"
         "schedules: STEPS[:CFG_SCALE[:VARIANT]], CFG scale in the standard convention uncond + s·(cond − uncond),\n"
         "  s = 1 (or omitted) = no CFG; e.g. 8 (Turbo-like), 28:4.5 and 50:4.5 (Raw-like). cache-dit gets g = s − 1.\n"
         "grid axes take lists; their cartesian product is swept. TS 0 = TaylorSeer off.\n"
@@ -165,9 +166,13 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
         grid = axes
     cells = S.expand_grid(grid)
 
+    family = model is not None and is_family_model(model)
     defaults = S.QUICK_SCHEDULES if args.quick else S.DEFAULT_SCHEDULES
     if variant == "turbo":
         defaults = S.TURBO_SCHEDULES  # a distilled model runs without CFG
+    if family:  # a family's pipeline: the schedule its checkpoint is meant for (dicache.json), else its defaults
+        steps, guidance = checkpoint_schedule(model)
+        defaults = (f"{steps}:{guidance:g}",)
     schedules = args.schedules or file.get("schedules") or defaults
     schedules = [S.Schedule.parse(s) for s in (schedules if isinstance(schedules, list | tuple) else [schedules])]
 
@@ -189,7 +194,8 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
     notes: list[str] = []
     methods = args.methods or file.get("methods")
     baselines_given = args.baselines if args.baselines is not None else file.get("baselines")
-    baselines, want_cachedit = S.parse_baselines(baselines_given if baselines_given is not None else S.BASELINES)
+    default_baselines = (*FAMILY_BASELINES, "cachedit") if family else S.BASELINES  # Heun, curved: Krea-2 only
+    baselines, want_cachedit = S.parse_baselines(baselines_given if baselines_given is not None else default_baselines)
     asked = methods is not None and "cache-dit" in methods
     if methods is None:
         methods = ["ours"] + (["cache-dit"] if want_cachedit else [])

@@ -5,8 +5,8 @@ Modules, lowest first (each imports only those before it; docs/architecture.md Â
   residuals), `stats` (per-request counters), `block_plan` (the blocks a call will run, for observers such as the
   layerwise offloader), `reduction` (the residual diff, reduced over model-parallel processes);
 - `state` (a request's and a branch's state), `session` (`CacheSession`: request and call scopes in `contextvars`);
-- `adapters/` (a transformer's block lists and their forms, the registry of diffusers families, how a pipeline's
-  calls map to steps);
+- `adapters/` (how a pipeline's calls map to steps; it re-exports the block-stack description it rests on,
+  `dicache.blocks`: a transformer's block lists and their forms, the registry of diffusers families);
 - `hooks` (`BlockStackRunner` and `StackWalk`: the Fn / middle / Bn call, block by block), `install` (attaching a
   runner to modules, reversibly).
 

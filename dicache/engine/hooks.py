@@ -10,7 +10,7 @@ the model's loop still runs, whatever it does between blocks keeps working by bl
 skips the blocks it names, ControlNet residuals are added after the blocks they belong to. A block that runs is
 called with exactly the arguments the model gave it, so a call that caches nothing is bitwise the plain model.
 
-The first complete call checks every block's call against its list's form (`adapters.forms.misfit`) and raises a
+The first complete call checks every block's call against its list's form (`blocks.forms.misfit`) and raises a
 `BlockFormError` naming the block, the form, what it returned and the `form=` that fits. Observers of the stack
 (`dicache.engine.block_plan`) are told the plan and each block's start and end; a model with observers but no cache
 gets a runner too (every call runs all blocks).
@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
+from ..blocks.families import registered_forms
+from ..blocks.forms import DIFF_STREAMS, BlockForm, H, describe, fitting_forms, misfit
+from ..blocks.stack import StackSpec
 from ..errors import BlockFormError
-from .adapters.families import registered_forms
-from .adapters.forms import DIFF_STREAMS, BlockForm, H, describe, fitting_forms, misfit
-from .adapters.stack import StackSpec
 from .block_plan import BlockObserver, BlockPlan, CallInfo, publish
 from .policies import StepContext
 from .policies.lookahead import BranchCounters, decide_without_diff, upcoming_decisions
@@ -149,7 +149,7 @@ class BlockStackRunner:
         return (
             f"dicache: {owner}.forward ran none of its blocks through {paths} (it does not loop over that list in "
             f"the usual `for block in self.<list>` way), so caching would do nothing; this model needs a family "
-            "entry naming the lists its forward loops over (dicache.engine.adapters.families)"
+            "entry naming the lists its forward loops over (dicache.blocks.families)"
         )
 
     # ------------------------------------------------------------------ plans

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..blocks.stack import StackSpec
 from ..errors import UnsupportedModelError
-from .adapters.stack import StackSpec
 from .block_plan import BlockObserver
 from .hooks import BlockStackRunner
 from .session import CacheSession

@@ -10,10 +10,12 @@ Every failure a user can cause (wrong path, offline with nothing cached, missing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
-from collections.abc import Callable, Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -26,6 +28,26 @@ _MAX_LISTED = 8  # how many offending keys an error message lists before summari
 
 class CheckpointError(DicacheError, RuntimeError):
     """A checkpoint cannot be found, read or loaded. The message names the repo/folder, the file and the key."""
+
+
+@contextlib.contextmanager
+def hidden_packages(*names: str) -> Iterator[None]:
+    """Within the block, the top-level packages `names` look uninstalled (`importlib.util.find_spec` gives None,
+    `import` raises `ModuleNotFoundError`), unless one is imported already; afterwards they import as usual.
+
+    For a library that, while it is imported, imports every optional package it finds installed: transformers imports
+    torchao (a quarter second and its warnings) whenever torchao is installed, though dicache never asks transformers
+    to use it. The library keeps its answer (transformers caches its probes), while `dicache.quantization` still
+    imports torchao itself when a quantization asks for it. Not for a block that runs while other threads import."""
+    hidden = [name for name in names if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # the import system's mark for a module that cannot be imported
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
 
 
 def resolve_component_dir(

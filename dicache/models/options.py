@@ -21,7 +21,8 @@ class ModelChoice(FlagOptions):
         None,
         flag="--model",
         default_text="the embedded checkpoint; its Turbo student with --variant turbo",
-        help="checkpoint folder or hub repo id (diffusers layout)",
+        help="checkpoint folder or hub repo id (diffusers layout): Krea-2, or a diffusers pipeline of a registered "
+        "family (model_index.json names the pipeline class)",
     )
     variant: Literal["turbo", "raw"] | None = option(
         None,
@@ -112,5 +113,13 @@ class SamplingOptions(FlagOptions):
         flag="--guidance",
         ge=1,
         default_text="by variant",
-        help="CFG scale s in uncond + s*(cond - uncond); 1 = no CFG (Krea's reference g = s - 1)",
+        help="CFG scale s in uncond + s*(cond - uncond); 1 = no CFG (Krea's reference g = s - 1); a family's "
+        "pipeline gets it as true_cfg_scale where it has one (Flux.1, Qwen-Image), else as guidance_scale",
+    )
+    embedded_guidance: float | None = option(
+        None,
+        flag="--embedded-guidance",
+        ge=0,
+        default_text="the pipeline's",
+        help="the guidance embedding's value (Flux.1-dev's guidance_scale), for a transformer that has one",
     )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..engine.adapters import StackSpec, stack_spec
+from ..blocks import StackSpec, stack_spec
 from ..engine.block_plan import BlockPlan, CallInfo
 from ..engine.install import observe_blocks
 from .packing import PackedWeights

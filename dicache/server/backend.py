@@ -17,17 +17,25 @@ transformer and of the VAE decoder (`stop_points`), and after each denoising ste
 pipeline's `callback_on_step_end`). Both are declared seams, so `dicache.enable` / `disable` on the pipeline leave
 them in place. The worker is therefore busy at most one block longer than the request (one transformer call when
 the blocks are compiled).
+
+Faults (`docs/reliability.md`): a CUDA out-of-memory error inside a phase ends the generation with
+`GenerationOutOfMemory(phase)`, raised only once the request's memory is released: the error's traceback frames are
+cleared (they hold the phase's tensors), reference cycles collected and the allocator's cache emptied, so the next
+request finds the memory it had before. Images whose latents or decoded pixels are not finite are never encoded:
+the decode phase checks them, one reduction per image and no extra host wait, and raises `NonFiniteOutputError`.
 """
 
 from __future__ import annotations
 
 import base64
 import contextvars
+import gc
 import hashlib
 import io
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,6 +58,7 @@ from ..models.compile_artifact import (
 )
 from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import resolve_model
+from ..models.krea2.latents import check_finite, finite_per_image
 from ..models.krea2.presets import PRESETS, resolve_variant
 from ..offload.settings import OffloadLimits, OffloadSettings
 from ..settings.cache_config import CacheConfig
@@ -66,6 +75,16 @@ from .stop_points import install_stop_points
 
 class GenerationStopped(Exception):
     """The generation was abandoned (client gone or timed out) and stopped early."""
+
+
+class GenerationOutOfMemory(Exception):
+    """The device ran out of memory in the generation's `phase` ("encode", "denoise" or "decode"); the request's
+    memory was released before this was raised, and it holds no reference to the request's tensors. `detail`: the
+    first line of torch's message (what it tried to allocate)."""
+
+    def __init__(self, phase: str, detail: str) -> None:
+        self.phase, self.detail = phase, detail
+        super().__init__(f"out of device memory in the {phase} phase: {detail}")
 
 
 @dataclass
@@ -237,6 +256,8 @@ class PipelineBackend:
             return self._stages
 
     def generate(self, spec: GenerationSpec, should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+        """Run `spec`'s phases. Raises `GenerationStopped` (stopped early), `GenerationOutOfMemory` (its memory
+        released first), `NonFiniteOutputError` (no image encoded), or the pipeline's error."""
         start = time.perf_counter()
         token = _should_stop.set(should_stop)
         try:
@@ -246,16 +267,38 @@ class PipelineBackend:
                 with self._one_at_a_time:
                     return self._phases(spec, inline, start)
             return self._phases(spec, stages.run, start)
+        except GenerationOutOfMemory as exc:
+            failure = GenerationOutOfMemory(exc.phase, exc.detail)
+            traceback.clear_frames(exc.__traceback__)  # `_phases`' frame holds the earlier phases' outputs
         finally:
             _should_stop.reset(token)
+        release_after_oom(self.pipe.device)
+        raise failure  # a fresh exception: its traceback starts here and holds no tensor
 
     def _phases(self, spec: GenerationSpec, run: Callable[..., Any], start: float) -> GenerationResult:
+        run = self._releasing_on_oom(run)
         encoded = run("encode", self._encode, spec)
         latents, stats, denoise_s = run("denoise", self._denoise, spec, encoded)
         images_b64, digests, decode_s, image_s = run("decode", self._decode, spec, encoded.plan, latents)
         flops = self.estimate_flops(spec, stats, encoded.text_tokens)
         phases = {"encode": encoded.seconds, "denoise": denoise_s, "decode": decode_s, "image": image_s}
         return GenerationResult(images_b64, digests, stats, time.perf_counter() - start, flops, phases)
+
+    def _releasing_on_oom(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        """`run` (`stages.run` or `inline`) turning a CUDA out-of-memory error of the phase into
+        `GenerationOutOfMemory(phase)` (`generate` releases the memory)."""
+
+        def guarded(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
+            try:
+                return run(phase, fn, *args)
+            except RuntimeError as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                detail = (str(exc).strip().splitlines() or ["(no message)"])[0]
+                traceback.clear_frames(exc.__traceback__)  # the finished frames hold the phase's tensors
+            raise GenerationOutOfMemory(phase, detail)  # outside the handler: no __context__ holding the frames
+
+        return guarded
 
     def _encode(self, spec: GenerationSpec) -> _Encoded:
         """Phase 1: the call's plan, its text conditioning and its starting noise (seeded on the CPU)."""
@@ -289,8 +332,11 @@ class PipelineBackend:
         in base64; returns those, the fingerprints, and the seconds of the decode and of the image files."""
         _check_stop()
         start = time.perf_counter()
-        floats, pixels = host_images(self.pipe.decode(latents, plan.height, plan.width, "pt"))
-        decode_s = time.perf_counter() - start  # host_images waited for the device
+        images = self.pipe.decode(latents, plan.height, plan.width, "pt")
+        finite = finite_per_image(latents, images)  # queued; read once host_images has waited for the device
+        floats, pixels = host_images(images)
+        decode_s = time.perf_counter() - start
+        check_finite(finite)  # NonFiniteOutputError: no image of this request is encoded or returned
         b64, digests = image_answers(floats, pixels, spec.output_format, spec.output_quality, self._digests)
         return b64, digests, decode_s, time.perf_counter() - start - decode_s
 
@@ -402,6 +448,28 @@ def can_stage(pipe: Any) -> bool:
     transformer = getattr(pipe, "transformer", None)
     has_phases = all(hasattr(pipe, name) for name in ("plan_call", "condition", "starting_latents", "run_denoise"))
     return has_phases and getattr(pipe, "offload", None) is None and not hasattr(transformer, PARALLEL_LAYOUT_ATTR)
+
+
+_OUT_OF_MEMORY = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+"""Messages of device allocation failures raised as a plain RuntimeError (a library's own allocation, or the CUDA
+runtime's `cudaErrorMemoryAllocation`) rather than torch's `OutOfMemoryError` (the caching allocator's)."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is a device running out of memory: torch's `OutOfMemoryError`, or a RuntimeError saying so."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    message = str(exc)
+    return isinstance(exc, RuntimeError) and any(text in message for text in _OUT_OF_MEMORY)
+
+
+def release_after_oom(device: Any) -> None:
+    """After a failed request: collect the reference cycles its exception left (frames, futures), then hand the
+    allocator's cached blocks back to the driver, so that fragmentation from the failed allocation does not make the
+    next request fail too. The other requests in flight keep their memory; no-op off CUDA but the collection."""
+    gc.collect()
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def prepare_compiled_thread(pipe: Any) -> None:

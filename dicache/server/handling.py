@@ -1,7 +1,8 @@
 """One generation request's way through the server, apart from routing: its JSON body parsed into an
 `ImageGenerationRequest`, its `GenerationSpec` queued (429 / 503 when it cannot be), run on a worker (with its
 metrics), and awaited while watching the client and the deadline (499 / 504, the job dropped or stopped); the
-outcome becomes the answer or an `ApiError`. Also the `/health_generate` probe, a shared tiny generation.
+outcome becomes the answer or an `ApiError`: out of GPU memory a 503 with `Retry-After` (code "out_of_memory"),
+non-finite output a 500 (code "non_finite_output"). Also the `/health_generate` probe, a shared tiny generation.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import numpy as np
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from ..errors import DicacheError
+from ..errors import DicacheError, NonFiniteOutputError
 from ..settings.cache_config import CacheConfig
-from .backend import GenerationStopped
+from .backend import GenerationOutOfMemory, GenerationStopped
 from .drain import UNFINISHED_MESSAGE
 from .errors import ApiError, describe_validation_error, key_at_error
 from .generation import Defaults, GenerationSpec
@@ -75,6 +76,15 @@ def job_runner(backend: Any, metrics: ServerMetrics) -> Callable[[Job], Any]:
         except GenerationStopped:
             if not spec.probe:
                 metrics.generations.labels("stopped").inc()
+            raise
+        except GenerationOutOfMemory as exc:
+            metrics.out_of_memory.labels(exc.phase).inc()  # every one, probes included: the device's memory
+            if not spec.probe:
+                metrics.generations.labels("out_of_memory").inc()
+            raise
+        except NonFiniteOutputError:
+            if not spec.probe:
+                metrics.generations.labels("non_finite").inc()
             raise
         except BaseException:
             if not spec.probe:
@@ -194,6 +204,12 @@ async def await_job(queue: JobQueue, job: Job, request: Request, deadline: float
             if job.stop_reason == "shutdown":
                 raise ApiError(503, UNFINISHED_MESSAGE, code="shutting_down") from None
             # stopped because the request was abandoned meanwhile: answer below as timeout / disconnect
+        except GenerationOutOfMemory as exc:
+            log.warning("generation ran out of device memory: %s", exc)
+            raise ApiError(503, out_of_memory_message(exc), code="out_of_memory") from None
+        except NonFiniteOutputError as exc:
+            log.error("generation failed: %s", exc)
+            raise ApiError(500, f"generation failed: {exc}", code="non_finite_output") from None
         except (DicacheError, ValueError) as exc:
             raise ApiError(400, f"the pipeline rejected the request: {exc}") from None
         except Exception as exc:
@@ -209,6 +225,14 @@ async def await_job(queue: JobQueue, job: Job, request: Request, deadline: float
         504,
         f"request timed out after {settings.request_timeout_s:g} s ({where}); server option --timeout",
         code="timeout",
+    )
+
+
+def out_of_memory_message(exc: GenerationOutOfMemory) -> str:
+    """The 503's message: the phase, torch's detail, and what the client can do."""
+    return (
+        f"the server ran out of GPU memory in the {exc.phase} phase ({exc.detail}); the request's memory was "
+        "released: retry later, or ask for a smaller size or fewer images"
     )
 
 

@@ -213,17 +213,21 @@ class JobQueue:
             job = self._next()
             if job is None:
                 return
+            self._run(job)
+            del job  # an idle worker keeps nothing of its last job (its result, or its exception and frames)
+
+    def _run(self, job: Job) -> None:
+        self._notify()
+        try:
+            result = job.context.run(self.handler, job)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting request
+            job.finished_at = time.perf_counter()
+            job.future.set_exception(exc)
+        else:
+            job.finished_at = time.perf_counter()
+            job.future.set_result(result)
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._active.discard(job)
             self._notify()
-            try:
-                result = job.context.run(self.handler, job)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting request
-                job.finished_at = time.perf_counter()
-                job.future.set_exception(exc)
-            else:
-                job.finished_at = time.perf_counter()
-                job.future.set_result(result)
-            finally:
-                with self._cond:
-                    self._running -= 1
-                    self._active.discard(job)
-                self._notify()

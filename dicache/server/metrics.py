@@ -7,8 +7,11 @@
 - `dicache_transformer_calls_total{kind="computed"|"cached"}`: transformer calls of finished generations.
 - `dicache_cached_step_ratio`: cached / all transformer calls since start (0 before the first generation).
 - `dicache_generation_compute_fraction`: histogram of each generation's compute fraction.
-- `dicache_generations_total{outcome="ok"|"stopped"|"failed"}`: generations run by the workers; "stopped" ones were
-  abandoned (client gone, timed out, server shutting down) and ended early.
+- `dicache_generations_total{outcome="ok"|"stopped"|"out_of_memory"|"non_finite"|"failed"}`: generations run by
+  the workers; "stopped" ones were abandoned (client gone, timed out, server shutting down) and ended early,
+  "out_of_memory" ones ran out of GPU memory (answered 503), "non_finite" ones produced NaN or inf (answered 500).
+- `dicache_out_of_memory_errors_total{phase="encode"|"denoise"|"decode"}`: GPU out-of-memory errors by the phase
+  they struck (`/health_generate` probes included).
 - `dicache_request_wait_seconds` / `dicache_generation_seconds`: histograms of the time a generation waited for a
   worker, and of the worker's time on it (pipeline and image encoding).
 - `dicache_images_total`, `dicache_denoise_steps_total`: images and denoising steps of finished generations.
@@ -47,6 +50,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .gpu_health import GpuHealth, GpuHealthCollector
 
+OUTCOMES = ("ok", "stopped", "out_of_memory", "non_finite", "failed")
+"""`dicache_generations_total`'s outcomes."""
+PHASES = ("encode", "denoise", "decode")
+"""A generation's phases (`stages.PHASES`; repeated here: Ray's proxy imports this module without torch)."""
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 FRACTION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -94,6 +101,9 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.out_of_memory = Counter(
+            "dicache_out_of_memory_errors", "GPU out-of-memory errors, by generation phase", ["phase"], registry=r
+        )
         self.images = Counter("dicache_images", "Images of finished generations", registry=r)
         self.steps = Counter("dicache_denoise_steps", "Denoising steps of finished generations", registry=r)
         self.flops = Counter(
@@ -114,8 +124,10 @@ class ServerMetrics:
         self._computed = self._cached = 0
         for kind in ("computed", "cached"):
             self.calls.labels(kind)
-        for outcome in ("ok", "stopped", "failed"):
+        for outcome in OUTCOMES:
             self.generations.labels(outcome)
+        for phase in PHASES:
+            self.out_of_memory.labels(phase)
 
     def watch_gpus(self, devices: Sequence[Any], nvml: Any = None) -> bool:
         """Export the health of `devices` (torch CUDA devices or indices; `gpu_health`) at each scrape, once; False
@@ -179,8 +191,14 @@ def build_info() -> dict[str, str]:
     return {"version": dicache_version, "python": platform.python_version(), "torch": torch.__version__}
 
 
+CLIENT_CLOSED = 499
+"""The status counted for a request whose client left before any answer was sent (nginx's convention)."""
+
+
 class MetricsMiddleware:
-    """Pure ASGI middleware: counts every HTTP answer by endpoint (known paths only, else 'other') and status."""
+    """Pure ASGI middleware: counts every HTTP answer by endpoint (known paths only, else 'other') and status. A
+    request the app leaves unanswered counts as 499 when its client disconnected (e.g. in the middle of its body),
+    else as 500."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, endpoints: frozenset[str]) -> None:
         self.app, self.metrics, self.endpoints = app, metrics, endpoints
@@ -190,7 +208,14 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = 500
+        status = None
+        disconnected = False
+
+        async def receive_and_watch() -> Message:
+            nonlocal disconnected
+            message = await receive()
+            disconnected = disconnected or message["type"] == "http.disconnect"
+            return message
 
         async def send_and_record(message: Message) -> None:
             nonlocal status
@@ -199,8 +224,10 @@ class MetricsMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_record)
+            await self.app(scope, receive_and_watch, send_and_record)
         finally:
+            if status is None:
+                status = CLIENT_CLOSED if disconnected else 500
             path = scope.get("path", "")
             endpoint = path if path in self.endpoints else "other"
             self.metrics.observe_request(endpoint, status, time.perf_counter() - start)

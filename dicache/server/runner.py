@@ -11,12 +11,20 @@ Connection limits (`ConnectionLimits`): at most `max_connections` open connectio
 `limit_concurrency`: beyond it requests are answered 503 and their connection closed), idle keep-alive connections
 closed after `keep_alive_s`, and connections that have not completed a request's headers within `header_timeout_s`
 closed. The body-read timeout is the app's (`ServerSettings.body_timeout_s`), so it also holds under other hosts.
+
+Idle connections never crowd out requests: when a new connection makes `max_connections` open, the server closes the
+longest-open idle one at once (`IdleShedding`: one with no request in progress, a connection that never sent a
+request head first, then one kept alive between requests), as nginx reuses its idle keep-alive connections when it
+runs out. So 1,000 idle connections (the default limit) held open by one client delay no one else's request; only
+when every open connection has a request in progress do new requests get 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import heapq
 import ipaddress
 import logging
 import signal
@@ -77,7 +85,7 @@ def exposure_warnings(host: str, settings: ServerSettings) -> list[str]:
 
 
 def uvicorn_config(app: Any, limits: ConnectionLimits, log_level: str = "info", **kwargs: Any) -> uvicorn.Config:
-    return uvicorn.Config(
+    return IdleShedding(
         app,
         lifespan="on",
         log_level=log_level,
@@ -86,6 +94,51 @@ def uvicorn_config(app: Any, limits: ConnectionLimits, log_level: str = "info", 
         timeout_graceful_shutdown=limits.shutdown_timeout_s,
         **kwargs,
     )
+
+
+class IdleShedding(uvicorn.Config):
+    """uvicorn's configuration with its HTTP protocol class extended (`shedding_protocol`): a connection that makes
+    `limit_concurrency` connections open closes the longest-open idle one (see the module docstring)."""
+
+    def load(self) -> None:
+        super().load()
+        self.http_protocol_class = shedding_protocol(self.http_protocol_class)
+
+
+def is_idle(connection: Any) -> bool:
+    """Whether a uvicorn HTTP connection has no request in progress: none began (no complete request head yet), or
+    the last one is answered and the connection waits for the next (its keep-alive timer runs)."""
+    waiting_for_next = getattr(connection, "timeout_keep_alive_task", None) is not None
+    return getattr(connection, "cycle", True) is None or waiting_for_next
+
+
+def shed_idle(connections: set[Any], count: int, keep: Any) -> int:
+    """Close up to `count` idle connections other than `keep`: those that never sent a request head first, then
+    those kept alive between requests, the longest open first. Returns how many were closed."""
+    idle = [c for c in connections if c is not keep and is_idle(c) and getattr(c, "transport", None) is not None]
+    victims = heapq.nsmallest(
+        count, idle, key=lambda c: (getattr(c, "cycle", None) is not None, getattr(c, "opened_at", 0.0))
+    )
+    for connection in victims:
+        connection.transport.close()
+        connections.discard(connection)  # now: its `connection_lost` may come after the new request's head (uvloop)
+    return len(victims)
+
+
+@functools.cache
+def shedding_protocol(base: type) -> type:
+    """`base` (uvicorn's HTTP protocol class) whose `connection_made` sheds an idle connection when it makes
+    `config.limit_concurrency` connections open, so that its request will not be refused for them."""
+
+    def connection_made(self: Any, transport: Any) -> None:
+        base.connection_made(self, transport)
+        self.opened_at = time.monotonic()
+        limit = getattr(self.config, "limit_concurrency", None)
+        connections = self.server_state.connections
+        if limit is not None and len(connections) >= limit:
+            shed_idle(connections, len(connections) - limit + 1, keep=self)
+
+    return type(f"IdleShedding{base.__name__}", (base,), {"connection_made": connection_made})
 
 
 class DrainingServer(uvicorn.Server):

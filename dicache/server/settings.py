@@ -150,8 +150,9 @@ class ConnectionLimits(Options):
         flag="--max-connections",
         ge=1,
         le=1_000_000,
-        help="open connections before new requests get 503; each is a file descriptor, and the soft descriptor limit "
-        "is raised to fit",
+        help="open connections; at the limit a new connection closes the longest-open idle one (no request in "
+        "progress), and new requests get 503 only when every connection has one; each is a file descriptor, and the "
+        "soft descriptor limit is raised to fit",
     )
     keep_alive_s: float = option(
         5.0,

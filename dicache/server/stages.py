@@ -11,7 +11,7 @@ Contract of `run(phase, fn, *args)`:
   scope, its stop check and anything else the caller set are seen), under `torch.inference_mode` and the phase's
   CUDA stream; the call returns `fn`'s result (or raises its exception) once the phase's GPU work is finished, so its
   tensors may be read from any stream, and `args` stay referenced until then (no other stream reuses their memory
-  while a kernel may still read them).
+  while a kernel may still read them), failures included.
 - Outputs equal those of the same phases run one after another in one thread: each phase runs the same kernels in
   the same order on one stream, and no state is shared between requests but the weights.
 - On CUDA the denoise phase's stream has a higher priority than the others (`STREAM_PRIORITIES`): when requests
@@ -74,7 +74,11 @@ class GenerationStages:
     def _in_phase(self, phase: str, fn: Callable[..., _T], args: tuple) -> _T:
         stream = self._streams[phase]
         with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            result = fn(*args)
+            try:
+                result = fn(*args)
+            except BaseException:
+                _finish_queued_work(stream)  # a failed phase's kernels may still read `args`: wait before they go
+                raise
             if stream is not None:
                 stream.synchronize()
         return result
@@ -89,6 +93,14 @@ class GenerationStages:
         self._closed = True
         for executor in self._executors.values():
             executor.shutdown(wait=True)
+
+
+def _finish_queued_work(stream: torch.cuda.Stream | None) -> None:
+    """Wait for what `stream` has queued, after its phase failed; a device error surfacing here is left to the
+    phase's own exception."""
+    if stream is not None:
+        with contextlib.suppress(RuntimeError):
+            stream.synchronize()
 
 
 def inline(phase: str, fn: Callable[..., _T], *args: Any) -> _T:

@@ -8,6 +8,6 @@ Modules, lowest first (each imports only those before it; docs/architecture.md Â
 - `sources` (the `SGLANG_CACHE_DIT_*` environment and the settings profile, read into raw values);
 - `cache_config` (`CacheConfig`: each cache field declared once with its rules, validated; built from the defaults,
   a profile, the environment and per-request overrides);
-- `docs` (the settings as text for people: `dicache config`'s table, `env.example`, the README table);
+- `docs` (the settings as text for people: `dicache config`'s table, `env.example`, the table of docs/settings.md);
 - `profiles` (settings profiles for the commands: `--profile`, writing and describing a profile file).
 """

@@ -448,8 +448,8 @@ class CacheConfig(BaseSettings):
 
 
 SETTINGS: tuple[Setting, ...] = catalogue(CacheConfig)
-"""Every cache setting, in declaration order; the README table, env.example, `dicache config`, error messages and
-the sweep's short names are all derived from it."""
+"""Every cache setting, in declaration order; the table of docs/settings.md, env.example, `dicache config`, error
+messages and the sweep's short names are all derived from it."""
 SETTINGS_BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 SETTINGS_BY_ENV: dict[str, Setting] = {s.env_name: s for s in SETTINGS}
 SETTINGS_BY_SHORT: dict[str, Setting] = {s.short: s for s in SETTINGS}

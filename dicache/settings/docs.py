@@ -1,4 +1,4 @@
-"""The cache settings as text for people: `env.example` and the README's settings table (`dicache config
+"""The cache settings as text for people: `env.example` and the settings table of docs/settings.md (`dicache config
 --env-example` / `--markdown`; the table of effective settings is `CacheConfig.describe`). Both are rendered from
 `SETTINGS`, so neither can drift from the field declarations."""
 
@@ -37,7 +37,7 @@ def env_example() -> str:
 
 
 def markdown_table() -> str:
-    """The README's settings table (between `README_TABLE_START` and `README_TABLE_END`), one row per setting."""
+    """docs/settings.md's settings table (between `README_TABLE_START` and `README_TABLE_END`), one row per setting."""
     defaults = CacheConfig.defaults()
 
     def cell(text: str) -> str:

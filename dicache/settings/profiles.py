@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +140,27 @@ def write_profile(path: str | os.PathLike, settings: Mapping[str, Any], calibrat
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A settings profile in Python (what `dicache.calibrate` returns): `settings` (request keys) and `calibration`
+    (how they were chosen). `dicache.enable(pipe, profile)` takes it (`config`: the settings over the built-in
+    defaults, caching on); `save(path)` writes the file `--profile` / `SGLANG_CACHE_DIT_PROFILE` read."""
+
+    settings: Mapping[str, Any]
+    calibration: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def config(self) -> CacheConfig:
+        return CacheConfig.defaults().merged({**dict(self.settings), "enable_cache": True})
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return write_profile(path, self.settings, self.calibration)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        """A profile file, checked as `--profile` checks it."""
+        settings = check_profile(path)
+        calibration = json.loads(Path(path).read_text()).get("calibration") or {}
+        return cls(settings, calibration)

@@ -45,6 +45,7 @@ def recommendations(results: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "baseline_psnr": row["best_value"],
                     "margin": row["margin"],
                     "margin_ref": margin_ref,
+                    "unreached": {m: v["cheapest"] for m, v in row["baselines"].items() if v["value"] is None},
                 }
             )
         out.append({"schedule": schedule["slug"], "name": schedule["name"], "rows": rows})
@@ -61,6 +62,15 @@ def _margin(value: float | None) -> str:
     return "–" if value is None else f"{value:+.2f} dB"
 
 
+def _baseline_text(row: Mapping[str, Any]) -> str:
+    """The best baseline's name, then the baselines whose cheapest run costs more than this compute (left out)."""
+    name = "none reaches" if row["baseline"] is None else compare.BASELINE_NAMES[row["baseline"]]
+    if not row["unreached"]:
+        return name
+    out = ", ".join(f"{compare.BASELINE_NAMES[m]} {c:.2f}" for m, c in sorted(row["unreached"].items()))
+    return f"{name} (cheapest run dearer, left out: {out})"
+
+
 def answer_lines(results: Mapping[str, Any]) -> list[str]:
     """The report's opening section, `## Which settings to use`, as Markdown lines."""
     steps = results["meta"].get("reference_steps")
@@ -70,7 +80,8 @@ def answer_lines(results: Mapping[str, Any]) -> list[str]:
         "Per compute budget (transformer blocks run / uncached, ± 0.05): the dicache setting with the largest margin "
         "over the best same-compute baseline (fewer-steps Euler, fewer-steps Heun, `curved` step reuse, cache-dit), "
         "PSNR against the uncached run; a positive margin means use dicache with that setting, a negative one that the "
-        "named baseline is the better choice at that compute."
+        "named baseline is the better choice at that compute. A baseline counts only through a run at or below the "
+        "setting's compute; one whose cheapest run costs more is named as left out."
         + (
             f" `margin vs {steps}-step ref`: the same setting on PSNR against the high-accuracy reference."
             if steps
@@ -84,11 +95,14 @@ def answer_lines(results: Mapping[str, Any]) -> list[str]:
             header.append(f"margin vs {steps}-step ref")
         lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         for r in entry["rows"]:
-            baseline = "–" if r["baseline"] is None else compare.BASELINE_NAMES[r["baseline"]]
+            baseline = _baseline_text(r)
+            name = "–" if r["baseline"] is None else compare.BASELINE_NAMES[r["baseline"]]
             if r["setting"] is None:
-                use, compute = f"{baseline} (no dicache setting in this bin)", "–"
+                use, compute = f"{name} (no dicache setting in this bin)", "–"
+            elif r["baseline"] is None:
+                use, compute = f"**{r['setting']}** (no baseline reaches this compute)", f"{r['compute']:.3f}"
             elif r["margin"] is not None and r["margin"] < 0:
-                use, compute = f"{baseline} (dicache's best: {r['setting']})", f"{r['compute']:.3f}"
+                use, compute = f"{name} (dicache's best: {r['setting']})", f"{r['compute']:.3f}"
             else:
                 use, compute = f"**{r['setting']}**", f"{r['compute']:.3f}"
             row = [f"{r['budget']:g}", use, compute, _db(r["psnr"]), baseline, _db(r["baseline_psnr"])]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..api import disable as dicache_disable
 from ..engine.policies import step_mask
 from ..errors import DicacheError
 from ..models.krea2.pipeline import read_dicache_json, resolve_base_checkpoint
@@ -104,12 +105,27 @@ class CacheDitRunner:
     pipeline = "diffusers"
     text_per_call = True
 
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, pipe: Any, family: Any = None) -> None:
         self.cache_dit = import_cache_dit()
         self.pipe = pipe
         self.pipe.set_progress_bar_config(disable=True)
         self._active: tuple[Any, ...] | None = None
         self._distilled = bool(pipe.config.get("is_distilled", False))
+        self.family = family  # a FamilyRunner whose pipeline this is (`on_family`), or None (diffusers' Krea-2)
+
+    @classmethod
+    def on_family(cls, runner: Any) -> CacheDitRunner:
+        """cache-dit (`cache_dit.enable_cache`) on the very pipeline a `FamilyRunner` runs, called the same way; the
+        two never cache at once (each disables the other before a generation), and cache-dit's runs are measured
+        against that runner's uncached references (`shares_references`)."""
+        cached = cls(runner.pipe, family=runner)
+        runner.exclusive = cached
+        return cached
+
+    @property
+    def shares_references(self) -> bool:
+        """True when this runner's uncached run is the native runner's (the same pipeline and call)."""
+        return self.family is not None
 
     @classmethod
     def load(cls, model_dir: str, dtype: torch.dtype = torch.float32, device: str | None = None) -> CacheDitRunner:
@@ -172,6 +188,30 @@ class CacheDitRunner:
     def close(self) -> None:
         self._configure(None, Schedule(1))
 
+    def _generate_family(
+        self, prompt: str, seed: int, schedule: Schedule, steps: int, height: int, width: int, cache: CacheConfig | None
+    ) -> Sample:
+        """`generate` on a family's pipeline: dicache off, cache-dit on, the family runner's own call."""
+        dicache_disable(self.pipe)
+        self._configure(cache, schedule)
+        with CallRecorder(self.pipe.transformer) as rec:
+            image, latents = self.family.call(prompt, seed, schedule, steps, height, width)
+        num_blocks = self.family.num_blocks
+        cached_steps = self._cached_steps(schedule.cfg) if cache is not None else {}
+        cached = sum(len(v) for v in cached_steps.values())
+        skipped = 0 if cache is None else num_blocks - cache.Fn_compute_blocks - cache.Bn_compute_blocks
+        return recorded_sample(
+            rec,
+            schedule,
+            image,
+            latents,
+            num_blocks,
+            cached_calls=cached,
+            blocks_run=rec.calls * num_blocks - cached * skipped,
+            cached_steps=cached_steps,
+            full_calls=self.family._full_calls(rec, schedule, steps),
+        )
+
     def _cached_steps(self, cfg: bool) -> dict[str, list[int]]:
         stats = [s for s in self.cache_dit.summary(self.pipe, logging=False) if s.cache_options]
         if not stats:
@@ -198,6 +238,8 @@ class CacheDitRunner:
         """One image, as `NativeRunner.generate`; the latents are read at the last step's callback (packed)."""
         if cache is not None and steps != schedule.steps:
             raise ValueError("cache-dit runs use the schedule's step count (its step mask is built for it)")
+        if self.family is not None:
+            return self._generate_family(prompt, seed, schedule, steps, height, width, cache)
         self._configure(cache, schedule)
         final: dict[str, torch.Tensor] = {}
 

@@ -33,8 +33,11 @@ def runner_config(runner: Any) -> Any:
     return pipe.transformer.config if pipe is not None else runner.transformer_config
 
 
-def flops_ratio_of(runner: Any, schedule: Schedule, s: Sample) -> float:
-    """Estimated transformer FLOPs of sample `s` over those of the uncached run of `schedule`."""
+def flops_ratio_of(runner: Any, schedule: Schedule, s: Sample) -> float | None:
+    """Estimated transformer FLOPs of sample `s` over those of the uncached run of `schedule` (None for a model
+    without a FLOPs estimate: a family's diffusers pipeline)."""
+    if getattr(runner, "model", None) is not None or getattr(runner, "family", None) is not None:
+        return None
     call = krea2_call_flops(runner_config(runner), s.image_tokens, s.text_tokens)
     full_calls = s.full_calls if s.full_calls is not None else s.calls
     if runner.text_per_call:
@@ -55,7 +58,7 @@ def sample_from_ref(ref: dict[str, Any], num_blocks: int, schedule: Schedule) ->
         num_blocks=num_blocks,
         image_tokens=ref["image_tokens"],
         text_tokens=ref["text_tokens"],
-        full_calls=schedule.steps * branches(schedule),
+        full_calls=ref["calls"],  # the uncached run of the schedule (a batched CFG call counts once)
     )
 
 
@@ -129,7 +132,7 @@ def measured_record(
         "setting": cell.label if cell is not None else f"{steps or schedule.steps} of {schedule.steps} steps",
         "settings": cell.overrides if cell is not None else None,
         "compute_fraction": rounded(mean([x["compute_fraction"] for x in per])),
-        "flops_ratio": rounded(mean([x["flops_ratio"] for x in per])),
+        "flops_ratio": None if None in flops else rounded(mean([x["flops_ratio"] for x in per])),
         "psnr": rounded(mean(p), 4),
         "psnr_min": rounded(min(p), 4),
         "ssim": rounded(mean(q)),

@@ -14,6 +14,7 @@ appended to `results.jsonl` at once; a rerun with the same model, schedule, sett
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 import platform
 from collections.abc import Callable
@@ -21,14 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from .. import __version__
+from ..engine.policies import step_mask
+from ..errors import ConfigError
 from . import solvers
 from .cachedit import unsupported_reason
 from .compare import compare
 from .keys import RESULTS_VERSION, SweepKeys
 from .plots import save_image_grid
+from .progress import progress_bar
 from .records import flops_ratio_of, measured_record, reference_record, sample_from_ref
 from .runners import Sample
 from .spec import QUANTIZED_METHODS, Cell, Schedule, SweepSpec, SweepSpecError
@@ -82,15 +85,28 @@ class Sweep(SweepKeys):
         self._bar: Any = None
         self._warm: set[str] = set()
         self._hirefs: list[dict[str, Any]] | None = None
+        self._euler_runs = 0
+        for schedule in spec.schedules:  # settings the model cannot take are refused before any run
+            if hasattr(native, "check_schedule"):
+                try:
+                    native.check_schedule(schedule)
+                except ConfigError as exc:
+                    raise SweepSpecError(f"schedule {schedule.name!r}: {exc}") from None
+        refusal = getattr(native, "mask_refusal", None)
         for cell in dict.fromkeys(c for m in spec.methods for c in spec.method_cells(m)):
             try:
                 cell.config.check_block_split(native.num_blocks)
             except Exception as exc:
                 raise SweepSpecError(f"grid cell {cell.label!r}: {exc}") from None
+            for schedule in spec.schedules if refusal is not None else ():
+                if step_mask(cell.config, schedule.steps) is not None and refusal(schedule.steps):
+                    raise SweepSpecError(f"grid cell {cell.label!r}: {refusal(schedule.steps)}")
 
     # ------------------------------------------------------------------ planning
     def planned_generations(self) -> int:
-        """Generations still to run (fewer-steps Euler excluded: it depends on the cells' compute fractions)."""
+        """Generations still to run, known before the first one: the per-cell fewer-steps Euler runs count at their
+        most (a cell's step count depends on its measured compute: `_euler_plan`); the bar's total is lowered by the
+        ones a schedule did not need once it is done, so it never grows."""
         n = len(self.spec.samples)
         total = 0
         hirefs = set()
@@ -111,7 +127,27 @@ class Sweep(SweepKeys):
                     kind, schedule, count
                 ):
                     total += n
+            total += n * self._euler_plan(schedule)
         return total + sum(not self.store.ref_path(key).is_file() for key in hirefs)
+
+    def _euler_plan(self, schedule: Schedule) -> int:
+        """The most fewer-steps Euler runs `schedule` can still need (each one image per sample): the compute
+        targets' step counts and those of finished cells that are not stored yet, plus one per unfinished cell, up to
+        the step counts left (1 … steps − 1, not stored)."""
+        if "euler" not in self.spec.baselines:
+            return 0
+        open_counts = {s for s in range(1, schedule.steps) if self.baseline_key(schedule, s) not in self.store}
+        needed = set(self._euler_targets(schedule)) & open_counts
+        unknown = 0
+        for method, cell in self._cells():
+            if not self._supported(method, cell):
+                continue
+            record = self.store.get(self.cell_key(method, schedule, cell))
+            if record is None:
+                unknown += 1
+            elif record["baseline_steps"] in open_counts:
+                needed.add(record["baseline_steps"])
+        return len(needed) + min(unknown, len(open_counts - needed))
 
     def _solver_runs(self, schedule: Schedule) -> list[tuple[str, int]]:
         """(kind, count) of the Heun and curved baselines at the compute targets (Euler runs via `_baseline`)."""
@@ -135,7 +171,9 @@ class Sweep(SweepKeys):
         return kind == "curved" and solvers.evaluations(kind, schedule.steps, count) >= schedule.steps
 
     def _pipelines(self) -> list[str]:
-        return ["native"] + (["diffusers"] if self.cache_dit is not None else [])
+        """The pipelines with their own uncached references (cache-dit on a family's pipeline shares native's)."""
+        own = self.cache_dit is not None and not getattr(self.cache_dit, "shares_references", False)
+        return ["native"] + (["diffusers"] if own else [])
 
     def _cells(self) -> list[tuple[str, Cell]]:
         return [(m, c) for m in self.spec.methods for c in self.spec.method_cells(m)]
@@ -155,15 +193,21 @@ class Sweep(SweepKeys):
             return "diffusers"
         return method if method in QUANTIZED_METHODS.values() else "native"
 
-    @staticmethod
-    def _reference_pipeline(pipeline: str) -> str:
-        """Whose uncached samples a pipeline is measured against: a quantized model against the unquantized one."""
-        return "native" if pipeline in QUANTIZED_METHODS.values() else pipeline
+    def _reference_pipeline(self, pipeline: str) -> str:
+        """Whose uncached samples a pipeline is measured against: a quantized model against the unquantized one,
+        cache-dit on a family's pipeline against that pipeline's (native) references."""
+        if pipeline in QUANTIZED_METHODS.values() or pipeline not in self._pipelines():
+            return "native"
+        return pipeline
 
     # ------------------------------------------------------------------ running
     def run(self) -> dict[str, Any]:
         """Run (or resume) the whole sweep; returns the results (also written to `results.json`)."""
-        self._bar = tqdm(total=self.planned_generations(), unit="img", desc="sweep", disable=not self.progress)
+        bar = progress_bar(total=self.planned_generations(), unit="img", desc="sweep", disable=not self.progress)
+        with bar as self._bar:
+            return self._run_all()
+
+    def _run_all(self) -> dict[str, Any]:
         try:
             for note in self.spec.extra.get("notes", []):  # said already by whoever built the spec: kept for the report
                 if note not in self.notes:
@@ -172,10 +216,12 @@ class Sweep(SweepKeys):
                 if not self._supported(method, cell):
                     self._note(f"{method}: {cell.label} skipped ({unsupported_reason(cell.config)})")
             for schedule in self.spec.schedules:
+                planned, self._euler_runs = self._euler_plan(schedule), 0
                 self._run_schedule(schedule)
+                self._bar.total -= (planned - self._euler_runs) * len(self.spec.samples)  # unused upper bound
+                self._bar.refresh()
                 self.store.write_json(self.results())
         finally:
-            self._bar.close()
             if self.cache_dit is not None and hasattr(self.cache_dit, "close"):
                 self.cache_dit.close()
         return self.results()
@@ -289,7 +335,7 @@ class Sweep(SweepKeys):
             if steps >= schedule.steps:
                 samples = [sample_from_ref(r, self.native.num_blocks, schedule) for r in refs]
             else:
-                self._bar.total += len(self.spec.samples)
+                self._euler_runs += 1
                 samples = self._generate("native", schedule, steps, None, f"fewer steps {steps}")
             record = self._record(key, "fewer-steps", "native", schedule, samples, refs, steps=steps)
             record["setting"] = solvers.setting_label("euler", schedule.steps, steps)
@@ -393,11 +439,6 @@ class Sweep(SweepKeys):
         return results
 
     def meta(self) -> dict[str, Any]:
-        try:
-            import diffusers
-        except ImportError:  # optional: only cache-dit runs need it
-            diffusers = None
-
         return {
             "model": self.model_name,
             "model_id": self.model_id,
@@ -405,6 +446,8 @@ class Sweep(SweepKeys):
             "width": self.width,
             "num_blocks": self.native.num_blocks,
             "is_distilled": bool(getattr(getattr(self.native, "pipe", None), "is_distilled", False)),
+            "family": None if getattr(self.native, "model", None) is None else self.native.model.name,
+            "measured_on": getattr(self.native, "measured_on", None) or "image",
             "samples": [list(s) for s in self.spec.samples],
             "schedules": [s.to_dict() | {"name": s.name, "slug": s.slug} for s in self.spec.schedules],
             "methods": list(self.spec.methods),
@@ -420,12 +463,20 @@ class Sweep(SweepKeys):
             "versions": {
                 "dicache": __version__,
                 "torch": torch.__version__,
-                "diffusers": getattr(diffusers, "__version__", None),
+                "diffusers": installed_version("diffusers"),
                 "cache_dit": getattr(self.cache_dit, "version", None) if self.cache_dit is not None else None,
             },
             "machine": machine_description(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         }
+
+
+def installed_version(distribution: str) -> str | None:
+    """An optional package's installed version, read from its metadata without importing it (None if absent)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def machine_description() -> str:

@@ -1,12 +1,19 @@
-"""Generate one image and measure it: the native Krea-2 pipeline, plain or cached by dicache.
+"""Generate one image and measure it: a pipeline plain or cached by dicache, the one sampler of `dicache sweep` and
+`dicache calibrate`.
 
-A runner's `generate(...)` returns a `Sample`: the image, the final packed latents, timings and how many transformer
-blocks ran. The cache-dit side (diffusers' pipeline) has the same interface in `cachedit.py`.
+`NativeRunner` runs our Krea-2 pipeline; `FamilyRunner`, the same runner on a diffusers pipeline of a registered
+family, calls the pipeline's own `__call__` (seed through its `generator`, guidance as the family takes it:
+`dicache.models.families.call_kwargs`); its fewer-steps baseline is the same pipeline with fewer steps. A runner's
+`generate(...)` returns a `Sample`: the image, the final latents, timings and how many transformer blocks ran;
+`check_schedule` refuses, before any run, a schedule the model cannot take. `runner_for(pipe)` picks the runner of a
+pipeline built in Python. The cache-dit side has the same interface in `cachedit.py`.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,10 +21,27 @@ import torch
 
 import dicache
 
+from ..engine.adapters.families import stack_spec
+from ..errors import ConfigError
+from ..models.families import (
+    FamilyModel,
+    call_kwargs,
+    guidance_refusal,
+    load_family_model,
+    step_mask_refusal,
+    wrap_pipeline,
+)
 from ..models.krea2 import Krea2Pipeline
 from ..settings.cache_config import CacheConfig
 from . import solvers
 from .spec import Schedule
+
+FLAT_STD = 0.01
+"""A reference image whose pixels vary less than this (std over the image, in [0, 1]) is flat: a tiny untrained
+VAE's. Fidelity is then measured on the final latents (`FamilyRunner.measured_on`)."""
+LATENT_PEAK = 8.0
+"""Latents are compared as `0.5 + latents / LATENT_PEAK`: PSNR with a peak-to-peak of 8, the ±4σ range of unit
+variance latents."""
 
 
 @dataclass
@@ -74,9 +98,11 @@ def recorded_sample(
     cached_calls: int = 0,
     blocks_run: int | None = None,
     cached_steps: dict[str, list[int]] | None = None,
+    full_calls: int | None = None,
 ) -> Sample:
     """The `Sample` of one generation that `rec` recorded: `image` / `latents` copied to float32 on the CPU;
-    `blocks_run` None: every block of every call ran (uncached); `full_calls` the schedule's uncached calls."""
+    `blocks_run` None: every block of every call ran (uncached); `full_calls` the schedule's uncached calls (None:
+    steps × CFG branches)."""
     return Sample(
         image=image.detach().float().cpu(),
         latents=latents.detach().float().cpu(),
@@ -89,7 +115,7 @@ def recorded_sample(
         image_tokens=rec.image_tokens,
         text_tokens=rec.text_tokens,
         cached_steps=cached_steps or {},
-        full_calls=schedule.steps * branches(schedule),
+        full_calls=schedule.steps * branches(schedule) if full_calls is None else full_calls,
     )
 
 
@@ -196,11 +222,39 @@ class NativeRunner:
     def is_distilled(self) -> bool:
         return bool(self.pipe.is_distilled)
 
+    def check_schedule(self, schedule: Schedule) -> None:
+        """Refuse (`ConfigError`) a schedule this model cannot take, before any run."""
+        if schedule.embedded_guidance is not None:
+            raise ConfigError(
+                f"embedded_guidance={schedule.embedded_guidance:g} is refused for Krea-2: it has no guidance "
+                "embedding; CFG goes through the guidance scale"
+            )
+
     def _configure(self, cache: CacheConfig | None) -> None:
         if cache is None:
             dicache.disable(self.pipe)
         else:
             dicache.enable(self.pipe, cache)  # replaces any previous settings
+
+    def _call(
+        self, prompt: str, seed: int, schedule: Schedule, steps: int, height: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One generation through the pipeline: (image `(3, H, W)` in [0, 1], final latents)."""
+        out = self.pipe(
+            prompt,
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            guidance_scale=schedule.guidance_scale,
+            seed=seed,
+            output_type="pt",
+            variant=schedule.variant,
+        )
+        return out.images[0], out.latents[0]
+
+    def _full_calls(self, rec: CallRecorder, schedule: Schedule, steps: int) -> int | None:
+        """Transformer calls of the uncached run of `schedule` (None: steps × CFG branches)."""
+        return None
 
     def generate(
         self, prompt: str, seed: int, schedule: Schedule, steps: int, height: int, width: int, cache: CacheConfig | None
@@ -208,28 +262,21 @@ class NativeRunner:
         """One image of `prompt` with `seed` at `steps` steps and the schedule's CFG, cached with `cache` (or not)."""
         self._configure(cache)
         with CallRecorder(self.pipe.transformer) as rec:
-            out = self.pipe(
-                prompt,
-                height=height,
-                width=width,
-                num_inference_steps=steps,
-                guidance_scale=schedule.guidance_scale,
-                seed=seed,
-                output_type="pt",
-                variant=schedule.variant,
-            )
+            image, latents = self._call(prompt, seed, schedule, steps, height, width)
+        full = self._full_calls(rec, schedule, steps)
         if cache is None:
-            return recorded_sample(rec, schedule, out.images[0], out.latents[0], self.num_blocks)
+            return recorded_sample(rec, schedule, image, latents, self.num_blocks, full_calls=full)
         stats = dicache.stats(self.pipe)
         return recorded_sample(
             rec,
             schedule,
-            out.images[0],
-            out.latents[0],
+            image,
+            latents,
             self.num_blocks,
             cached_calls=stats.cached_calls,
             blocks_run=stats.blocks_run,
             cached_steps={name: list(b.cached_steps) for name, b in stats.branches.items()},
+            full_calls=full,
         )
 
     def generate_baseline(
@@ -253,3 +300,136 @@ class NativeRunner:
             )
             image = self.pipe.decode(run.latents, height, width, "pt")[0]
         return recorded_sample(rec, schedule, image, run.latents[0], self.num_blocks)
+
+
+class FamilyRunner(NativeRunner):
+    """`NativeRunner` on a diffusers pipeline of a registered family (`dicache.models.families.FamilyModel`).
+
+    Generation is the pipeline's own `__call__` (`call_kwargs`: seed, steps, guidance as the family takes it, the
+    checkpoint's `call` extras; the final latents read at the last step's callback). The fewer-steps baseline is
+    the same call with fewer steps; Heun and `curved` need Krea-2's pipeline pieces and are refused. Compute is
+    counted over the family's whole block stack (every list). `measured_on`: "image", or "latents" when the first
+    uncached image is flat (`FLAT_STD`; then every image of the run is its latents' view, `LATENT_PEAK`).
+    `exclusive`: another runner on the same pipeline (cache-dit's), closed before each generation."""
+
+    text_per_call = True
+
+    def __init__(self, model: FamilyModel | Any) -> None:
+        self.model = model if isinstance(model, FamilyModel) else wrap_pipeline(model)
+        self.pipe = self.model.pipe
+        self.pipe.set_progress_bar_config(disable=True)
+        self.measured_on: str | None = None
+        self.exclusive: Any = None
+        self._takes_callback = "callback_on_step_end" in inspect.signature(type(self.pipe).__call__).parameters
+
+    @classmethod
+    def load(
+        cls,
+        model: str | None,
+        dtype: torch.dtype = torch.float32,
+        device: str | None = None,
+        quantization: str | None = None,
+    ) -> FamilyRunner:
+        if quantization:
+            raise ConfigError(f"quantization={quantization!r} is refused for {model}: only Krea-2 has it")
+        return cls(load_family_model(model, dtype=dtype, device=device))
+
+    @property
+    def num_blocks(self) -> int:
+        return stack_spec(self.pipe.transformer).num_blocks
+
+    @property
+    def default_size(self) -> tuple[int, int]:
+        return self.model.default_size
+
+    @property
+    def is_distilled(self) -> bool:
+        return False
+
+    def check_schedule(self, schedule: Schedule) -> None:
+        if schedule.variant is not None:
+            raise ConfigError(
+                f"variant={schedule.variant!r} is refused for {self.model.name}: variants are Krea-2's presets"
+            )
+        reason = guidance_refusal(self.model, schedule.guidance_scale, schedule.embedded_guidance)
+        if reason is not None:
+            raise ConfigError(reason)
+
+    def mask_refusal(self, steps: int) -> str | None:
+        """Why a step mask cannot apply at `steps` steps (the scheduler's step count), or None."""
+        return step_mask_refusal(self.model, steps)
+
+    def _configure(self, cache: CacheConfig | None) -> None:
+        if self.exclusive is not None:
+            self.exclusive.close()
+        super()._configure(cache)
+
+    def call(
+        self, prompt: str, seed: int, schedule: Schedule, steps: int, height: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One generation through the pipeline's `__call__`: (image or its latents' view, final latents)."""
+        final: dict[str, torch.Tensor] = {}
+        kwargs = call_kwargs(
+            self.model,
+            steps=steps,
+            guidance=schedule.guidance_scale,
+            embedded_guidance=schedule.embedded_guidance,
+            height=height,
+            width=width,
+            seed=seed,
+        )
+        if self._takes_callback:
+
+            def keep_latents(pipe: Any, i: int, t: Any, tensors: dict) -> dict:
+                final["latents"] = tensors["latents"]
+                return {}
+
+            kwargs.update(callback_on_step_end=keep_latents, callback_on_step_end_tensor_inputs=["latents"])
+        with torch.no_grad():
+            out = self.pipe(prompt, output_type="pt", **kwargs)
+        image = first_image(out)
+        latents = final.get("latents", image[None])[0].detach().float().cpu()
+        if self.measured_on is None:
+            self.measured_on = "latents" if image.float().std().item() < FLAT_STD else "image"
+        return (latent_view(latents) if self.measured_on == "latents" else image), latents
+
+    _call = call
+
+    def _full_calls(self, rec: CallRecorder, schedule: Schedule, steps: int) -> int:
+        """The calls an uncached run of the schedule makes: this run's calls (cached calls call the transformer
+        too) scaled from `steps` to the schedule's steps."""
+        return round(rec.calls * schedule.steps / steps)
+
+    def generate_baseline(self, *args: Any, **kwargs: Any) -> Sample:
+        raise ConfigError(f"the Heun and curved baselines are refused for {self.model.name}: they need Krea-2's pieces")
+
+
+def first_image(output: Any) -> torch.Tensor:
+    """A pipeline output's first image `(3, H, W)` float in [0, 1] (a video's frames side by side)."""
+    value = next(getattr(output, name) for name in ("images", "frames", "image") if hasattr(output, name))
+    image = torch.as_tensor(value[0]).float()
+    if image.ndim == 4:  # (frames, 3, H, W)
+        image = torch.cat(list(image), dim=-1)
+    if image.ndim == 3 and image.shape[-1] == 3 and image.shape[0] != 3:  # numpy layout (H, W, 3)
+        image = image.permute(2, 0, 1)
+    return image.cpu()
+
+
+def latent_view(latents: torch.Tensor) -> torch.Tensor:
+    """Final latents as a 3-channel image for the image measures: `0.5 + latents / LATENT_PEAK` as one (rows, last
+    dim) plane, repeated over 3 channels and enlarged (nearest) to at least 16 px a side (which leaves the MSE, and
+    so the PSNR, unchanged)."""
+    plane = latents.float().reshape(-1, latents.shape[-1])
+    factor = max(1, -(-16 // min(plane.shape)))
+    plane = plane.repeat_interleave(factor, 0).repeat_interleave(factor, 1)
+    return (0.5 + plane / LATENT_PEAK)[None].expand(3, -1, -1).contiguous()
+
+
+def runner_for(pipe: Any, call: Mapping[str, Any] | None = None) -> NativeRunner:
+    """The runner of a pipeline built in Python: `NativeRunner` for our Krea-2, else `FamilyRunner` (`call`: extra
+    keyword arguments of every call of a family's pipeline, e.g. `max_sequence_length`)."""
+    if isinstance(pipe, Krea2Pipeline):
+        if call:
+            raise ConfigError(f"call={dict(call)!r} is refused for Krea-2: it is for a family's diffusers pipeline")
+        return NativeRunner(pipe)
+    return FamilyRunner(wrap_pipeline(pipe, call))

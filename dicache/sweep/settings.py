@@ -25,7 +25,7 @@ RECOMMENDED_FAMILY = {
     "taylorseer_distance": "sigma",
     "taylorseer_damping": 0.5,
 }
-"""The recommended family (benchmarks/RESULTS.md, issue-11 section): whole-step reuse on the curved mask with damped
+"""The recommended family (benchmarks/RESULTS.md#raw-vs-baselines): whole-step reuse on the curved mask with damped
 TaylorSeer in sigma; `scm_compute_fraction` sets the budget, `scm_curve` where it is spent."""
 RECOMMENDED_BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 """The compute fractions the recommendation is measured at (and a sweep's report bins)."""
@@ -33,7 +33,7 @@ RECOMMENDED_BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
 def recommended(fraction: float, curve: float | None = None) -> dict[str, Any]:
     """The recommended family's overrides at compute fraction `fraction`; `curve` None: 2.5 up to a budget of 0.6,
-    1.5 above it (README, "Recommended settings")."""
+    1.5 above it (docs/settings.md, "Recommended settings")."""
     if curve is None:
         curve = 2.5 if fraction <= 0.6 else 1.5
     return {**RECOMMENDED_FAMILY, "scm_compute_fraction": fraction, "scm_curve": curve}
@@ -134,7 +134,7 @@ def algorithm(overrides: Mapping[str, Any] | None) -> str:
     family = c.model_dump()
     same = all(family[k] == v for k, v in RECOMMENDED_FAMILY.items() if k != "taylorseer_damping")
     if same and c.forecaster in ("taylor", "corrected"):
-        return "recommended"  # any budget and curve; `corrected` is the Turbo recommendation (README)
+        return "recommended"  # any budget and curve; `corrected` is the Turbo recommendation (docs/settings.md)
     return "dbcache" if c.policy == "dbcache" else "other"
 
 

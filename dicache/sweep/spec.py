@@ -66,11 +66,13 @@ VARIANTS = ("turbo", "raw")
 @dataclass(frozen=True)
 class Schedule:
     """A sampling schedule: `steps`, CFG scale `guidance_scale` in the standard convention
-    `uncond + s·(cond − uncond)` (s = 1: no CFG), and an optional pipeline `variant` (turbo | raw)."""
+    `uncond + s·(cond − uncond)` (s = 1: no CFG), an optional pipeline `variant` (turbo | raw, Krea-2's presets) and
+    an optional `embedded_guidance` (the value of a guidance embedding, Flux.1-dev's `guidance_scale`)."""
 
     steps: int
     guidance_scale: float = 1.0
     variant: str | None = None
+    embedded_guidance: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or self.steps < 1:
@@ -95,44 +97,62 @@ class Schedule:
     @property
     def name(self) -> str:
         cfg = f"CFG {self.guidance_scale:g}" if self.cfg else "no CFG"
-        return f"{self.steps} steps, {cfg}" + (f", {self.variant}" if self.variant else "")
+        embedded = "" if self.embedded_guidance is None else f", guidance embedding {self.embedded_guidance:g}"
+        return f"{self.steps} steps, {cfg}{embedded}" + (f", {self.variant}" if self.variant else "")
 
     @property
     def slug(self) -> str:
         return (
             f"n{self.steps}"
             + (f"-cfg{self.guidance_scale:g}" if self.cfg else "")
+            + ("" if self.embedded_guidance is None else f"-g{self.embedded_guidance:g}")
             + (f"-{self.variant}" if self.variant else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "guidance_scale": self.guidance_scale, "variant": self.variant}
+        out = {"steps": self.steps, "guidance_scale": self.guidance_scale, "variant": self.variant}
+        if self.embedded_guidance is not None:  # absent otherwise: older records' keys stay as they were
+            out["embedded_guidance"] = self.embedded_guidance
+        return out
 
     @classmethod
     def parse(cls, value: Any) -> Schedule:
-        """`8`, `"28:4.5"`, `"8:1:turbo"` or `{"steps": 28, "guidance_scale": 4.5, "variant": null}`."""
+        """`8`, `"28:4.5"`, `"8:1:turbo"`, `"28:1:g3.5"` (a guidance embedding of 3.5) or `{"steps": 28,
+        "guidance_scale": 4.5, "variant": null, "embedded_guidance": null}`."""
         if isinstance(value, Schedule):
             return value
+        keys = ("steps", "guidance_scale", "variant", "embedded_guidance")
         if isinstance(value, Mapping):
-            unknown = set(value) - {"steps", "guidance_scale", "variant"}
+            unknown = set(value) - set(keys)
             if unknown:
-                raise SweepSpecError(
-                    f"schedule keys {sorted(unknown)} are unknown; allowed: steps, guidance_scale, variant"
-                )
+                raise SweepSpecError(f"schedule keys {sorted(unknown)} are unknown; allowed: {', '.join(keys)}")
+            embedded = value.get("embedded_guidance")
             return cls(
                 as_int(value.get("steps"), "schedule steps"),
                 float(value.get("guidance_scale", 1.0)),
                 value.get("variant"),
+                None if embedded is None else float(embedded),
             )
         parts = str(value).split(":")
-        if not 1 <= len(parts) <= 3:
-            raise SweepSpecError(f"schedule {value!r} is invalid: expected STEPS[:CFG_SCALE[:VARIANT]], e.g. 28:4.5")
+        if not 1 <= len(parts) <= 4:
+            raise SweepSpecError(
+                f"schedule {value!r} is invalid: expected STEPS[:CFG_SCALE[:VARIANT][:gEMBEDDED]], e.g. 28:4.5"
+            )
         steps = as_int(parts[0], f"schedule {value!r} steps")
         try:
             scale = float(parts[1]) if len(parts) > 1 else 1.0
         except ValueError:
             raise SweepSpecError(f"schedule {value!r}: CFG scale {parts[1]!r} is not a number") from None
-        return cls(steps, scale, parts[2] if len(parts) > 2 else None)
+        variant, embedded = None, None
+        for part in parts[2:]:
+            if part[:1] == "g" and part[1:2].isdigit():
+                try:
+                    embedded = float(part[1:])
+                except ValueError:
+                    raise SweepSpecError(f"schedule {value!r}: guidance embedding {part!r} is not g<number>") from None
+            else:
+                variant = part
+        return cls(steps, scale, variant, embedded)
 
 
 # ---------------------------------------------------------------------------------------------------- cells
@@ -243,6 +263,12 @@ DEFAULT_GRID: list[dict[str, list[Any]]] = [
     {"W": [8], "RDT": [0.08], "MC": [-1], "TS": [0, 1]},
     {"SCM": ["slow", "medium", "fast", "ultra"], "SCM_POLICY": ["static"], "W": [0], "TS": [0, 1]},
 ]
+CACHEDIT_GRID: list[dict[str, list[Any]]] = [
+    {"Fn": [1], "RDT": [0.08, 0.12, 0.16, 0.24, 0.32], "MC": [-1], "TS": [0, 1]},
+    {"SCM": ["slow", "medium", "fast", "ultra"], "SCM_POLICY": ["static"], "W": [0], "TS": [0, 1]},
+]
+"""cache-dit's own settings for an answer table (`cachedit_grid` of a grid file `dicache calibrate --grid-out`
+writes): its dynamic DBCache (Fn 1) at five thresholds and its step-mask presets, TaylorSeer off and on."""
 QUICK_SCHEDULES = ("8", "28:4.5")
 DEFAULT_SCHEDULES = ("8", "28:4.5", "50:4.5")
 TURBO_SCHEDULES = ("8",)

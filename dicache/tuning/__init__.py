@@ -39,7 +39,7 @@ from ..sweep.settings import RECOMMENDED_FAMILY, label
 from .candidates import CANDIDATES, check_candidate, load_candidates
 from .errors import CalibrationError, TargetNotMet
 from .fits import ResidualTrace, fit_algorithms, fit_polynomial, magcache_profile
-from .report import calibration_record, format_table, profile_settings
+from .report import best_per_budget, budget_grid, calibration_record, format_table, profile_settings
 from .runner import Measurement, PipelineRunner, Runner
 from .search import CRITERIA, Calibration, CandidateResult, Criterion, calibrate
 
@@ -56,6 +56,8 @@ __all__ = [
     "ResidualTrace",
     "Runner",
     "TargetNotMet",
+    "best_per_budget",
+    "budget_grid",
     "calibrate",
     "calibration_record",
     "check_candidate",

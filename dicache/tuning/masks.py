@@ -100,3 +100,16 @@ def beam_search(
         if not any(seen[m] >= target for m in frontier):
             break
     return scored
+
+
+def max_scored(num_steps: int, beam: int = BEAM, min_computed: int = 2) -> int:
+    """The most masks `beam_search` can score (a progress bar's total before the search): `num_steps − 1` in the
+    first round, then at most `beam` masks each dropping one of their `computed − 1` droppable steps."""
+    if num_steps < 2 or beam < 1:
+        return 0
+    total, computed, width = 0, num_steps, 1
+    while computed > max(min_computed, 1):
+        total += width * (computed - 1)
+        computed -= 1
+        width = beam
+    return total

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from ..settings.cache_config import SETTINGS
@@ -92,3 +93,49 @@ def calibration_record(calibration: Calibration, **run: Any) -> dict[str, Any]:
         "reference_seconds": round(calibration.reference_seconds, 3),
         "candidates": [c.to_dict(calibration.samples) for c in calibration.candidates],
     }
+
+
+BIN_HALF_WIDTH = 0.05
+"""A compute budget f holds the candidates with compute in [f − 0.05, f + 0.05), as a sweep report's bin does."""
+
+
+def best_per_budget(calibration: Calibration, budgets: Sequence[float]) -> list[tuple[float, CandidateResult | None]]:
+    """For each budget, the complete candidate in its bin with the highest criterion PSNR (ties: less compute, then
+    the earlier candidate), or None: the settings a sweep should measure per compute bin, chosen on the calibration's
+    prompts alone."""
+    out = []
+    for budget in budgets:
+        lo, hi = budget - BIN_HALF_WIDTH - 1e-9, budget + BIN_HALF_WIDTH - 1e-9
+        inside = [
+            r
+            for r in calibration.candidates
+            if r.status == "complete" and r.compute_fraction is not None and lo <= r.compute_fraction < hi
+        ]
+        best = max(inside, key=lambda r: (r.score(calibration.criterion), -r.compute_fraction, -r.index), default=None)
+        out.append((budget, best))
+    return out
+
+
+def budget_grid(
+    calibration: Calibration, budgets: Sequence[float], cachedit_grid: Any = None
+) -> tuple[dict[str, Any], list[str]]:
+    """A `dicache sweep --grid` file's content: `grid`, one cell per budget's best candidate (`best_per_budget`; a
+    value that is itself a list is wrapped so the grid does not expand it), `compute_targets` the budgets and, when
+    given, `cachedit_grid` (cache-dit cannot run most calibrated settings: whole-step reuse, sigma distances); and
+    one line per budget saying what was chosen."""
+    cells, lines = [], []
+    for budget, best in best_per_budget(calibration, budgets):
+        if best is None:
+            lines.append(f"budget {budget:g}: no complete candidate with compute in its bin")
+            continue
+        lines.append(
+            f"budget {budget:g}: #{best.index} {best.label} (compute {best.compute_fraction:.3f}, "
+            f"{calibration.criterion} PSNR {best.score(calibration.criterion):.2f} dB)"
+        )
+        cell = {key: [value] for key, value in dict(best.overrides).items()}
+        if cell not in cells:
+            cells.append(cell)
+    grid: dict[str, Any] = {"grid": cells, "compute_targets": list(budgets)}
+    if cachedit_grid is not None:
+        grid["cachedit_grid"] = cachedit_grid
+    return grid, lines

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from ..settings.cache_config import CacheConfig
-from ..sweep.runners import NativeRunner
+from ..sweep.runners import NativeRunner, runner_for
 from ..sweep.spec import Schedule
 
 
@@ -35,20 +35,34 @@ class Runner(Protocol):
 
 
 class PipelineRunner:
-    """`Runner` on a pipeline with the native Krea-2 call signature (`dicache.models.krea2.Krea2Pipeline`): the
-    sweep's `NativeRunner` (one way to sample and count for both commands) at a fixed schedule and size.
+    """`Runner` on a pipeline, our Krea-2 or a registered family's diffusers pipeline (or a sweep runner of one):
+    the sweep's `NativeRunner` / `FamilyRunner` (one way to sample and count for both commands) at a fixed schedule
+    and size; a schedule the model cannot take is refused here, before any run.
 
     Uncached runs have dicache disabled (the original forwards): `blocks_run = blocks_total = calls x num_blocks`.
     Cached runs enable dicache with the candidate's config; `blocks_run` is what dicache's statistics say ran
     (`RequestStats.blocks_run`, all branches)."""
 
     def __init__(
-        self, pipe: Any, steps: int, guidance_scale: float, variant: str | None, height: int, width: int
+        self,
+        pipe: Any,
+        steps: int,
+        guidance_scale: float,
+        variant: str | None,
+        height: int,
+        width: int,
+        embedded_guidance: float | None = None,
     ) -> None:
-        self.native = NativeRunner(pipe)
-        self.schedule = Schedule(steps, guidance_scale, variant)
+        self.native = pipe if isinstance(pipe, NativeRunner) else runner_for(pipe)
+        self.schedule = Schedule(steps, guidance_scale, variant, embedded_guidance)
+        self.native.check_schedule(self.schedule)  # refused before any run
         self.steps, self.height, self.width = steps, height, width
         self.num_blocks = self.native.num_blocks
+
+    def mask_refusal(self) -> str | None:
+        """Why this model cannot take a step mask at this schedule (its scheduler's step count), or None."""
+        refusal = getattr(self.native, "mask_refusal", None)
+        return None if refusal is None else refusal(self.steps)
 
     def run(self, prompt: str, seed: int, config: CacheConfig | None) -> Measurement:
         s = self.native.generate(prompt, seed, self.schedule, self.steps, self.height, self.width, config)

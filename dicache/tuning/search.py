@@ -8,15 +8,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tqdm.auto import tqdm
-
+from ..engine.policies import step_mask
 from ..errors import ConfigError
 from ..settings.cache_config import CacheConfig
 from ..sweep.metrics import PSNR_CAP_DB, psnr
+from ..sweep.progress import progress_bar
 from ..sweep.settings import label
 from .candidates import CANDIDATES, check_candidate
 from .errors import CalibrationError
-from .masks import MAX_MASK_STEPS, Mask, beam_search, computed_steps, mask_overrides
+from .masks import MAX_MASK_STEPS, Mask, beam_search, computed_steps, mask_overrides, max_scored
 from .runner import Runner
 
 Criterion = Literal["min", "mean"]
@@ -157,10 +157,13 @@ def calibrate(
     if not samples:
         raise CalibrationError("calibration needs at least one prompt")
     results = []
+    refusal = runner.mask_refusal() if hasattr(runner, "mask_refusal") else None  # e.g. a scheduler of order 2
     for index, overrides in enumerate(candidates):
         result = CandidateResult(index, overrides)
         try:
             result.config = check_candidate(overrides, runner.num_blocks, runner.steps, base)
+            if refusal is not None and step_mask(result.config, runner.steps) is not None:
+                raise ConfigError(refusal)
         except (ConfigError, TypeError, ValueError) as exc:
             result.status, result.error = "invalid", str(exc)
             if on_reject is not None:
@@ -168,8 +171,11 @@ def calibrate(
         results.append(result)
     valid = [r for r in results if r.status != "invalid"]
     n = len(samples)
-    bar = tqdm(total=n * (1 + len(valid)), desc="calibrate", unit="image", disable=not progress, leave=False)
-    try:
+    searching = step_masks and runner.steps <= MAX_MASK_STEPS and refusal is None
+    planned_masks = max_scored(runner.steps) if searching else 0  # an upper bound: the total never grows
+    with progress_bar(
+        total=n * (1 + len(valid) + planned_masks), desc="calibrate", unit="image", disable=not progress, leave=False
+    ) as bar:
         references, reference_blocks, reference_seconds = [], [], 0.0
         for prompt, seed in samples:
             bar.set_postfix_str("uncached reference")
@@ -209,13 +215,12 @@ def calibrate(
             bar.total -= n - len(result.psnr)  # the generations an early stop saved
             bar.refresh()
 
-        if step_masks and runner.steps <= MAX_MASK_STEPS:
+        if searching:
 
             def score(mask: Mask) -> float | None:
                 result = CandidateResult(len(results), mask_overrides(mask))
                 result.config = check_candidate(result.overrides, runner.num_blocks, runner.steps)
                 results.append(result)
-                bar.total += n
                 bar.set_postfix_str(f"mask {computed_steps(mask)}")
                 for i in range(n):
                     if measure(result, i) is None:
@@ -223,7 +228,9 @@ def calibrate(
                 finish(result)
                 return result.score(criterion) if result.status == "complete" else None
 
-            beam_search(runner.steps, score, target=target_psnr)
+            scored = beam_search(runner.steps, score, target=target_psnr)
+            bar.total -= n * (planned_masks - len(scored))  # the masks the search did not reach
+            bar.refresh()
         for result in valid:
             order = sorted(range(n), key=lambda i: (hardest.get(i, math.inf), i)) if early_stop else range(n)
             bar.set_postfix_str(f"#{result.index} {result.label}"[:60])
@@ -240,8 +247,6 @@ def calibrate(
                     )
                     break
             finish(result)
-    finally:
-        bar.close()
     qualified = [r for r in results if r.meets_target]
     chosen = min(qualified, key=lambda r: (r.compute_fraction, -r.score(criterion), r.index)) if qualified else None
     return Calibration(samples, target_psnr, criterion, reference_blocks, reference_seconds, results, chosen)

@@ -20,8 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from ...blocks.families import find_family
 from ..session import CacheSession
-from .families import find_family
 
 
 class NativePipelineAdapter:

@@ -22,7 +22,13 @@ from dicache.models.krea2.scheduler import FlowMatchEulerScheduler
 from dicache.models.krea2.text import Krea2TextEncoder
 from dicache.models.krea2.transformer import Krea2Transformer
 from dicache.models.krea2.vae import QwenImageVAEDecoder
-from dicache.models.loading import CheckpointError, check_load_format, read_json, resolve_component_dir
+from dicache.models.loading import (
+    CheckpointError,
+    check_load_format,
+    hidden_packages,
+    read_json,
+    resolve_component_dir,
+)
 from dicache.quantization import QuantizationError, QuantizationSpec, quantize_text_encoder, quantize_transformer
 
 EMBEDDED_CHECKPOINT = pathlib.Path(__file__).resolve().parents[2] / "assets" / "krea2-tiny"
@@ -97,7 +103,8 @@ def load_components(
     text_source = source("tokenizer", "text_encoder")
     if _component_listed(index, "text_encoder") and _component_listed(index, "tokenizer") and text_source:
         folder = pathlib.Path(resolve_component_dir(text_source, "text_encoder", **hub_kwargs))
-        with clock.phase("imports"):  # transformers' model code: seconds, not the weights' reading
+        with clock.phase("imports"), hidden_packages("torchao"):  # as `Krea2TextEncoder.from_pretrained` imports it
+            # transformers' model code: seconds, not the weights' reading
             from transformers import AutoTokenizer, Qwen3VLModel  # noqa: F401 - the text encoder is built of them
         with clock.phase("weights", _weight_bytes(folder, load_format), "text_encoder"):
             text_encoder = Krea2TextEncoder.from_pretrained(text_source, **weights)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dicache.engine.adapters import stack_spec
+from dicache.blocks import stack_spec
 from dicache.errors import ConfigError
 from dicache.offload.estimate import (
     cache_bytes,

@@ -22,9 +22,16 @@ from collections.abc import Callable
 
 import torch
 
-from dicache.fp8_storage import compile_stored_linears
-from dicache.models.loading import CheckpointError, check_load_format, default_dtype, read_json, resolve_component_dir
+from dicache.models.loading import (
+    CheckpointError,
+    check_load_format,
+    default_dtype,
+    hidden_packages,
+    read_json,
+    resolve_component_dir,
+)
 from dicache.models.static_graphs import StaticGraphs
+from dicache.quantization.fp8_storage import compile_stored_linears
 
 KREA2_PROMPT_PREFIX = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -175,9 +182,9 @@ class Krea2TextEncoder:
 
     def compile(self, backend: str | Callable = "inductor") -> int:
         """What `pipe.compile()` does to the encoder: its FP8-stored linears' arithmetic compiled
-        (`dicache.fp8_storage.compile_stored_linears`: on CUDA the e4m3 conversion becomes one pass at memory speed)
-        and the forward replayed from CUDA graphs (`use_cuda_graphs`). Same values as eager; returns how many linears
-        were compiled (0 unless `--text-encoder-quantization fp8`)."""
+        (`dicache.quantization.fp8_storage.compile_stored_linears`: on CUDA the e4m3 conversion becomes one pass at
+        memory speed) and the forward replayed from CUDA graphs (`use_cuda_graphs`). Same values as eager; returns how
+        many linears were compiled (0 unless `--text-encoder-quantization fp8`)."""
         self.use_cuda_graphs()  # first: it refuses an attention it cannot capture before anything changes
         return compile_stored_linears(self.text_encoder, backend)
 
@@ -218,8 +225,11 @@ class Krea2TextEncoder:
         `load_format="dummy"`: random weights from `text_encoder/config.json` alone. The parts the taps never read
         are dropped after loading (`drop_untapped_parts`; their count in `dropped_parameters`).
         """
-        # transformers takes about 2 s to import: only loading a text encoder needs it
-        from transformers import AutoConfig, AutoTokenizer, Qwen3VLModel
+        # torchao, installed for --quantization, stays unimported: transformers would import it, for an integration
+        # that dicache never uses
+        with hidden_packages("torchao"):
+            # transformers takes about 2 s to import: only loading a text encoder needs it
+            from transformers import AutoConfig, AutoTokenizer, Qwen3VLModel
 
         tokenizer_dir = resolve_component_dir(path_or_repo_id, "tokenizer", **hub_kwargs)
         encoder_dir = resolve_component_dir(path_or_repo_id, "text_encoder", **hub_kwargs)

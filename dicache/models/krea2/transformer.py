@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dicache.joint_linears import linear_outputs
 from dicache.models.krea2.attention import gqa_attention, shape_free_attention
 from dicache.models.loading import CheckpointError, load_component
+from dicache.quantization.joint_linears import linear_outputs
 
 # Submodule names whose weights stay float32 when the model runs in bf16/fp16 (diffusers' `_keep_in_fp32_modules`).
 FP32_MODULE_NAMES = frozenset({"norm", "norm1", "norm2", "norm_q", "norm_k"})

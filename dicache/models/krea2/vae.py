@@ -269,12 +269,14 @@ class QwenImageVAEDecoder(nn.Module):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalised latents `(B, z_dim, h, w)` (as the transformer produces them, unpacked) -> `(B, 3, H, W)`.
 
-        Latents are cast to the module dtype, de-normalised, decoded and clamped to [-1, 1].
+        Latents are cast to the module dtype, de-normalised, decoded and clamped to [-1, 1]; a non-finite value (NaN,
+        ±inf) comes out as NaN, never clamped into range, so that a numerical failure stays visible to the caller.
         """
         if latents.ndim != 4 or latents.shape[1] != self.z_dim:
             raise ValueError(f"latents must have shape (B, {self.z_dim}, h, w); got {tuple(latents.shape)}")
         z = self.denormalize(latents.to(self.dtype))
-        return self.decoder(self.post_quant_conv(z)).clamp(-1.0, 1.0)
+        image = self.decoder(self.post_quant_conv(z))
+        return image.clamp(-1.0, 1.0).masked_fill_(~torch.isfinite(image), float("nan"))
 
     forward = decode
 

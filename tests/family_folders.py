@@ -1,0 +1,48 @@
+"""Tiny diffusers pipelines of two registered families saved as checkpoint folders with text encoders and tokenizers,
+so the commands run on them end to end: Flux.1 (true CFG, flow matching) and PixArt-Σ (batched CFG, DDIM, no sigmas).
+
+The transformers, VAEs and schedulers are `tiny_families`' cases; the text side is the one `scripts/train_flux_tiny.py`
+builds (a word-level tokenizer over the prompts, random frozen CLIP / T5 encoders from configs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import tiny_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import train_flux_tiny as flux_script  # noqa: E402 (the scripts folder is not a package)
+
+PROMPTS = ["red apple", "blue heart", "green book", "rocket", "dog face"]
+CLIP = {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+T5 = {"d_model": 32, "d_kv": 8, "d_ff": 32, "num_layers": 1, "num_heads": 2}
+
+
+def flux_folder(root: Path) -> Path:
+    """Flux.1 at 16 px (×1 VAE, 64 image tokens), true CFG 2.0, 8 steps (its dicache.json)."""
+    pipe, _ = tiny_families.flux()
+    tokenizer = flux_script.build_tokenizer(PROMPTS, flux_script.CLIP_LEN)
+    tokenizer_2 = flux_script.build_tokenizer(PROMPTS, flux_script.TEXT_LEN)
+    clip, t5 = flux_script.build_text_encoders(len(tokenizer), {"clip": CLIP, "t5": T5}, seed=1)
+    pipe.register_modules(text_encoder=clip, tokenizer=tokenizer, text_encoder_2=t5, tokenizer_2=tokenizer_2)
+    extras = {"default_size": [16, 16], "sampling": {"steps": 8, "guidance": 2.0}, "call": {"max_sequence_length": 8}}
+    folder = root / "flux-tiny-random"
+    flux_script.save_pipeline(pipe, folder, {"dicache.json": extras})
+    return folder
+
+
+def pixart_folder(root: Path) -> Path:
+    """PixArt-Σ at 16 px (×2 VAE), CFG 4.5 through `guidance_scale` (one batched call a step), 8 steps."""
+    pipe, _ = tiny_families.pixart()
+    tokenizer = flux_script.build_tokenizer(PROMPTS, 8)
+    _, t5 = flux_script.build_text_encoders(len(tokenizer), {"clip": CLIP, "t5": T5}, seed=2)
+    pipe.register_modules(text_encoder=t5, tokenizer=tokenizer)
+    extras = {
+        "default_size": [16, 16],
+        "sampling": {"steps": 8, "guidance": 4.5},
+        "call": {"max_sequence_length": 8, "clean_caption": False, "use_resolution_binning": False},
+    }
+    folder = root / "pixart-tiny-random"
+    flux_script.save_pipeline(pipe, folder, {"dicache.json": extras})
+    return folder
