@@ -302,7 +302,7 @@ def fp8_linears(model: nn.Module, names: set[str]) -> None:
     coordinate-descent tuning on, in every direction, for the whole process, so that every Triton kernel compiled
     afterwards (the blocks', the VAE decoder's at full resolution, the text encoder's) is benchmarked over many
     block sizes at its first run: minutes of a cold start and its autotuning memory, for an FP8 block no faster
-    (-0.2 %, benchmarks/RESULTS.md 2026-12-03 21:13, `probe_fp8_block_compile.py`)."""
+    (-0.2 %, benchmarks/results/archive/2026-12-03-2113-probe_fp8_block_compile.md)."""
     check_fp8_support(_device_of(model, names))
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
