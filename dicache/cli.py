@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from .errors import DicacheError
 
-SUBCOMMANDS = ("generate", "serve", "sweep", "calibrate", "config")
+SUBCOMMANDS = ("generate", "serve", "warmup", "sweep", "calibrate", "config")
 """Module names under `dicache.commands`, in the order `--help` lists them."""
 
 

@@ -55,3 +55,28 @@ def test_compiled_blocks_with_caching_do_not_recompile_after_warmup():
     assert counter.frame_count == warm
     dicache.disable(pipe)
     torch._dynamo.reset()
+
+
+def test_compiled_blocks_compile_one_graph_for_every_sequence_length():
+    """`compile_blocks()` marks the joint sequence's length symbolic from the first call (issue 41): the blocks
+    compile once for every prompt length and image size, where automatic dynamic shapes compiled the first shape
+    static and then again, symbolic; `dynamic=False` keeps a graph per shape."""
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    pipe = make_pipe()
+    pipe.transformer.compile_blocks(backend=counter)
+    generate(pipe, 2, 1.0, valid=5)
+    generate(pipe, 2, 1.0, valid=9)  # another prompt length
+    rows, cols = 8, 8
+    positions = pipe.position_ids(rows, cols, pipe.device)
+    pipe.transformer.prepare_text_lengths(positions, range(3, 12))  # other joint lengths, another image size
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+    static = CompileCounter()
+    pipe = make_pipe()
+    pipe.transformer.compile_blocks(backend=static, dynamic=False)
+    generate(pipe, 2, 1.0, valid=5)
+    generate(pipe, 2, 1.0, valid=9)
+    assert static.frame_count == 2
+    torch._dynamo.reset()

@@ -3,7 +3,10 @@ unknown or misspelt field fails), and against the server they run (its options, 
 
 - deploy/kubernetes/dicache-server.yaml: Deployment + Service of the single-process server;
 - deploy/kuberay/dicache-rayservice.yaml: KubeRay RayService (a custom resource: its head and worker pod templates
-  are validated as core PodTemplates; its serveConfigV2 is built with the same option parser as `dicache serve`).
+  are validated as core PodTemplates; its serveConfigV2 is built with the same option parser as `dicache serve`);
+- deploy/kubernetes/dicache-compile-artifacts.yaml, deploy/kuberay/dicache-warmup-job.yaml: the claim holding the
+  compile artifacts and the Jobs that write them (`dicache warmup` with the serving options), mounted read-only where
+  the servers load them (docs/startup.md).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 SERVER = DEPLOY / "kubernetes" / "dicache-server.yaml"
 RAYSERVICE = DEPLOY / "kuberay" / "dicache-rayservice.yaml"
+ARTIFACTS = DEPLOY / "kubernetes" / "dicache-compile-artifacts.yaml"
+RAY_WARMUP = DEPLOY / "kuberay" / "dicache-warmup-job.yaml"
 VERSIONS = ("1.30", kv.utils.latest_version())  # oldest Kubernetes we aim at, newest the package knows
 
 
@@ -71,6 +76,10 @@ def test_core_objects_match_the_kubernetes_schemas(version):
         kv.validate(doc, version, strict=True)
     for name, template in _ray_templates().items():
         kv.validate(_pod_template(template, name), version, strict=True)
+    artifacts = _docs(ARTIFACTS) + _docs(RAY_WARMUP)
+    assert sorted(d["kind"] for d in artifacts) == ["Job", "Job", "PersistentVolumeClaim"]
+    for doc in artifacts:
+        kv.validate(doc, version, strict=True)
 
 
 def test_the_validation_catches_a_misspelt_or_mistyped_field():
@@ -261,3 +270,83 @@ def test_ray_worker_prestop_returns_once_no_replica_runs(tmp_path):
     finally:
         replica.kill()
         replica.wait()
+
+
+# ---------------------------------------------------------------------------------------------- compile artifacts
+KEY_OPTIONS = ("ModelChoice", "DeviceOptions", "SpeedOptions", "TextEncoderOptions")
+
+
+def _key_options(args) -> dict:
+    """The option values that decide a compile artifact's key (the model, how it is loaded, quantised and compiled,
+    the default size it warms up at)."""
+    from dicache.commands.fields import values_from_args
+    from dicache.models import options
+    from dicache.server.settings import ServerProcessOptions
+
+    values = {name: values_from_args(args, getattr(options, name)) for name in KEY_OPTIONS}
+    values["default_size"] = values_from_args(args, ServerProcessOptions, only=("default_size",))
+    return values
+
+
+def _warmup_args(container: dict):
+    import argparse
+
+    from dicache.commands import warmup
+
+    assert container["command"][:2] == ["dicache", "warmup"]
+    parser = argparse.ArgumentParser(prog="dicache warmup", allow_abbrev=False)
+    warmup.add_arguments(parser)
+    return parser.parse_args(container["command"][2:])
+
+
+def _mount(pod_spec: dict, container: dict, path: str) -> tuple[dict, dict]:
+    """The volume mount at `path` and its volume."""
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+    (volume,) = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
+    return mount, volume
+
+
+def test_the_warmup_job_writes_the_artifact_the_serving_pods_load():
+    claim = _kind(_docs(ARTIFACTS), "PersistentVolumeClaim")
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]  # written by the Job, read by pods on every node
+    job = _kind(_docs(ARTIFACTS), "Job")["spec"]["template"]
+    (writer,) = job["spec"]["containers"]
+    deployment = _kind(_docs(SERVER), "Deployment")["spec"]["template"]
+    (server,) = deployment["spec"]["containers"]
+    served, warmed = parse_serve_argv(server["command"][2:]), _warmup_args(writer)
+    assert _key_options(warmed) == _key_options(served)  # the same key: the same model, quantization, compile
+    assert served.compile and served.compile_artifact
+    assert writer["image"] == server["image"]
+    assert job["spec"]["nodeSelector"] == deployment["spec"]["nodeSelector"]  # the same GPU type
+    assert int(writer["resources"]["limits"]["nvidia.com/gpu"]) == 1
+
+    mount, volume = _mount(job["spec"], writer, warmed.compile_artifact)
+    assert (
+        not mount.get("readOnly", False) and volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    )
+    mount, volume = _mount(deployment["spec"], server, served.compile_artifact)
+    assert mount["readOnly"] and volume["persistentVolumeClaim"]["readOnly"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    _assert_compile_cache_on_a_writable_volume(job["spec"], writer)  # the artifact is unpacked there
+
+
+def test_the_ray_replicas_load_the_artifact_of_their_own_warmup_job():
+    rayservice = yaml.safe_load(RAYSERVICE.read_text())
+    (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    replica_args = parse_serve_argv(args_to_argv(app["args"]))
+    spec, _ = replica_from_options(app["args"])
+    assert spec.compile and spec.compile_artifact == replica_args.compile_artifact
+    job = _kind(_docs(RAY_WARMUP), "Job")["spec"]["template"]
+    (writer,) = job["spec"]["containers"]
+    warmed = _warmup_args(writer)
+    assert _key_options(warmed) == _key_options(replica_args)
+    assert warmed.text_encoder_quantization == "none"  # not supported on Ray replicas: not in their key either
+    claim = _kind(_docs(ARTIFACTS), "PersistentVolumeClaim")["metadata"]["name"]
+    mount, volume = _mount(job["spec"], writer, warmed.compile_artifact)
+    assert not mount.get("readOnly", False) and volume["persistentVolumeClaim"]["claimName"] == claim
+    (group,) = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    pod_spec = group["template"]["spec"]
+    (worker,) = pod_spec["containers"]
+    assert worker["image"] == writer["image"] and pod_spec["nodeSelector"] == job["spec"]["nodeSelector"]
+    mount, volume = _mount(pod_spec, worker, spec.compile_artifact)
+    assert mount["readOnly"] and volume["persistentVolumeClaim"] == {"claimName": claim, "readOnly": True}

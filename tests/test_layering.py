@@ -54,6 +54,7 @@ OPTIONAL = {
     "starlette": "serve",
     "uvicorn": "serve",
     "prometheus_client": "serve",
+    "pynvml": "serve",
     "ray": "ray",
     "matplotlib": "report",
     "yaml": "report",

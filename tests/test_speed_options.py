@@ -174,3 +174,21 @@ def test_compile_takes_the_vae_decoder_too():
     other = Krea2Pipeline.from_pretrained().compile(backend="eager", vae=False)
     assert other.vae.decoder._compiled_call_impl is None
     torch._dynamo.reset()
+
+
+def test_fp8_leaves_torch_compile_settings_alone(monkeypatch):
+    """torchao's FP8 config would turn inductor's coordinate-descent tuning on for the whole process (issue 41: a
+    slower, hungrier cold compile for no faster block); `fp8_linears` asks it not to. The GPU check is stubbed: what
+    is tested is the config handed to torchao and the process's settings after."""
+    pytest.importorskip("torchao")
+    import dicache.quantization.weights as quantization
+
+    seen = []
+    monkeypatch.setattr(quantization, "check_fp8_support", lambda device: None)
+    monkeypatch.setattr(quantization, "_quantize_linears", lambda model, names, config: seen.append(config))
+    inductor = torch._inductor.config
+    before = (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions)
+    quantization.fp8_linears(torch.nn.Sequential(torch.nn.Linear(32, 32)), {"0"})
+    (config,) = seen
+    assert config.set_inductor_config is False
+    assert (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions) == before

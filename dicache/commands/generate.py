@@ -17,6 +17,7 @@ import torch
 
 from .. import api
 from ..errors import ConfigError, NonFiniteOutputError
+from ..models.compile_artifact import load_artifact, save_artifact
 from ..models.families import call_kwargs, is_family_model, load_family_model, pipeline_class
 from ..models.krea2.checkpoints import resolve_model
 from ..models.krea2.latents import FINITE_PLACES, check_finite, finite_per_image, pil_images
@@ -29,7 +30,13 @@ from ..settings.profiles import cache_config, describe_profile, profile_source
 from .fields import add_options
 from .memory import add_offload_arguments, cfg_of, describe, offload_settings
 from .shared import add_parallel_arguments, add_profile_argument
-from .speed import add_speed_arguments, apply_speed_options, speed_spec
+from .speed import (
+    add_speed_arguments,
+    apply_speed_options,
+    compile_artifact_store,
+    speed_spec,
+    text_encoder_quantization,
+)
 
 HELP = (
     "generate images with Krea-2 (default: the embedded checkpoint) or a diffusers pipeline of a registered family "
@@ -93,6 +100,24 @@ def check_size(pipe: Krea2Pipeline, args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag}={value} is invalid: must be a multiple of {multiple} px for {pipe.source}")
 
 
+def request_shapes(pipe: Krea2Pipeline, args: argparse.Namespace, ctx, use_cache: bool) -> dict:
+    """What this command's one call compiles for (the compile artifact's key, `Krea2Pipeline.compile_key`): the
+    size (the checkpoint's default when not given), steps, guidance, variant, prompts, images per prompt, whether
+    the cache is on (its hooks run between the compiled blocks) and the processes the model is split over."""
+    height, width = pipe.default_size
+    return {
+        "size": [args.width or width, args.height or height],
+        "steps": args.steps,
+        "guidance": args.guidance,
+        "variant": args.variant,
+        "negative_prompt": args.negative_prompt is not None,
+        "prompts": len(args.prompt),
+        "images": args.num_images,
+        "cache": use_cache,
+        "ranks": ctx.world_size if ctx.enabled else 1,
+    }
+
+
 def write_finite_images(
     latents: torch.Tensor | None, images: torch.Tensor, paths: list[pathlib.Path]
 ) -> NonFiniteOutputError | None:
@@ -151,6 +176,7 @@ KREA2_ONLY = {
     "quantization": "none",
     "quantization_exclude": None,
     "compile": False,
+    "compile_artifact": None,
     "load_format": "auto",
     "text_encoder_quantization": "none",
 }
@@ -244,12 +270,14 @@ def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
         cfg=cfg_of(args.guidance, args.variant),
         size_source=" (--height, --width, --num-images)",
     )
+    at_load = offload.any or not ctx.enabled  # a split model is quantised after the split: each shard its scales
     # with offload, loading quantizes, plans and places, then compiles, in that order
     pipe = Krea2Pipeline.from_pretrained(
         resolve_model(args.model, args.variant),
         device=ctx.device,
         load_format=args.load_format,
-        quantization=speed_spec(args) if offload.any else None,
+        quantization=speed_spec(args) if at_load else None,
+        text_encoder_quantization=text_encoder_quantization(args) if at_load else None,
         compile=args.compile and offload.any,
         offload_settings=offload,
         offload_limits=limits,
@@ -263,6 +291,9 @@ def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
         apply_speed_options(pipe, args)
     if use_cache:
         api.enable(pipe, config)
+    store = compile_artifact_store(args)
+    key = pipe.compile_key(request_shapes(pipe, args, ctx, use_cache)) if store is not None else None
+    loaded = load_artifact(store, key) if key is not None else None
     start = time.perf_counter()
     out = pipe(
         args.prompt,
@@ -277,6 +308,8 @@ def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
         output_type="pt" if ctx.is_output_rank else "latent",
     )
     seconds = time.perf_counter() - start
+    if key is not None and loaded.status != "loaded":
+        save_artifact(store, key, {"generate_s": round(seconds, 2)})
     if not ctx.is_output_rank:
         return 0
     paths = output_paths(args.out, len(out.images))

@@ -1,8 +1,8 @@
 """Loading and speed options shared by `dicache generate` and `dicache serve`: `--load-format`,
-`--quantization fp8`, `--text-encoder-quantization fp8` and `--compile`.
+`--quantization fp8`, `--text-encoder-quantization fp8`, `--compile` and `--compile-artifact`.
 
-Quantization and compilation apply to a loaded (and, under torchrun, already split) pipeline in this order:
-quantize, then compile.
+Quantization happens while loading (each block as it is read) for a model in one process; a model split over
+processes (torchrun) is loaded unquantised, split, then quantised. Compilation comes after quantization.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..models.compile_artifact import artifact_store
 from ..models.options import SpeedOptions, TextEncoderOptions
 from ..offload.settings import OffloadSettings
 from ..quantization import QuantizationError, parse_quantization
@@ -40,12 +41,21 @@ def text_encoder_quantization(args: argparse.Namespace) -> str | None:
 
 
 def apply_speed_options(pipe: Any, args: argparse.Namespace) -> None:
-    """Quantize (if asked: the transformer, then the text encoder), then compile (if asked) `pipe` in place."""
+    """Quantize what loading did not quantize (if asked: the transformer, then the text encoder), then compile (if
+    asked) `pipe` in place."""
     spec = speed_spec(args)
-    if spec is not None:
+    if spec is not None and getattr(getattr(pipe, "transformer", None), "quantization", None) is None:
         pipe.quantize(spec)
     method = text_encoder_quantization(args)
-    if method is not None:
+    if method is not None and getattr(pipe, "text_encoder_quantization", None) is None:
         pipe.quantize_text_encoder(method)
     if getattr(args, "compile", False):
         pipe.compile()
+
+
+def compile_artifact_store(args: argparse.Namespace) -> Any:
+    """The compile-artifact store of `args` (`--compile-artifact`, else `DICACHE_COMPILE_ARTIFACT`) when `--compile`
+    is given, else None."""
+    if not getattr(args, "compile", False):
+        return None
+    return artifact_store(getattr(args, "compile_artifact", None))

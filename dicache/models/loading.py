@@ -15,12 +15,12 @@ import json
 import os
 import pathlib
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from dicache.errors import DicacheError
+from dicache.models.tensor_files import TensorFileError, read_header, read_tensor_files
 
 WEIGHT_FILE_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
 _MAX_LISTED = 8  # how many offending keys an error message lists before summarising
@@ -142,6 +142,8 @@ def materialize_random(
     device: torch.device | str,
     dtype: torch.dtype,
     keep_fp32: Callable[[str], bool] | None = None,
+    parts: Sequence[str] = (),
+    on_part: Callable[[torch.nn.Module, str], None] | None = None,
 ) -> torch.nn.Module:
     """Give a module built on the meta device random weights on `device`, without a float32 copy of the whole.
 
@@ -151,26 +153,40 @@ def materialize_random(
     true (its scale is `1 + weight`); other vectors (biases, tables) zero. Deterministic (seed 0). Zero gains made
     every normalised activation zero, so the model computed on zeros: faster than on real data (a GPU at its power
     limit clocks higher) and, through FP8's per-row scales, NaN.
+
+    `parts` (submodule names, e.g. each transformer block) are allocated one at a time and each is handed to
+    `on_part(module, name)` as soon as it is drawn (e.g. to quantise it before the next one exists); the values are
+    the same as without `parts`.
     """
     for name, param in module.named_parameters():
         if param.is_floating_point():
             target = torch.float32 if keep_fp32 is not None and keep_fp32(name) else dtype
             param.data = param.data.to(target)
-    module.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     done: set[int] = set()
-    for owner in module.modules():
-        for name, param in owner.named_parameters(recurse=False):
+    groups = set(parts)
+    current: str | None = None
+    for name, owner in module.named_modules():
+        if current is not None and not name.startswith(current + "."):
+            if on_part is not None:
+                on_part(module, current)
+            current = None
+        if current is None and name in groups:
+            current = name
+        owner.to_empty(device=device, recurse=False)
+        for param_name, param in owner.named_parameters(recurse=False):
             if not param.is_floating_point() or id(param) in done:
                 continue
             done.add(id(param))
             if param.dim() >= 2:
                 fan_in = param[0].numel()
                 param.normal_(0.0, fan_in**-0.5, generator=generator)
-            elif is_norm_gain(owner, name):
+            elif is_norm_gain(owner, param_name):
                 param.fill_(0.0 if getattr(owner, "zero_centred_gain", False) else 1.0)
             else:
                 param.zero_()
+    if current is not None and on_part is not None:
+        on_part(module, current)
     return module
 
 
@@ -189,24 +205,52 @@ def load_state_dict_files(
     """Load every tensor of the safetensors checkpoint in `directory` onto `device`.
 
     Layouts: one `*.safetensors` file, or shards listed by a `*.safetensors.index.json` (`weight_map`: key -> shard).
-    Tensors are read one at a time straight onto `device` (no full host-memory copy of the model). Floating tensors
-    are cast to `dtype` (None: keep the stored dtype); keys for which `keep_fp32(key)` is true become float32.
+    Tensors are read straight onto `device`, the shards in parallel (`tensor_files.read_tensor_files`: no host-memory
+    copy of the model). Floating tensors are cast to `dtype` (None: keep the stored dtype); keys for which
+    `keep_fp32(key)` is true become float32.
     """
     directory = pathlib.Path(directory)
-    state_dict: dict[str, torch.Tensor] = {}
-    for file, expected_keys in _weight_files(directory):
-        loaded = _read_safetensors(file, device, dtype, keep_fp32)
-        missing = sorted(set(expected_keys) - loaded.keys())
+    files = _weight_files(directory)
+    _check_shards(directory, files)
+    return dict(_read_tensors(files, device, dtype, keep_fp32))
+
+
+def _check_shards(directory: pathlib.Path, files: list[tuple[pathlib.Path, list[str]]]) -> dict[str, tuple]:
+    """Every shard's keys against its index entry and against the other shards (from the headers alone); returns
+    {key: shape} of the whole checkpoint."""
+    shapes: dict[str, tuple] = {}
+    for file, expected_keys in files:
+        try:
+            entries = read_header(file)
+        except (TensorFileError, OSError) as err:
+            raise CheckpointError(f"cannot read {file}: {err}") from err
+        found = {e.key: e.shape for e in entries}
+        missing = sorted(set(expected_keys) - found.keys())
         if missing:
             raise CheckpointError(
                 f"shard {file} lacks {len(missing)} key(s) its index lists, e.g. {_listing(missing)}"
                 f" (index in {directory})"
             )
-        duplicates = sorted(loaded.keys() & state_dict.keys())
+        duplicates = sorted(found.keys() & shapes.keys())
         if duplicates:
             raise CheckpointError(f"key(s) {_listing(duplicates)} appear in more than one shard in {directory}")
-        state_dict.update(loaded)
-    return state_dict
+        shapes.update(found)
+    return shapes
+
+
+def _read_tensors(
+    files: list[tuple[pathlib.Path, list[str]]],
+    device: torch.device | str,
+    dtype: torch.dtype | None,
+    keep_fp32: Callable[[str], bool] | None,
+):
+    def cast(key: str, stored: torch.dtype) -> torch.dtype | None:
+        return torch.float32 if keep_fp32 is not None and keep_fp32(key) else dtype
+
+    try:
+        yield from read_tensor_files([file for file, _ in files], device, cast)
+    except (TensorFileError, OSError) as err:
+        raise CheckpointError(f"cannot read the checkpoint: {err}") from err
 
 
 def load_into_module(
@@ -225,31 +269,83 @@ def load_into_module(
     state_dict = (
         {k: v for k, v in state_dict.items() if not k.startswith(ignore_prefixes)} if ignore_prefixes else state_dict
     )
+    check_keys(module, {key: tuple(t.shape) for key, t in state_dict.items()}, source)
+    module.load_state_dict(state_dict, strict=True, assign=True)
+    _check_nothing_on_meta(module, source)
+
+
+def check_keys(module: torch.nn.Module, shapes: dict[str, tuple], source: str) -> None:
+    """`CheckpointError` unless the checkpoint's keys and shapes (`shapes`) are exactly `module`'s state dict's."""
     expected = module.state_dict(keep_vars=True)
     problems = []
-    unknown = sorted(state_dict.keys() - expected.keys())
+    unknown = sorted(shapes.keys() - expected.keys())
     if unknown:
         problems.append(f"unknown key(s) not in {type(module).__name__}: {_listing(unknown)}")
-    missing = sorted(expected.keys() - state_dict.keys())
+    missing = sorted(expected.keys() - shapes.keys())
     if missing:
         problems.append(f"missing key(s): {_listing(missing)}")
     mismatched = [
-        f"{key} (expected {tuple(expected[key].shape)}, found {tuple(state_dict[key].shape)})"
-        for key in sorted(expected.keys() & state_dict.keys())
-        if expected[key].shape != state_dict[key].shape
+        f"{key} (expected {tuple(expected[key].shape)}, found {tuple(shapes[key])})"
+        for key in sorted(expected.keys() & shapes.keys())
+        if tuple(expected[key].shape) != tuple(shapes[key])
     ]
     if mismatched:
         problems.append(f"wrong shape: {_listing(mismatched)}")
     if problems:
         raise CheckpointError(f"checkpoint {source} does not match {type(module).__name__}: " + "; ".join(problems))
 
-    module.load_state_dict(state_dict, strict=True, assign=True)
+
+def _check_nothing_on_meta(module: torch.nn.Module, source: str) -> None:
     still_meta = [name for name, t in _named_tensors(module) if t.is_meta]
     if still_meta:
         raise CheckpointError(
             f"after loading {source}, {type(module).__name__} still has tensors on the meta device "
             f"(not stored in the checkpoint): {_listing(still_meta)}"
         )
+
+
+def load_streamed(
+    module: torch.nn.Module,
+    directory: pathlib.Path,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype | None,
+    keep_fp32: Callable[[str], bool] | None = None,
+    parts: Sequence[str] = (),
+    on_part: Callable[[torch.nn.Module, str], None] | None = None,
+) -> None:
+    """Fill `module` (built on the meta device) with the checkpoint in `directory` as it is read: keys and shapes
+    are checked against the module from the files' headers first (`check_keys`), then each tensor is placed as soon
+    as it arrives (`load_state_dict_files`' reading, parallel over shards). Each submodule named in `parts` is
+    handed to `on_part(module, name)` once all of its weights are in place, while the rest is still being read; so
+    at most the parts in flight exist in the checkpoint's precision besides what `on_part` made of the others."""
+    files = _weight_files(directory)
+    check_keys(module, _check_shards(directory, files), str(directory))
+    owner: dict[str, str] = {}
+    needed: dict[str, int] = {}
+    expected = module.state_dict(keep_vars=True)
+    for part in parts:
+        keys = [key for key in expected if key.startswith(part + ".")]
+        owner.update(dict.fromkeys(keys, part))
+        needed[part] = len(keys)
+    pending: dict[str, dict[str, torch.Tensor]] = {part: {} for part in parts}
+    rest: dict[str, torch.Tensor] = {}
+    for key, tensor in _read_tensors(files, device, dtype, keep_fp32):
+        part = owner.get(key)
+        if part is None:
+            rest[key] = tensor
+            continue
+        pending[part][key[len(part) + 1 :]] = tensor
+        if len(pending[part]) == needed[part]:
+            module.get_submodule(part).load_state_dict(pending.pop(part), strict=True, assign=True)
+            if on_part is not None:
+                on_part(module, part)
+    for part in [p for p, tensors in pending.items() if needed[p] == 0]:  # a part without weights
+        pending.pop(part)
+        if on_part is not None:
+            on_part(module, part)
+    module.load_state_dict(rest, strict=False, assign=True)
+    _check_nothing_on_meta(module, str(directory))
 
 
 def load_component(
@@ -262,15 +358,19 @@ def load_component(
     load_format: str = "auto",
     keep_fp32: Callable[[str], bool] | None = None,
     load_weights: Callable[[torch.nn.Module, dict[str, torch.Tensor], str], None] | None = None,
+    parts: Sequence[str] | Callable[[torch.nn.Module], Sequence[str]] = (),
+    on_part: Callable[[torch.nn.Module, str], None] | None = None,
     **hub_kwargs,
 ) -> torch.nn.Module:
     """Build one component from its folder's `config.json` and fill it with its safetensors weights; eval mode.
 
     `build(config, directory)` makes the module from the parsed `config.json` (it runs on the meta device and raises
     `CheckpointError` for a bad config). The weights are then read straight onto `device` (default CPU) as `dtype`
-    (default: `default_dtype(device)`), float32 where `keep_fp32(key)`, and given to `load_weights(module,
-    state_dict, source)` (default: `load_into_module`, strict). `load_format="dummy"`: random weights instead
-    (`materialize_random`). `hub_kwargs` go to `resolve_component_dir`.
+    (default: `default_dtype(device)`), float32 where `keep_fp32(key)`, and placed as they arrive (`load_streamed`),
+    or, with `load_weights`, given whole to `load_weights(module, state_dict, source)`. `parts` / `on_part`: each
+    submodule named in `parts` (or in `parts(module)`) is handed to `on_part(module, name)` as soon as its weights
+    are in place (not with `load_weights`). `load_format="dummy"`: random weights instead (`materialize_random`,
+    part by part too). `hub_kwargs` go to `resolve_component_dir`.
     """
     directory = resolve_component_dir(path_or_repo_id, subfolder, **hub_kwargs)
     device = torch.device(device if device is not None else "cpu")
@@ -278,13 +378,19 @@ def load_component(
     config = read_json(directory, "config.json")
     with torch.device("meta"):
         model = build(config, directory)
+    if callable(parts):
+        parts = parts(model)
     if check_load_format(load_format) == "dummy":
-        return materialize_random(model, device=device, dtype=dtype, keep_fp32=keep_fp32).eval()
-    state_dict = load_state_dict_files(directory, device=device, dtype=dtype, keep_fp32=keep_fp32)
+        materialize_random(model, device=device, dtype=dtype, keep_fp32=keep_fp32, parts=parts, on_part=on_part)
+        return model.eval()
     if load_weights is None:
-        load_into_module(model, state_dict, source=str(directory))
+        load_streamed(model, directory, device=device, dtype=dtype, keep_fp32=keep_fp32, parts=parts, on_part=on_part)
     else:
-        load_weights(model, state_dict, str(directory))
+        if parts:
+            raise ValueError("load_component: parts / on_part need the default load_weights")
+        load_weights(
+            model, load_state_dict_files(directory, device=device, dtype=dtype, keep_fp32=keep_fp32), str(directory)
+        )
     return model.eval()
 
 
@@ -338,28 +444,6 @@ def _weight_files(directory: pathlib.Path) -> list[tuple[pathlib.Path, list[str]
     raise CheckpointError(
         f"no weights in {directory}: expected {' or '.join(WEIGHT_FILE_NAMES)} or a *.safetensors.index.json{hint}"
     )
-
-
-def _read_safetensors(
-    file: pathlib.Path,
-    device: torch.device | str,
-    dtype: torch.dtype | None,
-    keep_fp32: Callable[[str], bool] | None,
-) -> dict[str, torch.Tensor]:
-    device = torch.device(device)
-    tensors = {}
-    try:
-        with safe_open(os.fspath(file), framework="pt", device=str(device)) as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                tensor = handle.get_tensor(key)
-                if tensor.is_floating_point():
-                    target = torch.float32 if keep_fp32 is not None and keep_fp32(key) else dtype
-                    if target is not None and tensor.dtype != target:
-                        tensor = tensor.to(target)
-                tensors[key] = tensor
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"cannot read {file}: {err}") from err
-    return tensors
 
 
 def _named_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 
 from ..quantization import LAYER_GROUPS, NO_EXCLUSIONS, QUANTIZATION_METHODS, TEXT_ENCODER_QUANTIZATION_METHODS
 from ..settings.options import FlagOptions, option
+from .compile_artifact import ARTIFACT_ENV
 from .loading import LOAD_FORMATS
 
 
@@ -76,6 +77,16 @@ class SpeedOptions(FlagOptions):
         help="torch.compile the transformer blocks and the VAE decoder, and on a GPU replay the text encoder from CUDA "
         "graphs (the first generation at a new shape compiles; `dicache serve` does that at start-up for its default "
         "size)",
+    )
+    compile_artifact: str | None = option(
+        None,
+        flag="--compile-artifact",
+        metavar="PATH",
+        default_text=f"{ARTIFACT_ENV}, else none",
+        help="with --compile: a folder of compile artifacts (docs/startup.md). The one made for this model, GPU, "
+        "software, quantization and shapes is loaded before compiling, so nothing in it is compiled again; if there "
+        "is none, the compiled code is saved there afterwards (when the folder is writable). Write one with "
+        "`dicache warmup`",
     )
 
 

@@ -24,7 +24,7 @@ The text encoder (`quantize_text_encoder`) stores its decoder-layer weights in F
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -199,20 +199,29 @@ def check_fp8_support(device: torch.device | str) -> None:
     _import_torchao("quantization='fp8'")
 
 
-def quantize_transformer(model: nn.Module, spec: QuantizationSpec | str) -> list[str]:
+def quantize_transformer(
+    model: nn.Module, spec: QuantizationSpec | str, *, only: Callable[[str], bool] | None = None
+) -> list[str]:
     """Quantise `model`'s selected linears in place; returns their qualified names.
 
     The model must already sit on its CUDA device in bf16 (after any tensor-parallel split, so that each shard gets
-    its own scales). Call before `torch.compile`.
+    its own scales). Call before `torch.compile`. `only(name)`: quantise (and join) just the selected linears it
+    accepts, e.g. one block read while the next ones are still on the meta device (`Krea2Pipeline.from_pretrained`
+    quantises each block as it is read); the selection and the joins are the whole model's, so quantising part by
+    part gives the same model as at once. With `only`, selecting nothing is not an error.
     """
     if isinstance(spec, str):
         spec = QuantizationSpec(method=spec)
-    names = set(selected_linears(model, spec))
+    keep = only if only is not None else (lambda name: True)
+    names = {name for name in selected_linears(model, spec) if keep(name)}
     if not names:
+        if only is not None:
+            return []
         raise QuantizationError(f"quantization={spec.method!r}: the include/exclude patterns select no linear")
     chosen = set(names)
     if spec.join_projections:  # the scope: what the include patterns select, exclusions aside
-        chosen = join_selected(model, chosen, set(selected_linears(model, replace(spec, exclude=()))))
+        scope = {name for name in selected_linears(model, replace(spec, exclude=())) if keep(name)}
+        chosen = join_selected(model, chosen, scope)
     if spec.method == "int8":
         int8_linears(model, chosen)
     else:
@@ -287,11 +296,19 @@ floor are scaled exactly as before."""
 
 
 def fp8_linears(model: nn.Module, names: set[str]) -> None:
-    """torchao's dynamic FP8 (module docstring) on the linears of `model` named in `names`, in place."""
-    check_fp8_support(next(model.parameters()).device)
+    """torchao's dynamic FP8 (module docstring) on the linears of `model` named in `names`, in place.
+
+    torch.compile's settings are left alone: torchao's default (`set_inductor_config=True`) turns inductor's
+    coordinate-descent tuning on, in every direction, for the whole process, so that every Triton kernel compiled
+    afterwards (the blocks', the VAE decoder's at full resolution, the text encoder's) is benchmarked over many
+    block sizes at its first run: minutes of a cold start and its autotuning memory, for an FP8 block no faster
+    (-0.2 %, benchmarks/results/archive/2026-12-03-2113-probe_fp8_block_compile.md)."""
+    check_fp8_support(_device_of(model, names))
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=FP8_ACTIVATION_FLOOR)
+    config = Float8DynamicActivationFloat8WeightConfig(
+        granularity=PerRow(), activation_value_lb=FP8_ACTIVATION_FLOOR, set_inductor_config=False
+    )
     _quantize_linears(model, names, config)
 
 
@@ -319,12 +336,20 @@ def int8_linears(model: nn.Module, names: set[str]) -> None:
     with one scale per output channel, activations quantised per row at run time (an all-zero row gets torchao's
     smallest scale and stays zeros), products accumulated in int32 and rescaled to the input dtype. torch.compile's
     settings are left alone (torchao would otherwise turn on its slower-compiling tuning for the whole process)."""
-    check_int8_support(next(model.parameters()).device)
+    check_int8_support(_device_of(model, names))
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, PerRow
 
     _quantize_linears(
         model, names, Int8DynamicActivationInt8WeightConfig(granularity=PerRow(), set_inductor_config=False)
     )
+
+
+def _device_of(model: nn.Module, names: set[str]) -> torch.device:
+    """Where the linears `names` of `model` keep their weights (the first of them, in module order)."""
+    for name, module in model.named_modules():
+        if name in names:
+            return module.weight.device
+    return next(model.parameters()).device
 
 
 def _quantize_linears(model: nn.Module, names: set[str], config) -> None:
@@ -333,5 +358,5 @@ def _quantize_linears(model: nn.Module, names: set[str], config) -> None:
     from torchao.quantization import quantize_
 
     quantize_(model, config, filter_fn=lambda module, fqn: fqn in names)
-    if next(model.parameters()).is_cuda:
+    if _device_of(model, names).type == "cuda":
         torch.cuda.empty_cache()  # the bf16 weights just replaced stay reserved by the caching allocator otherwise

@@ -107,6 +107,9 @@ def create_app(
     metrics = metrics or ServerMetrics()
     GC_PAUSES.install()
     metrics.set_model_info(model_info(backend, settings))
+    device = getattr(getattr(backend, "pipe", None), "device", None)  # a torch.device
+    if getattr(device, "type", None) == "cuda":
+        metrics.watch_gpus([device])
     started = int(time.time())
 
     queue = JobQueue(
@@ -236,7 +239,8 @@ def create_app(
     @app.get(
         "/v1/server_info",
         responses=responses(settings, "/v1/server_info", (503,)),
-        summary="Queue state, limits, the start-up cache settings and the GPU memory breakdown (API key if set)",
+        summary="Queue state, limits, the start-up cache settings, the GPU memory breakdown and the start-up's phases "
+        "(API key if set)",
     )
     async def server_info() -> dict[str, Any]:
         return {
@@ -258,6 +262,7 @@ def create_app(
             },
             "memory": memory_breakdown(getattr(backend, "pipe", None)),
             "gc": GC_PAUSES.snapshot(),
+            "startup": getattr(backend, "startup", None),
         }
 
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too

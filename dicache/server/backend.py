@@ -32,6 +32,7 @@ import contextvars
 import gc
 import hashlib
 import io
+import os
 import threading
 import time
 import traceback
@@ -47,6 +48,14 @@ from PIL import Image
 from .. import api as dicache_api
 from ..engine.reduction import PARALLEL_LAYOUT_ATTR
 from ..engine.stats import RequestStats
+from ..models.compile_artifact import (
+    ArtifactKey,
+    compile_counters,
+    compile_event_count,
+    compile_events,
+    load_artifact,
+    save_artifact,
+)
 from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import resolve_model
 from ..models.krea2.latents import check_finite, finite_per_image
@@ -60,6 +69,7 @@ from .gc_pauses import freeze_start_up_objects
 from .generation import Defaults, GenerationSpec
 from .memory import release_cached_memory
 from .stages import GenerationStages, inline
+from .startup import StartupTimeline
 from .stop_points import install_stop_points
 
 
@@ -354,17 +364,20 @@ class PipelineBackend:
         except (ValueError, TypeError):
             return None
 
-    def warm_up(self, steps: int = 6) -> dict[str, Any]:
+    WARM_UP_STEPS = 6
+    WARM_UP_PROMPTS = ("warm-up", "a longer warm-up prompt, so that the text length differs from the first one")
+
+    def warm_up(self, steps: int = WARM_UP_STEPS) -> dict[str, Any]:
         """Compile-time warm-up before serving: at the default size, one uncached and one cached generation of
         each variant, with prompts of two lengths, so that every graph a request can need (computed and cached
         steps, cond and uncond, a symbolic text length) is built before the first request. Returns what ran:
-        generations, seconds and graphs compiled."""
+        generations, seconds, torch.compile's counters over the warm-up (graphs compiled, compile-cache hits and
+        misses: `compile_artifact.compile_counters`) and each compiled frame's seconds (`compile_events`)."""
         start = time.perf_counter()
-        graphs = _compiled_graphs()
+        before, events = compile_counters(), compile_event_count()
         runs = 0
-        prompts = ("warm-up", "a longer warm-up prompt, so that the text length differs from the first one")
         for variant, preset in PRESETS.items():
-            for prompt, enable_cache in zip(prompts, (False, True)):
+            for prompt, enable_cache in zip(self.WARM_UP_PROMPTS, (False, True)):
                 spec = GenerationSpec(
                     prompt=prompt,
                     negative_prompt=None,
@@ -382,11 +395,31 @@ class PipelineBackend:
                 self.generate(spec)
                 runs += 1
         release_cached_memory(self.pipe.device)  # the warm-up's Raw requests need more than a Turbo server keeps
+        after = compile_counters()
         return {
             "generations": runs,
             "seconds": round(time.perf_counter() - start, 2),
-            "graphs_compiled": _compiled_graphs() - graphs,
+            "graphs_compiled": after["graphs"] - before["graphs"],
+            "compile_caches": {name: after[name] - before[name] for name in after if name != "graphs"},
+            "compiles": compile_events(events),
         }
+
+    def warm_up_shapes(self, steps: int = WARM_UP_STEPS) -> dict[str, Any]:
+        """What `warm_up` compiles for, as the compile artifact's key takes it (`Krea2Pipeline.compile_key`): the
+        default size, steps, variants (steps are the warm-up's, guidance the presets'), prompts and images per
+        request, and the processes the model is split over."""
+        return {
+            "size": [self.defaults.width, self.defaults.height],
+            "steps": steps,
+            "guidance": {variant: float(preset.guidance_scale) for variant, preset in PRESETS.items()},
+            "prompt_lengths": len(self.WARM_UP_PROMPTS),
+            "images": 1,
+            "ranks": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+        }
+
+    def compile_key(self) -> ArtifactKey:
+        """The key of this backend's compile artifact: the pipeline's (`compile_key`) for `warm_up_shapes`."""
+        return self.pipe.compile_key(self.warm_up_shapes())
 
     def prepare_text_lengths(self) -> dict[str, Any]:
         """Before serving, on the denoise phase's thread: every prompt length met once at the default size
@@ -447,13 +480,6 @@ def prepare_compiled_thread(pipe: Any) -> None:
         apply()
 
 
-def _compiled_graphs() -> int:
-    """Graphs torch.compile has built in this process so far (dynamo's counter)."""
-    from torch._dynamo.utils import counters  # seconds to import: only a compiled warm-up counts graphs
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 def _check_stop() -> None:
     """Raise `GenerationStopped` if this worker's current generation should stop."""
     should_stop = _should_stop.get()
@@ -497,6 +523,7 @@ def load_backend(
     offload: OffloadSettings | None = None,
     offload_limits: OffloadLimits | None = None,
     quantization: Any = None,
+    text_encoder_quantization: str | None = None,
     compile: bool = False,
 ) -> PipelineBackend:
     """Load the native Krea-2 pipeline (`model` None: the embedded checkpoint, its Turbo student for `variant`
@@ -504,8 +531,9 @@ def load_backend(
     enable caching with `cache_config` (None: the environment's, `SGLANG_CACHE_DIT_*` over the settings profile
     `profile`, default `SGLANG_CACHE_DIT_PROFILE`'s). Every request starts from these settings; its
     `cache_dit_params` merge over them. `offload` / `offload_limits`: the memory options and the largest request
-    their plan holds. `quantization` / `compile` are applied while loading, in `Krea2Pipeline.from_pretrained`'s order:
-    quantize, plan and place (with offload), compile."""
+    their plan holds. `quantization` / `text_encoder_quantization` / `compile` are applied while loading, in
+    `Krea2Pipeline.from_pretrained`'s order: quantize (each block as it is read), plan and place (with offload),
+    compile."""
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
@@ -524,6 +552,7 @@ def load_backend(
         device=device,
         load_format=load_format,
         quantization=quantization,
+        text_encoder_quantization=text_encoder_quantization,
         compile=compile,
         offload_settings=offload,
         offload_limits=offload_limits,
@@ -534,19 +563,50 @@ def load_backend(
 
 
 def ready_to_serve(
-    backend: PipelineBackend, *, warm_up: bool, prepare_text_lengths: bool, report: Callable[[str], None]
+    backend: PipelineBackend,
+    *,
+    warm_up: bool,
+    prepare_text_lengths: bool,
+    report: Callable[[str], None],
+    compile_artifact: str | os.PathLike | None = None,
+    timeline: StartupTimeline | None = None,
 ) -> None:
     """The last start-up steps of a loaded (quantised, compiled, split) backend, the same in `dicache serve` and in
     each Ray Serve replica: with `warm_up`, the warm-up generations (compiling, so the first request is not the slow
     one); with `prepare_text_lengths`, every prompt length met once (after the warm-up: the compiled blocks then take
     any length); then the allocator's unused blocks handed back and the peak counters reset (what quantisation and
     the warm-up left reserved: the serving peak starts here), and every object alive frozen for the garbage collector
-    (`gc_pauses`). `report` gets one line per step that did something."""
+    (`gc_pauses`). `report` gets one line per step that did something, and a last one with the start-up's phases.
+
+    `compile_artifact`: a compile-artifact store (`dicache.models.compile_artifact`, `--compile-artifact`). With
+    `warm_up`, the artifact of this backend's key (`PipelineBackend.compile_key`) is put into the compile caches
+    before the warm-up, so that the warm-up compiles from them; when there was none, the caches are saved to the
+    store after the warm-up (when it can be written). Each outcome is one log line; a missing, foreign or unreadable
+    artifact never stops the start. `timeline`: where the phases are recorded (`startup.StartupTimeline`; default a
+    new one); the result is `backend.startup`, which `/v1/server_info` shows."""
+    timeline = timeline if timeline is not None else StartupTimeline()
+    store, key, loaded = None, None, None
+    if warm_up and compile_artifact is not None:
+        store, key = compile_artifact, backend.compile_key()
+        with timeline.phase("compile_artifact"):
+            loaded = load_artifact(store, key)
+        timeline.details["compile_artifact"] = loaded.to_dict()
     if warm_up:
-        report(f"warm-up (compile): {backend.warm_up()}")
+        with timeline.phase("warm_up"):
+            result = backend.warm_up()
+        timeline.details["warm_up"] = result
+        report(f"warm-up (compile): {result}")
     if prepare_text_lengths:
-        prepared = backend.prepare_text_lengths()
+        with timeline.phase("text_lengths"):
+            prepared = backend.prepare_text_lengths()
         if prepared:
             report(f"prompt lengths prepared: {prepared}")
+    if key is not None and loaded.status != "loaded":
+        notes = {"warm_up": timeline.details.get("warm_up", {}).get("seconds"), "shapes": backend.warm_up_shapes()}
+        with timeline.phase("artifact_save"):
+            saved = save_artifact(store, key, notes)
+        timeline.details["compile_artifact_saved"] = saved.to_dict()
     release_cached_memory(backend.pipe.device)
     freeze_start_up_objects()
+    backend.startup = timeline.to_dict()
+    report(timeline.line())

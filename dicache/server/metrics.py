@@ -20,6 +20,8 @@
   `dicache_generation_achieved_tflops`: histogram of each generation's estimate / its pipeline seconds, the
   tensor-core work done per second (watch it next to GPU-busy percentage, which hides idle tensor cores).
 - `dicache_build_info{version,python,torch}`, `dicache_model_info{model_id,variant,device,dtype,num_blocks}`.
+- `dicache_gpu_*{gpu,name}`: the served GPUs' temperature, SM clock, power draw and limit, throttle reasons and memory
+  used, read through NVML at each scrape (`gpu_health`; `watch_gpus`); absent without NVML.
 - `process_resident_memory_bytes`, `process_open_fds`, `process_cpu_seconds_total`, ...: the process collector.
 
 `/health_generate` probes are not counted in the generation metrics (only as HTTP requests).
@@ -30,8 +32,9 @@ from __future__ import annotations
 import platform
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -44,6 +47,8 @@ from prometheus_client import (
     generate_latest,
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .gpu_health import GpuHealth, GpuHealthCollector
 
 OUTCOMES = ("ok", "stopped", "out_of_memory", "non_finite", "failed")
 """`dicache_generations_total`'s outcomes."""
@@ -115,6 +120,7 @@ class ServerMetrics:
         ProcessCollector(registry=r)
         self.build.info(build_info())
         self._lock = threading.Lock()
+        self.gpu_health: GpuHealth | None = None
         self._computed = self._cached = 0
         for kind in ("computed", "cached"):
             self.calls.labels(kind)
@@ -122,6 +128,17 @@ class ServerMetrics:
             self.generations.labels(outcome)
         for phase in PHASES:
             self.out_of_memory.labels(phase)
+
+    def watch_gpus(self, devices: Sequence[Any], nvml: Any = None) -> bool:
+        """Export the health of `devices` (torch CUDA devices or indices; `gpu_health`) at each scrape, once; False
+        (and nothing exported) where NVML is unavailable. `nvml`: the binding (default `pynvml`)."""
+        if getattr(self, "gpu_health", None) is not None:
+            return True
+        self.gpu_health = GpuHealth.open(devices, nvml)
+        if self.gpu_health is None:
+            return False
+        self.registry.register(GpuHealthCollector(self.gpu_health))
+        return True
 
     def set_queue(self, waiting: int, running: int) -> None:
         self.queue_depth.set(waiting)

@@ -8,10 +8,12 @@ it gives the default image size, sample prompts and, for a checkpoint that holds
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pathlib
+import time
 from typing import Any
 
 import torch
@@ -20,7 +22,14 @@ from dicache.models.krea2.scheduler import FlowMatchEulerScheduler
 from dicache.models.krea2.text import Krea2TextEncoder
 from dicache.models.krea2.transformer import Krea2Transformer
 from dicache.models.krea2.vae import QwenImageVAEDecoder
-from dicache.models.loading import CheckpointError, check_load_format, read_json, resolve_component_dir
+from dicache.models.loading import (
+    CheckpointError,
+    check_load_format,
+    hidden_packages,
+    read_json,
+    resolve_component_dir,
+)
+from dicache.quantization import QuantizationError, QuantizationSpec, quantize_text_encoder, quantize_transformer
 
 EMBEDDED_CHECKPOINT = pathlib.Path(__file__).resolve().parents[2] / "assets" / "krea2-tiny"
 """The small trained Krea-2-architecture checkpoint shipped with dicache (the default model)."""
@@ -34,6 +43,11 @@ def load_components(
     device: torch.device,
     base: str | os.PathLike | None = None,
     load_format: str = "auto",
+    *,
+    quantization: QuantizationSpec | None = None,
+    text_encoder_quantization: str | None = None,
+    timings: dict[str, float] | None = None,
+    reads: dict[str, dict[str, float]] | None = None,
     **hub_kwargs: Any,
 ) -> dict[str, Any]:
     """The keyword arguments of `Krea2Pipeline(...)` for the checkpoint at `path_or_repo_id` (see
@@ -41,6 +55,14 @@ def load_components(
 
     Components this checkpoint lacks come from its base checkpoint (`base`, else `dicache.json`'s pointer), whose
     fingerprints are checked first; components in neither (no text encoder, no VAE) are None.
+
+    Quantisation while loading, so that start-up never holds more than serving: with `quantization` each
+    transformer block is quantised as soon as its weights are read (`quantize_transformer(..., only=...)`: the same
+    model as quantising it whole afterwards), and with `text_encoder_quantization` the text encoder right after it is
+    loaded, before the VAE. The components load in that order: transformer, text encoder, VAE. `timings` (when given)
+    receives seconds by phase: `imports` (transformers' model code), `weights` (reading or drawing the weights) and
+    `quantization`; `reads` (when given),
+    per component read from files: `seconds` of reading (quantisation excluded) and `bytes` of its weight files.
     """
     root = resolve_component_dir(path_or_repo_id, None, **hub_kwargs)
     index = read_json(root, "model_index.json")
@@ -58,15 +80,48 @@ def load_components(
         return base_root
 
     weights = dict(dtype=dtype, device=device, load_format=load_format, **hub_kwargs)
-    transformer = Krea2Transformer.from_pretrained(path_or_repo_id, subfolder="transformer", **weights)
+    clock = _PhaseClock()
+
+    def quantize_block(model: Krea2Transformer, name: str) -> None:
+        with clock.phase("quantization"):
+            quantize_transformer(model, quantization, only=lambda linear: linear.startswith(name + "."))
+
+    with clock.phase("weights", _weight_bytes(root / "transformer", load_format), "transformer"):
+        transformer = Krea2Transformer.from_pretrained(
+            path_or_repo_id,
+            subfolder="transformer",
+            on_block=quantize_block if quantization is not None else None,
+            **weights,
+        )
+    if quantization is not None:
+        blocks = tuple(name + "." for name in transformer.block_names())
+        with clock.phase("quantization"):  # whatever the selection holds outside the blocks (nothing by default)
+            quantize_transformer(transformer, quantization, only=lambda linear: not linear.startswith(blocks))
+        transformer.quantization = quantization
     scheduler = FlowMatchEulerScheduler.from_pretrained(path_or_repo_id, subfolder="scheduler", **hub_kwargs)
-    vae = None
-    if _component_listed(index, "vae") and source("vae") is not None:
-        vae = QwenImageVAEDecoder.from_pretrained(source("vae"), subfolder="vae", **weights)
     text_encoder = None
     text_source = source("tokenizer", "text_encoder")
     if _component_listed(index, "text_encoder") and _component_listed(index, "tokenizer") and text_source:
-        text_encoder = Krea2TextEncoder.from_pretrained(text_source, **weights)
+        folder = pathlib.Path(resolve_component_dir(text_source, "text_encoder", **hub_kwargs))
+        with clock.phase("imports"), hidden_packages("torchao"):  # as `Krea2TextEncoder.from_pretrained` imports it
+            # transformers' model code: seconds, not the weights' reading
+            from transformers import AutoTokenizer, Qwen3VLModel  # noqa: F401 - the text encoder is built of them
+        with clock.phase("weights", _weight_bytes(folder, load_format), "text_encoder"):
+            text_encoder = Krea2TextEncoder.from_pretrained(text_source, **weights)
+        if text_encoder_quantization is not None:
+            with clock.phase("quantization"):
+                quantize_text_encoder(text_encoder.text_encoder, text_encoder_quantization)
+    elif text_encoder_quantization is not None:
+        raise QuantizationError("text encoder quantization: this checkpoint has no text encoder")
+    vae = None
+    if _component_listed(index, "vae") and source("vae") is not None:
+        folder = pathlib.Path(resolve_component_dir(source("vae"), "vae", **hub_kwargs))
+        with clock.phase("weights", _weight_bytes(folder, load_format), "vae"):
+            vae = QwenImageVAEDecoder.from_pretrained(source("vae"), subfolder="vae", **weights)
+    if timings is not None:
+        timings.update(clock.seconds)
+    if reads is not None:
+        reads.update(clock.reads)
     size = extras.get("default_size", base_extras.get("default_size", [1024, 1024]))
     return dict(
         transformer=transformer,
@@ -78,6 +133,40 @@ def load_components(
         default_size=(int(size[0]), int(size[1])),
         sample_prompts=extras.get("sample_prompts", base_extras.get("sample_prompts")),
     )
+
+
+class _PhaseClock:
+    """Seconds spent per named phase, a phase's time excluding the phases nested in it (quantising a block while
+    the transformer's weights are read counts as quantization, not as weights); on CUDA each phase ends once the
+    device's queued work is done. A phase that reads `bytes` of component `part` is also kept in `reads`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.reads: dict[str, dict[str, float]] = {}
+        self._stack: list[list] = []  # [name, start, nested seconds]
+
+    @contextlib.contextmanager
+    def phase(self, name: str, bytes: int = 0, part: str | None = None):
+        self._stack.append([name, time.perf_counter(), 0.0])
+        try:
+            yield
+        finally:
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            _, start, nested = self._stack.pop()
+            elapsed = time.perf_counter() - start
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + elapsed - nested, 3)
+            if part is not None and bytes:
+                self.reads[part] = {"seconds": round(elapsed - nested, 3), "bytes": bytes}
+            if self._stack:
+                self._stack[-1][2] += elapsed
+
+
+def _weight_bytes(folder: pathlib.Path, load_format: str) -> int:
+    """Bytes of a component folder's safetensors files (0 for random weights or a folder not on this machine)."""
+    if load_format == "dummy" or not folder.is_dir():
+        return 0
+    return sum(file.stat().st_size for file in folder.glob("*.safetensors"))
 
 
 def default_checkpoint(variant: str | None) -> pathlib.Path:

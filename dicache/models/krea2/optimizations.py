@@ -6,10 +6,13 @@ and delegates to `dicache.quantization` and, for memory, to Krea-2's memory glue
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import torch
 
+from dicache.models.compile_artifact import ArtifactKey, config_digest, dicache_version, runtime_fields
 from dicache.models.krea2 import memory
 from dicache.offload.plan import MemoryPlan
 from dicache.offload.settings import OffloadLimits, OffloadSettings
@@ -46,7 +49,9 @@ class PipelineOptimizations:
         encoder = getattr(self, "text_encoder", None)
         if encoder is None:
             raise QuantizationError("text encoder quantization: this pipeline has no text encoder")
-        return quantize_text_encoder(getattr(encoder, "text_encoder", encoder), method)
+        names = quantize_text_encoder(getattr(encoder, "text_encoder", encoder), method)
+        self.text_encoder_quantization = method
+        return names
 
     def compile(
         self: _Pipe,
@@ -90,7 +95,30 @@ class PipelineOptimizations:
                     f"it is {where}"
                 )
             encoder.compile(backend)
+        self.compile_options = {"dynamic": dynamic, "backend": str(backend), "vae": vae, "text_encoder": text_encoder}
         return self
+
+    def compile_key(self, shapes: Mapping[str, Any]) -> ArtifactKey:
+        """The key of this pipeline's compile artifact (`dicache.models.compile_artifact`): this process's software
+        and GPU, the components' configurations and dtype, the quantisation of the transformer and the text encoder,
+        the compile options (`compile`'s arguments) and `shapes`, what the caller warms up (JSON)."""
+        transformer = self.transformer
+        encoder = getattr(self, "text_encoder", None)
+        model = getattr(encoder, "text_encoder", None)
+        vae = getattr(self, "vae", None)
+        fields = {
+            **runtime_fields(self.device),
+            "dicache": dicache_version(),
+            "dtype": str(transformer.dtype),
+            "transformer": config_digest(dict(transformer.config)),
+            "text_encoder": config_digest(_public(model.config.to_dict())) if model is not None else "none",
+            "vae": config_digest(vae.config) if vae is not None else "none",
+            "quantization": repr(getattr(transformer, "quantization", None)),
+            "text_encoder_quantization": str(getattr(self, "text_encoder_quantization", None)),
+            "compile": json.dumps(getattr(self, "compile_options", None), sort_keys=True),
+            "shapes": json.dumps(shapes, sort_keys=True, default=str),
+        }
+        return ArtifactKey(fields)
 
     # ------------------------------------------------------------------ memory
     def enable_offload(
@@ -132,3 +160,8 @@ class PipelineOptimizations:
         """Stop offloading: streamed / offloaded weights stay in host memory, the rest on the device."""
         if self.offload is not None:
             self.offload.remove()
+
+
+def _public(config: dict) -> dict:
+    """A transformers configuration without its private entries (`_name_or_path`: where it was read from)."""
+    return {key: value for key, value in config.items() if not key.startswith("_")}

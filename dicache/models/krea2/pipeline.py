@@ -50,7 +50,7 @@ from dicache.models.krea2.transformer import Krea2Transformer, TextConditioning
 from dicache.models.krea2.vae import QwenImageVAEDecoder
 from dicache.models.loading import CheckpointError, default_dtype
 from dicache.offload.settings import OffloadLimits, OffloadSettings
-from dicache.quantization import QuantizationSpec
+from dicache.quantization import QuantizationError, QuantizationSpec, parse_quantization
 
 __all__ = [
     "EMBEDDED_CHECKPOINT",
@@ -164,6 +164,7 @@ class Krea2Pipeline(PipelineOptimizations):
         base: str | os.PathLike | None = None,
         *,
         quantization: str | QuantizationSpec | None = None,
+        text_encoder_quantization: str | None = None,
         compile: bool = False,
         load_format: str = "auto",
         offload_settings: OffloadSettings | None = None,
@@ -180,8 +181,13 @@ class Krea2Pipeline(PipelineOptimizations):
         overrides that pointer. dtype: bf16 on CUDA, fp32 on CPU by default. Components neither here nor in the base
         (no text encoder, no VAE) are left out.
         `load_format="dummy"` draws random weights from the component configs (no weight files read; for speed
-        and memory measurements). `quantization="fp8"` and `compile=True` apply `quantize` and `compile` after
-        loading (for a model split over GPUs, call them yourself after `dicache.parallel.parallelize_pipeline`).
+        and memory measurements). `quantization="fp8"` quantises each transformer block as soon as its weights are
+        read, and `text_encoder_quantization` (`quantize_text_encoder`'s methods) the text encoder right after it
+        loads, so that loading never holds the bf16 model whole; the same model as `quantize` after loading.
+        `compile=True` applies `compile` after loading (for a model split over GPUs, load it unquantised and call
+        `quantize` and `compile` yourself after `dicache.parallel.parallelize_pipeline`). `load_timings` then holds
+        the seconds spent reading weights and quantising (`weights`, `quantization`), `load_reads` each component's
+        read seconds and file bytes (`load_components`).
 
         Memory: `offload_settings`, or the same options by name among the keyword arguments (SGLang's names,
         `dit_layerwise_offload=True, text_encoder_cpu_offload=True, ...`: the fields of `OffloadSettings`), load the
@@ -198,15 +204,34 @@ class Krea2Pipeline(PipelineOptimizations):
         named = {k: kwargs.pop(k) for k in list(kwargs) if k in OffloadSettings.model_fields}
         offload = OffloadSettings.given(offload_settings, named)
         target, device = device, (torch.device("cpu") if offload.any else device)  # offload: load on the host
-        pipe = cls(**load_components(path_or_repo_id, dtype, device, base, load_format, **kwargs))
+        spec = parse_quantization(quantization) if isinstance(quantization, str) else quantization
+        if text_encoder_quantization is not None and offload.any:
+            raise QuantizationError("text_encoder_quantization cannot be combined with the memory (offload) options")
+        timings: dict[str, float] = {}
+        reads: dict[str, dict[str, float]] = {}
+        pipe = cls(
+            **load_components(
+                path_or_repo_id,
+                dtype,
+                device,
+                base,
+                load_format,
+                quantization=None if offload.any else spec,  # resident: each block quantised as it is read
+                text_encoder_quantization=text_encoder_quantization,
+                timings=timings,
+                reads=reads,
+                **kwargs,
+            )
+        )
         pipe.source = str(path_or_repo_id)
+        pipe.load_timings, pipe.load_reads = timings, reads
+        if text_encoder_quantization is not None:
+            pipe.text_encoder_quantization = text_encoder_quantization
         # order: quantize (the memory plan reads the weights' actual bytes), plan and place, compile
         if offload.any:
-            if quantization is not None:
-                memory.quantize_through_device(pipe, quantization, target)
+            if spec is not None:
+                memory.quantize_through_device(pipe, spec, target)
             memory.enable_offload(pipe, offload, offload_limits, target, cache_config)
-        elif quantization is not None:
-            pipe.quantize(quantization)
         if compile:
             pipe.compile()
         return pipe

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -494,19 +494,39 @@ class Krea2Transformer(nn.Module):
                 param.data = param.data.to(target)
         return self
 
+    def block_names(self) -> list[str]:
+        """The qualified names of the blocks, in order: `transformer_blocks.<i>`."""
+        return [f"transformer_blocks.{i}" for i in range(len(self.transformer_blocks))]
+
     def compile_blocks(
         self, *, fullgraph: bool = True, dynamic: bool | None = None, backend: str = "inductor"
     ) -> Krea2Transformer:
         """`torch.compile` each transformer block in place (the block stack's loop, the cache engine's seam and the
-        embeddings stay eager). All blocks share one compiled graph per input shape; `dynamic=None` lets dynamo
-        make the sequence length symbolic at the second distinct shape, so a new resolution or prompt length costs
-        at most one recompilation. Raises the dynamo recompile limit to cover one entry per block."""
+        embeddings stay eager). All blocks share one compiled graph (regional compilation: the 28 blocks are one
+        module class, their weights graph inputs). With `dynamic=None` the joint sequence's length is symbolic from
+        the first call (`mark_sequence_dynamic`): one graph serves every prompt length and image size, where
+        dynamo's automatic dynamic shapes compiled the first shape static and again, symbolic, at the second (two
+        compiles of the largest graph at start-up). `dynamic=False`: a graph per shape. Raises the dynamo recompile
+        limit to cover one entry per block."""
         self.recompile_limit = 4 * len(self.transformer_blocks)
         self.apply_compile_settings()
         for block in self.transformer_blocks:
             block.compile(fullgraph=fullgraph, dynamic=dynamic, backend=backend)
         self.compiled = True
+        self.sequence_dynamic = dynamic is None
         return self
+
+    def mark_sequence_dynamic(self, hidden_states: torch.Tensor, rotary_emb: tuple[torch.Tensor, ...]) -> None:
+        """With blocks compiled by `compile_blocks(dynamic=None)`: the blocks' inputs of one call, the joint sequence
+        `(B, n, C)` and the RoPE tables `(n, d)`, get their length `n` marked symbolic for dynamo (a length it must
+        specialise stays static: no error). Nothing otherwise."""
+        if not getattr(self, "sequence_dynamic", False):
+            return
+        import torch._dynamo  # seconds to import: only compiled blocks get here
+
+        torch._dynamo.maybe_mark_dynamic(hidden_states, 1)
+        for table in rotary_emb:
+            torch._dynamo.maybe_mark_dynamic(table, 0)
 
     def apply_compile_settings(self) -> None:
         """Raise the calling thread's dynamo recompile limit to `recompile_limit` (set by `compile_blocks`; nothing
@@ -550,7 +570,9 @@ class Krea2Transformer(nn.Module):
         for n in text_lengths:
             rotary_emb = self.rotary_emb(image_positions, num_leading_zeros=n)
             joint = torch.randn(batch, n + image_positions.shape[0], self.hidden_size, device=self.device)
-            block(joint.to(self.dtype), temb_mod, rotary_emb, None)
+            joint = joint.to(self.dtype)
+            self.mark_sequence_dynamic(joint, rotary_emb)
+            block(joint, temb_mod, rotary_emb, None)
             count += 1
         return count
 
@@ -621,6 +643,7 @@ class Krea2Transformer(nn.Module):
             key_mask = torch.cat([key_mask, key_mask.new_ones(batch, image.shape[1])], dim=1)
 
         joint = torch.cat([text.tokens, self.img_in(image.to(self.dtype))], dim=1)
+        self.mark_sequence_dynamic(joint, rotary_emb)
         joint = self.run_blocks(joint, temb_mod, rotary_emb, key_mask)
         velocity = self.gather_image(self.final_layer(joint[:, text.num_tokens :], temb))
 
@@ -643,14 +666,18 @@ class Krea2Transformer(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         load_format: str = "auto",
+        on_block: Callable[[Krea2Transformer, str], None] | None = None,
         **hub_kwargs,
     ) -> Krea2Transformer:
         """Load a diffusers-layout checkpoint (`config.json` + safetensors, single or sharded) in eval mode.
 
-        Built on the meta device and filled with tensors read straight onto `device` (default CPU). dtype default:
-        bf16 on CUDA, fp32 otherwise; RMSNorm weights always fp32. `load_format="dummy"`: random weights from
-        config.json alone (see `materialize_random`). `hub_kwargs` go to `resolve_component_dir`
-        (cache_dir, revision, local_files_only). Errors: `CheckpointError` naming the file / key.
+        Built on the meta device and filled with tensors read straight onto `device` (default CPU), shards in
+        parallel (`dicache.models.loading.load_streamed`). dtype default: bf16 on CUDA, fp32 otherwise; RMSNorm
+        weights always fp32. `load_format="dummy"`: random weights from config.json alone (see `materialize_random`).
+        `on_block(model, "transformer_blocks.<i>")` is called as soon as each block's weights are in place, while the
+        next ones are read (e.g. to quantise it: the whole model never exists in bf16). `hub_kwargs` go to
+        `resolve_component_dir` (cache_dir, revision, local_files_only). Errors: `CheckpointError` naming the file /
+        key.
         """
         return load_component(
             path_or_repo_id,
@@ -660,6 +687,8 @@ class Krea2Transformer(nn.Module):
             device=device,
             load_format=load_format,
             keep_fp32=keeps_fp32,
+            parts=(lambda model: model.block_names()) if on_block is not None else (),
+            on_part=on_block,
             **hub_kwargs,
         )
 

@@ -57,6 +57,7 @@ def replica_from_options(
         load_format=load.load_format,
         quantization=parse_quantization(load.quantization, load.quantization_exclude),
         compile=load.compile,
+        compile_artifact=load.compile_artifact,
         prepare_text_lengths=load.prepare_text_lengths,
     )
     return spec, serve_options(split[RayServeOptions], spec, cluster_gpus)

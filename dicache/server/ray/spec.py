@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ...models.compile_artifact import artifact_store
 from ...settings.cache_config import CacheConfig
 from ..settings import ServerSettings
 
@@ -39,6 +40,7 @@ class ReplicaSpec:
     load_format: str = "auto"
     quantization: Any = None  # a validated `QuantizationSpec` (`--quantization fp8`) or None
     compile: bool = False
+    compile_artifact: str | None = None  # `--compile-artifact`; None: DICACHE_COMPILE_ARTIFACT of the replica's process
     prepare_text_lengths: bool = True  # `--prepare-text-lengths` (CUDA only: PipelineBackend.prepare_text_lengths)
     drain_board: str | None = None  # the driver's `drain.DrainBoard` actor; None: no driver to follow
 
@@ -47,6 +49,8 @@ class ReplicaSpec:
         return self.tp_size * self.ulysses_degree
 
     def load_backend(self, device: str | None = None) -> Any:
+        """The replica's backend, loaded on `device`; a replica in one process quantises each block as it is read
+        (a split one after the split: `apply_speed`)."""
         from ..backend import load_backend  # the serve extra (fastapi), which parsing the command line does not need
 
         if self.torch_threads is not None:
@@ -60,16 +64,23 @@ class ReplicaSpec:
             profile=None if self.cache_config is not None else self.profile,
             default_size=self.default_size,
             load_format=self.load_format,
+            quantization=self.quantization if self.world_size == 1 else None,
         )
 
     def apply_speed(self, backend: Any) -> Any:
-        """`--quantization` then `--compile` on a loaded (and, for a group, split) backend, then the start-up steps
-        of `dicache serve` (`backend.ready_to_serve`: with `--compile` the warm-up, with `--prepare-text-lengths` (on
-        CUDA) every prompt length met, memory released, start-up objects frozen), before the replica reports
-        healthy. Returns the backend."""
-        from ..backend import ready_to_serve  # the serve extra (fastapi), which parsing the command line does not need
+        """`--quantization` (unless loading did it) then `--compile` on a loaded (and, for a group, split) backend,
+        then the start-up steps of `dicache serve` (`backend.ready_to_serve`: with `--compile` the warm-up from the
+        compile artifact (`--compile-artifact`, else the replica's DICACHE_COMPILE_ARTIFACT), with
+        `--prepare-text-lengths` (on CUDA) every prompt length met, memory released, start-up objects frozen), before
+        the replica reports healthy. Returns the backend."""
+        # the serve extra (fastapi), which parsing the command line does not need
+        from ..backend import ready_to_serve
+        from ..startup import StartupTimeline
 
-        if self.quantization is not None:
+        timeline = StartupTimeline()
+        for name, seconds in getattr(backend.pipe, "load_timings", {}).items():
+            timeline.add(name, seconds)
+        if self.quantization is not None and _quantized(backend.pipe) is None:
             backend.pipe.quantize(self.quantization)
         if self.compile:
             backend.pipe.compile()
@@ -78,5 +89,12 @@ class ReplicaSpec:
             warm_up=self.compile,
             prepare_text_lengths=self.prepare_text_lengths,
             report=lambda line: log.info("replica %s", line),
+            compile_artifact=artifact_store(self.compile_artifact) if self.compile else None,
+            timeline=timeline,
         )
         return backend
+
+
+def _quantized(pipe: Any) -> Any:
+    """The quantization loading applied to `pipe`'s transformer, or None."""
+    return getattr(getattr(pipe, "transformer", None), "quantization", None)

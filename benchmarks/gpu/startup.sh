@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Issue 41 on one H200: a preempted server serving again quickly (docs/startup.md). Each step fits one device call
+# (< 9 min, model builds included), publishing its tables (benchmarks/publish.py) to $OUT/RESULTS.md and its logs and
+# results.json under $OUT.
+#
+#   bash benchmarks/gpu/startup.sh STEP [STEP ...]
+#   # STEP: wheels | serve | tests | generate | artifact
+#
+# Wheels: those of benchmarks/gpu/fast_path.sh's header (torchao, fastapi, uvicorn, pydantic...) plus nvidia-ml-py
+# (the GPU health metrics; pure Python): add `nvidia-ml-py==13.615.71` to its `pip download` line, carry [".whl"].
+#
+#   serve     bench_startup.py --runs cold artifact artifact-nolengths: a full-size random checkpoint written to local
+#             disk (about 34 GB, ~1 min), the disk's read rate with the page cache dropped, then fresh `dicache serve`
+#             processes (empty caches, tmp, home; page cache dropped): `cold` (no artifact: compiles, saves it; target
+#             ready <= 150 s), `artifact` (target: first answer <= 30 s after the process starts), `artifact-nolengths`
+#             (the same without --prepare-text-lengths), each with its phases, first request vs steady state (target
+#             within 5 %), the checkpoint's read rate vs the disk's (target >= 80 %), start-up vs serving GPU peak as
+#             nvidia-smi sees it (target <= +1 GB) and per process. Runs that would overrun --deadline are skipped and
+#             say so.                                                                                  (~8.5 min)
+#   tests     the GPU tests of the compile artifact (the FP8 path's round trip: a second fresh process compiles from
+#             cache hits only) and of the GPU health metrics (NVML through pynvml)                       (~2 min)
+#   generate  bench_startup.py --runs generate: `dicache generate --compile` for one 1024² image from a fresh
+#             process without and then with its artifact (wall time of each)                             (~6 min)
+#   artifact  on a machine still warm from `serve` (checkpoint and artifact kept): the artifact runs again (~3 min)
+#
+# Suggested calls: 1) `wheels serve`; 2) `wheels tests generate`; 3) spare: `wheels artifact` on the same machine if
+# call 1 skipped its artifact runs (a fresh machine has no artifact: `wheels serve` again).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/startup.sh STEP ... (see the header)" >&2; exit 2; }
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+out=${OUT:-/tmp/startup-out}
+mkdir -p "$out"
+results=$out/RESULTS.md
+checkpoint=${CHECKPOINT:-/var/tmp/dicache-startup/krea2}  # local disk, not /tmp if that is a RAM file system
+
+wheels() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  python3 -c "import torch, torchao, fastapi, uvicorn; print(torch.__version__, torchao.__version__)"
+  python3 -c "import pynvml" 2>/dev/null || echo "no pynvml: the GPU health metrics are absent (add nvidia-ml-py)"
+  nvidia-smi --query-gpu=name,memory.used,power.limit --format=csv
+  df -hT "$(dirname "$checkpoint")" 2>/dev/null || df -hT /var/tmp
+}
+
+serve() {
+  timeout 540 python3 benchmarks/bench_startup.py --runs cold artifact artifact-nolengths --deadline 500 \
+    --checkpoint "$checkpoint" --out "$out" --results "$results" 2>&1 | tee "$out/bench-serve.log" | tail -n 60
+}
+
+tests() {
+  timeout 240 python3 -m pytest -m gpu tests/test_compile_artifact.py tests/test_gpu_health.py -p no:cacheprovider \
+    -q -s 2>&1 | tee "$out/gpu-tests.log" | tail -n 40
+}
+
+generate() {
+  timeout 420 python3 benchmarks/bench_startup.py --runs generate --keep-artifacts --deadline 400 \
+    --checkpoint "$checkpoint" --out "$out" --results "$results" 2>&1 | tee "$out/bench-generate.log" | tail -n 30
+}
+
+artifact() {
+  timeout 480 python3 benchmarks/bench_startup.py --runs artifact artifact-nolengths --keep-artifacts --deadline 450 \
+    --checkpoint "$checkpoint" --out "$out" --results "$results" 2>&1 | tee "$out/bench-artifact.log" | tail -n 40
+}
+
+for step in "$@"; do
+  case "$step" in wheels | serve | tests | generate | artifact) ;; *) echo "unknown step: $step" >&2; exit 2 ;; esac
+done
+status=0
+for step in "$@"; do
+  echo "== $step ($(date -u +%H:%M:%S))"
+  "$step" || { status=$?; echo "== $step failed: $status"; }
+done
+exit $status
