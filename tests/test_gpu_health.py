@@ -116,25 +116,31 @@ def test_process_memory_is_what_nvml_lists_for_the_process():
 
 
 def test_the_app_watches_the_served_gpu_only_on_cuda(monkeypatch):
+    import torch
+    from server_helpers import backend_with_env
+
     from dicache.server import app as app_module
 
     watched = []
     monkeypatch.setattr(ServerMetrics, "watch_gpus", lambda self, devices, nvml=None: watched.append(devices))
 
-    class Backend:
-        defaults = types.SimpleNamespace(variant="turbo", width=64, height=64, size_multiple=16, num_inference_steps=8)
-        num_blocks = 1
-        cache_config = None
+    class Seen:
+        """`real` as the app sees it, with `overrides` in place of its attributes."""
 
-        def __init__(self, device):
-            self.pipe = types.SimpleNamespace(device=device, transformer=None)
+        def __init__(self, real, **overrides):
+            self._real, self.__dict__["_overrides"] = real, overrides
 
-    import torch
+        def __getattr__(self, name):
+            return self._overrides[name] if name in self._overrides else getattr(self._real, name)
 
-    for device, expected in ((torch.device("cpu"), []), (torch.device("cuda", 0), [[torch.device("cuda", 0)]])):
-        watched.clear()
-        app_module.create_app(Backend(device))
-        assert watched == expected
+    backend = backend_with_env(None, {})
+    try:
+        for device, expected in ((torch.device("cpu"), []), (torch.device("cuda", 0), [[torch.device("cuda", 0)]])):
+            watched.clear()
+            app_module.create_app(Seen(backend, pipe=Seen(backend.pipe, device=device)))
+            assert watched == expected
+    finally:
+        backend.close()
 
 
 @pytest.mark.gpu
