@@ -31,7 +31,8 @@ def test_a_soak_of_2000_requests_loses_and_leaks_nothing(tmp_path):
     failed = [row for row in result["checks"] + result["leaks"] if not row["ok"]]
     assert not failed and not result["problems"], (failed, result["problems"])
     assert result["latency"]["ok"], result["latency"]
-    assert code == 0 and "**passed**" in (tmp_path / "RESULTS.md").read_text()
+    (run,) = (tmp_path / "results" / "archive").glob("*-bench_soak.md")  # publish: one archive file per run
+    assert code == 0 and "**passed**" in run.read_text() and run.name in (tmp_path / "RESULTS.md").read_text()
 
 
 @pytest.mark.parametrize(("mode", "num_blocks"), [("tiny", 10), ("full", 28)])
