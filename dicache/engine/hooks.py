@@ -19,6 +19,7 @@ gets a runner too (every call runs all blocks).
 from __future__ import annotations
 
 import contextvars
+import copy
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -27,11 +28,12 @@ from typing import Any
 
 import torch
 
-from ..errors import BlockFormError
+from ..errors import BlockFormError, ConfigError
 from .adapters.families import registered_forms
 from .adapters.forms import DIFF_STREAMS, BlockForm, H, describe, fitting_forms, misfit
 from .adapters.stack import StackSpec
 from .block_plan import BlockObserver, BlockPlan, CallInfo, publish
+from .cached_step import FITTER, predict
 from .policies import StepContext
 from .policies.lookahead import BranchCounters, decide_without_diff, upcoming_decisions
 from .reduction import PARALLEL_LAYOUT_ATTR, change_ratio, relative_change
@@ -72,6 +74,87 @@ class _Scope:
 
     def __init__(self) -> None:
         self.walk: StackWalk | None = None
+
+
+def step_context(ctx) -> StepContext:
+    """What the policy reads of a call: its step and its branch's counters."""
+    request, branch = ctx.request, ctx.branch
+    return StepContext(
+        step=ctx.step,
+        num_steps=request.num_steps,
+        cached_total=branch.cached_total,
+        continuous_cached=branch.continuous_cached,
+        has_residual=branch.has_residual,
+        has_reference=branch.reference is not None,
+        sigma=ctx.sigma,
+        accumulated=branch.accumulated,
+        rate=branch.rate,
+    )
+
+
+def count_decision(branch, decision) -> None:
+    """Advance a branch's counters past a call decided `decision`."""
+    if decision.cache:
+        branch.cached_total += 1
+        branch.continuous_cached += 1
+        branch.accumulated = decision.accumulated or 0.0
+    else:
+        branch.continuous_cached = 0
+        branch.accumulated = 0.0
+
+
+def forward_sample(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The forward's latent input (`hidden_states`, keyword or first positional): `(B, N, C)`, what the fitted
+    predictor reads; a `ConfigError` for any other input."""
+    x = kwargs.get("hidden_states", args[0] if args else None)
+    if not isinstance(x, torch.Tensor) or x.ndim != 3:
+        raise ConfigError(
+            "cached_step_method='fitted' needs a transformer whose forward takes hidden_states as (batch, tokens, "
+            f"channels); got {describe(x)}"
+        )
+    return x
+
+
+def output_sample(output: Any) -> torch.Tensor:
+    """The latent-shaped tensor of a forward's output: the output itself, its first element (a tuple), or `.sample`."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    sample = getattr(output, "sample", None)
+    if isinstance(sample, torch.Tensor):
+        return sample
+    raise ConfigError(
+        "cached_step_method='fitted' needs a transformer whose forward returns a tensor, a tuple starting with one, "
+        f"or an object with .sample; got {describe(output)}"
+    )
+
+
+def with_sample(template: Any, sample: torch.Tensor) -> Any:
+    """`template` (a computed call's output) with its sample replaced by `sample`, in the same structure."""
+    if isinstance(template, torch.Tensor):
+        return sample
+    if isinstance(template, tuple | list):
+        return type(template)([sample, *template[1:]])
+    answer = copy.copy(template)
+    answer.sample = sample
+    return answer
+
+
+class OutputCall:
+    """One transformer call of a request whose cached calls the fitted output predictor answers: `answer` is the
+    predicted output (no forward runs), or None for a computed call, whose output `computed` records."""
+
+    __slots__ = ("branch", "x", "answer")
+
+    def __init__(self, branch, x: torch.Tensor, answer: Any = None) -> None:
+        self.branch, self.x, self.answer = branch, x, answer
+
+    def computed(self, output: Any) -> None:
+        """The forward returned `output`: keep its input and output for the predictions that follow."""
+        calls = self.branch.computed_calls
+        calls.record(self.x, output_sample(output))
+        calls.template = output
 
 
 class BlockStackRunner:
@@ -128,6 +211,45 @@ class BlockStackRunner:
             ctx = self.session.current_call() if self.session is not None else None
             scope.walk = StackWalk(self, ctx, tuple(self.observers))
         return scope.walk
+
+    def output_call(self, args: tuple, kwargs: dict) -> OutputCall | None:
+        """For a request under the fitted output predictor (`cached_step_method=fitted`): the call's answer when its
+        step mask caches it (counted, recorded and told to the observers as a call that runs no block), else an
+        `OutputCall` that records the computed output. None for any other call."""
+        ctx = self.session.current_call() if self.session is not None else None
+        if ctx is None or not ctx.request.predicts_output:
+            return None
+        request, branch = ctx.request, ctx.branch
+        x = forward_sample(args, kwargs)
+        decision = decide_without_diff(request.policy, step_context(ctx))
+        if decision is None or not decision.cache:
+            return OutputCall(branch, x)
+        calls = branch.computed_calls
+        features = calls.features(x)
+        weights = request.fitted_weights()
+        if weights is not None:
+            weight = weights.weight(ctx.step, branch.name)
+        else:
+            fitter = FITTER.get()
+            if fitter is None:
+                raise ConfigError(
+                    "cached_step_method='fitted' needs fitted_predictor (SGLANG_CACHE_DIT_FITTED_PREDICTOR): the "
+                    "predictor file dicache calibrate writes next to its profile"
+                )
+            weight = fitter.weights(ctx.step, branch.name, x, features)
+        template = calls.template
+        answer = with_sample(template, predict(features, weight, output_sample(template).dtype))
+        count_decision(branch, decision)
+        branch.stats.record(ctx.step, True, decision.reason, None)
+        observers = tuple(self.observers)
+        for observer in observers:
+            observer.begin_call(CallInfo(ctx.step, branch.name))
+        try:
+            publish(observers, BlockPlan((), True, self.upcoming(ctx, True)))
+        finally:
+            for observer in reversed(observers):
+                observer.end_call()
+        return OutputCall(branch, x, answer)
 
     def run_seam(self, *args: Any, **kwargs: Any) -> Any:
         """Replaces the owner's `run_blocks(hidden, *block_args)` seam: the blocks in order, each through its proxy."""
@@ -231,22 +353,12 @@ class StackWalk:
             everything = tuple(range(self.spec.num_blocks))
             publish(observers, BlockPlan(everything, True, everything))
             return
-        request, branch = ctx.request, ctx.branch
+        request = ctx.request
         config = request.config
         self.fn, self.bn = config.Fn_compute_blocks, config.Bn_compute_blocks
         self.segments = request.segments
         self.segment_of = request.segment_of
-        self.step_ctx = StepContext(
-            step=ctx.step,
-            num_steps=request.num_steps,
-            cached_total=branch.cached_total,
-            continuous_cached=branch.continuous_cached,
-            has_residual=branch.has_residual,
-            has_reference=branch.reference is not None,
-            sigma=ctx.sigma,
-            accumulated=branch.accumulated,
-            rate=branch.rate,
-        )
+        self.step_ctx = step_context(ctx)
         # Rules that do not read the diff decide before any block runs (same answer: decisions are pure), so the
         # observers learn the whole call up front; otherwise they learn the Fn blocks now and the rest after them.
         self.early = decide_without_diff(request.policy, self.step_ctx) if observers else None
@@ -381,13 +493,7 @@ class StackWalk:
             full = runner.call_plan(decision.cache, self.fn, self.bn, self.segments)
             publish(self.observers, BlockPlan(full, True, runner.upcoming(ctx, decision.cache)))
         self.position = request.position(ctx.step, ctx.sigma)
-        if decision.cache:
-            branch.cached_total += 1
-            branch.continuous_cached += 1
-            branch.accumulated = decision.accumulated or 0.0
-        else:
-            branch.continuous_cached = 0
-            branch.accumulated = 0.0
+        count_decision(branch, decision)
         if (
             policy.uses_diff
             and (not decision.cache or signal == "fn_residual_consecutive")
@@ -427,6 +533,9 @@ class StackWalk:
         """Leaving the open segment: on a computed call, store what its blocks added to each stream."""
         segment, self.open = self.open, None
         if segment is None or self.decision.cache or not self.segments[segment].cached or self.seg_out is None:
+            return
+        if self.ctx.request.predicts_output:  # cached calls never run the walk: no residual is forecast
+            self.middle_out = self._diff_streams()
             return
         branch = self.ctx.branch
         for stream in self.seg_form.outputs:

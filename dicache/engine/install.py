@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 from .adapters.stack import StackSpec
 from .block_plan import BlockObserver
 from .hooks import BlockStackRunner
@@ -143,10 +143,21 @@ def _wrap_forward(specs: Sequence[StackSpec], runners: list[BlockStackRunner], u
                 this_key = key
             derived.append((session, session.derive_call(this_key)))
         try:
+            calls = [call for runner in runners if (call := runner.output_call(args, kwargs)) is not None]
+            if calls and len(runners) > 1:
+                raise ConfigError(
+                    "cached_step_method='fitted' predicts the whole transformer's output: it needs the stack cached "
+                    f"as one group (lists='joined'), not {len(runners)}"
+                )
+            if calls and calls[0].answer is not None:
+                return calls[0].answer
             with contextlib.ExitStack() as scopes:
                 for runner in delimited:
                     scopes.enter_context(runner.scope())
-                return original_forward(*args, **kwargs)
+                output = original_forward(*args, **kwargs)
+            if calls:
+                calls[0].computed(output)
+            return output
         finally:
             for session, token in reversed(derived):
                 session.end_call(token)

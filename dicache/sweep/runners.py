@@ -196,7 +196,8 @@ class NativeRunner:
     def is_distilled(self) -> bool:
         return bool(self.pipe.is_distilled)
 
-    def _configure(self, cache: CacheConfig | None) -> None:
+    def configure(self, cache: CacheConfig | None) -> None:
+        """Enable dicache on the pipeline with `cache` (replacing any settings), or disable it (None)."""
         if cache is None:
             dicache.disable(self.pipe)
         else:
@@ -206,7 +207,7 @@ class NativeRunner:
         self, prompt: str, seed: int, schedule: Schedule, steps: int, height: int, width: int, cache: CacheConfig | None
     ) -> Sample:
         """One image of `prompt` with `seed` at `steps` steps and the schedule's CFG, cached with `cache` (or not)."""
-        self._configure(cache)
+        self.configure(cache)
         with CallRecorder(self.pipe.transformer) as rec:
             out = self.pipe(
                 prompt,
@@ -237,7 +238,7 @@ class NativeRunner:
     ) -> Sample:
         """One image of a same-compute baseline (`dicache.sweep.solvers`: `euler` / `heun` with `count` steps,
         `curved` computing `curved_steps(schedule.steps, count)`), uncached, measured like `generate`."""
-        self._configure(None)
+        self.configure(None)
         with CallRecorder(self.pipe.transformer) as rec:
             run = solvers.sample(
                 self.pipe,
