@@ -25,6 +25,7 @@ from ..models.options import DeviceOptions
 from ..settings.cache_config import SETTINGS, CacheConfig
 from ..settings.options import FlagOptions, option
 from ..settings.profiles import write_profile
+from ..sweep.fitting import DEFAULT_FIT_SEEDS, fit_samples
 from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
 from ..tuning import (
     CANDIDATES,
@@ -39,6 +40,7 @@ from ..tuning import (
     profile_settings,
 )
 from ..tuning.masks import MAX_MASK_STEPS
+from ..tuning.predictor import PredictorSearch
 from .fields import add_options
 from .generate import add_sampling_arguments
 from .shared import RunOptions
@@ -96,6 +98,14 @@ class CalibrateOptions(FlagOptions):
         help=f"skip the per-step mask search (on schedules of at most {MAX_MASK_STEPS} steps, each mask scored is a "
         "candidate: which steps to compute, the cached ones forecast with forecaster=input_corrected)",
     )
+    fit_seeds: int = option(
+        DEFAULT_FIT_SEEDS,
+        flag="--fit-seeds",
+        ge=0,
+        help="with the step mask search, also search masks whose cached steps a fitted output predictor answers "
+        "(cached_step_method=fitted), fitted on each prompt with this many other seeds (seed+1...); 0: off. The "
+        "predictor files go next to OUT (<out>.predictors/); the chosen one stays",
+    )
     no_early_stop: bool = option(
         False, flag="--no-early-stop", help="run every candidate on every prompt (fuller table, slower)"
     )
@@ -108,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  dicache calibrate --out turbo.json --variant turbo                 # embedded model, 4 held-out prompts\n"
         "  dicache calibrate --steps 28 --guidance 4.5 --target-psnr 40 --out raw28.json\n"
         "  dicache calibrate --model DIR --device cuda --prompts prompts.txt --candidates mine.yaml\n"
+        "  dicache calibrate --variant turbo --prompts benchmarks/turbo_calibration_prompts.json --fit-seeds 8\n"
         "  dicache generate 'red apple' --profile turbo.json        # or SGLANG_CACHE_DIT_PROFILE=turbo.json\n"
         "The profile holds the chosen settings (caching on) and how they were measured; calibrate with the steps,\n"
         "guidance and size you will serve: the target is only checked there. SGLANG_CACHE_DIT_* variables still\n"
@@ -176,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             early_stop=not args.no_early_stop,
             progress=not args.no_progress,
             step_masks=not args.no_step_masks,
+            predictor=_predictor_search(runner, samples, args),
             on_reject=lambda r: print(f"skipping candidate #{r.index} {r.label}: {r.error}", file=sys.stderr),
             base=CacheConfig.defaults().merged(fits),
         )
@@ -194,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
         dicache_version=__version__,
         torch_version=torch.__version__,
     )
-    path = write_profile(args.out, profile_settings(result.chosen), record)
+    settings = profile_settings(result.chosen)
+    _keep_chosen_predictor(settings, args.out)
+    path = write_profile(args.out, settings, record)
     print(f"wrote {path}: use it with --profile {path} (dicache generate / serve / config) or SGLANG_CACHE_DIT_PROFILE")
     if result.chosen.compute_fraction >= 1.0:
         print(
@@ -205,6 +219,34 @@ def run(args: argparse.Namespace) -> int:
     if shadowed:
         print(f"note: {', '.join(shadowed)} set in this environment would override the profile's values")
     return 0
+
+
+def predictor_folder(out: str) -> Path:
+    """Where the fitted predictors of a calibration writing the profile `out` go: `<out without suffix>.predictors`."""
+    path = Path(out)
+    return path.with_name(path.stem + ".predictors")
+
+
+def _predictor_search(runner: Any, samples: list[tuple[str, int]], args: argparse.Namespace) -> Any:
+    if args.fit_seeds == 0 or args.no_step_masks:
+        return None
+    return PredictorSearch(runner, fit_samples(samples, args.fit_seeds), predictor_folder(args.out))
+
+
+def _keep_chosen_predictor(settings: dict[str, Any], out: str) -> None:
+    """The chosen profile's predictor file, named relative to the profile (as the profile reads it); the other
+    fits' files are removed."""
+    folder = predictor_folder(out)
+    chosen = settings.get("fitted_predictor")
+    if chosen is not None:
+        chosen_path = Path(chosen).resolve()
+        settings["fitted_predictor"] = os.path.relpath(chosen_path, Path(out).resolve().parent)
+    if folder.is_dir():
+        for file in folder.glob("mask-*.safetensors"):
+            if chosen is None or file.resolve() != chosen_path:
+                file.unlink()
+        if not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:

@@ -63,9 +63,13 @@ def load_profile(path: str | os.PathLike, keys: Mapping[str, Any]) -> dict[str, 
     unknown = sorted(set(settings) - set(keys))
     if unknown:
         raise ConfigError(f"{PROFILE_ENV}={str(path)!r}: unknown key(s) {unknown}; allowed keys: {', '.join(keys)}")
-    folder = p.resolve().parent
+    return resolve_paths(settings, p.resolve().parent, keys)
+
+
+def resolve_paths(settings: dict[str, Any], folder: Path, keys: Mapping[str, Any]) -> dict[str, Any]:
+    """`settings` with each relative value of a path setting (`Setting.path`) made relative to `folder`."""
     for key, value in settings.items():
-        if getattr(keys[key], "path", False) and isinstance(value, str) and value and not Path(value).is_absolute():
+        if getattr(keys.get(key), "path", False) and isinstance(value, str) and value and not Path(value).is_absolute():
             settings[key] = str(folder / value)
     return settings
 

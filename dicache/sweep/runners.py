@@ -15,6 +15,7 @@ import torch
 import dicache
 
 from ..models.krea2 import Krea2Pipeline
+from ..models.krea2.presets import resolve_variant
 from ..settings.cache_config import CacheConfig
 from . import solvers
 from .spec import Schedule
@@ -232,6 +233,35 @@ class NativeRunner:
             blocks_run=stats.blocks_run,
             cached_steps={name: list(b.cached_steps) for name, b in stats.branches.items()},
         )
+
+    def generate_batch(
+        self, samples: list[tuple[str, int]], schedule: Schedule, height: int, width: int, cache: CacheConfig | None
+    ) -> torch.Tensor:
+        """All `samples` (prompt, seed) as one batch, each row from its seed's noise (as `generate` draws it),
+        uncached or cached with `cache`; the final packed latents `(B, N, C)` (the fitted predictor's fit)."""
+        pipe = self.pipe
+        plan = pipe.plan_call(1, height, width, schedule.steps, schedule.guidance_scale, variant=schedule.variant)
+        latents = torch.cat([pipe.starting_latents(plan, seed) for _, seed in samples])
+        self.configure(cache)
+        out = pipe(
+            [prompt for prompt, _ in samples],
+            height=height,
+            width=width,
+            num_inference_steps=schedule.steps,
+            guidance_scale=schedule.guidance_scale,
+            latents=latents,
+            output_type="latent",
+            variant=schedule.variant,
+        )
+        return out.latents
+
+    def step_sizes(self, schedule: Schedule, height: int, width: int) -> list[float]:
+        """`σ(i + 1) − σ(i)` of each step of `schedule` at this size: the Euler step the pipeline takes."""
+        pipe = self.pipe
+        rows, cols = pipe.latent_grid(height, width)
+        variant = resolve_variant(pipe, schedule.variant)
+        sigmas = [float(s) for s in pipe.sigmas(schedule.steps, rows * cols, variant)]
+        return [b - a for a, b in zip(sigmas, sigmas[1:])]
 
     def generate_baseline(
         self, prompt: str, seed: int, schedule: Schedule, kind: str, count: int, height: int, width: int

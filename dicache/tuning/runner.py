@@ -8,7 +8,6 @@ from typing import Any, Protocol
 
 import torch
 
-from ..models.krea2.presets import resolve_variant
 from ..settings.cache_config import CacheConfig
 from ..sweep.runners import NativeRunner
 from ..sweep.spec import Schedule
@@ -54,31 +53,3 @@ class PipelineRunner:
     def run(self, prompt: str, seed: int, config: CacheConfig | None) -> Measurement:
         s = self.native.generate(prompt, seed, self.schedule, self.steps, self.height, self.width, config)
         return Measurement(s.image, int(s.blocks_run), s.calls * s.num_blocks, s.total_s)
-
-    def run_batch(self, samples: list[tuple[str, int]], config: CacheConfig | None) -> torch.Tensor:
-        """All `samples` as one batch (each row starting from its seed's noise, as `run` draws it), uncached
-        (`config` None) or cached; the final packed latents `(B, N, C)` (the fitted predictor's fit runs this)."""
-        pipe = self.native.pipe
-        guidance = self.schedule.guidance_scale
-        plan = pipe.plan_call(1, self.height, self.width, self.steps, guidance, variant=self.schedule.variant)
-        latents = torch.cat([pipe.starting_latents(plan, seed) for _, seed in samples])
-        self.native.configure(config)
-        out = pipe(
-            [prompt for prompt, _ in samples],
-            height=self.height,
-            width=self.width,
-            num_inference_steps=self.steps,
-            guidance_scale=guidance,
-            latents=latents,
-            output_type="latent",
-            variant=self.schedule.variant,
-        )
-        return out.latents
-
-    def step_sizes(self) -> list[float]:
-        """`σ(i + 1) − σ(i)` of each step of the schedule at this size (the Euler step the pipeline takes)."""
-        pipe = self.native.pipe
-        rows, cols = pipe.latent_grid(self.height, self.width)
-        variant = resolve_variant(pipe, self.schedule.variant)
-        sigmas = [float(s) for s in pipe.sigmas(self.steps, rows * cols, variant)]
-        return [b - a for a, b in zip(sigmas, sigmas[1:])]

@@ -17,6 +17,7 @@ from ..sweep.settings import label
 from .candidates import CANDIDATES, check_candidate
 from .errors import CalibrationError
 from .masks import MAX_MASK_STEPS, Mask, beam_search, computed_steps, mask_overrides
+from .predictor import PredictorSearch, long_schedule_masks, predictor_overrides
 from .runner import Runner
 
 Criterion = Literal["min", "mean"]
@@ -141,11 +142,15 @@ def calibrate(
     on_reject: Callable[[CandidateResult], None] | None = None,
     base: CacheConfig | None = None,
     step_masks: bool = False,
+    predictor: PredictorSearch | None = None,
 ) -> Calibration:
     """Run the references and the candidates on `samples` and choose (see the module docstring).
 
     `step_masks`: on schedules of at most `MAX_MASK_STEPS` steps, first search per-step masks (`masks.beam_search`,
     every sample, no early stop); each mask scored becomes a candidate after the listed ones.
+    `predictor`: also search masks whose cached steps the fitted output predictor answers (`cached_step_method=
+    fitted`), each fitted by `predictor.fit` on its own samples (training prompts, never `samples`' seeds): the
+    beam search on short schedules, `long_schedule_masks` on longer ones; each becomes a candidate.
 
     `on_reject` is called for each invalid candidate (the command prints them as they are found); `base`: the config
     every candidate is merged over (default the built-in defaults; `fit_algorithms`' values go there)."""
@@ -209,21 +214,36 @@ def calibrate(
             bar.total -= n - len(result.psnr)  # the generations an early stop saved
             bar.refresh()
 
+        def score_overrides(overrides: dict[str, Any], what: str) -> float | None:
+            result = CandidateResult(len(results), overrides)
+            result.config = check_candidate(result.overrides, runner.num_blocks, runner.steps)
+            results.append(result)
+            bar.total += n
+            bar.set_postfix_str(what)
+            for i in range(n):
+                if measure(result, i) is None:
+                    break
+            finish(result)
+            return result.score(criterion) if result.status == "complete" else None
+
         if step_masks and runner.steps <= MAX_MASK_STEPS:
+            beam_search(
+                runner.steps,
+                lambda mask: score_overrides(mask_overrides(mask), f"mask {computed_steps(mask)}"),
+                target=target_psnr,
+            )
+        if predictor is not None:
 
-            def score(mask: Mask) -> float | None:
-                result = CandidateResult(len(results), mask_overrides(mask))
-                result.config = check_candidate(result.overrides, runner.num_blocks, runner.steps)
-                results.append(result)
-                bar.total += n
-                bar.set_postfix_str(f"mask {computed_steps(mask)}")
-                for i in range(n):
-                    if measure(result, i) is None:
-                        break
-                finish(result)
-                return result.score(criterion) if result.status == "complete" else None
+            def score_predicted(mask: Mask) -> float | None:
+                bar.set_postfix_str(f"fitting {computed_steps(mask)}")
+                path = predictor.fit(mask)
+                return score_overrides(predictor_overrides(mask, str(path)), f"fitted {computed_steps(mask)}")
 
-            beam_search(runner.steps, score, target=target_psnr)
+            if runner.steps <= MAX_MASK_STEPS:
+                beam_search(runner.steps, score_predicted, target=target_psnr)
+            else:
+                for mask in long_schedule_masks(runner.steps):
+                    score_predicted(mask)
         for result in valid:
             order = sorted(range(n), key=lambda i: (hardest.get(i, math.inf), i)) if early_stop else range(n)
             bar.set_postfix_str(f"#{result.index} {result.label}"[:60])

@@ -62,7 +62,9 @@ class FittedWeights:
         """Write the fit (tensors contiguous float32 on the CPU); returns the path."""
         from safetensors.torch import save_file  # a loading-time dependency: only files need it
 
-        tensors = {f"{step}/{branch}": w.detach().float().cpu().contiguous() for (step, branch), w in self.weights.items()}
+        tensors = {
+            f"{step}/{branch}": w.detach().float().cpu().contiguous() for (step, branch), w in self.weights.items()
+        }
         metadata = {
             "format": PREDICTOR_FORMAT,
             "num_steps": str(self.num_steps),
