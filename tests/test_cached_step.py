@@ -312,3 +312,112 @@ def test_calibrate_fits_a_predictor_per_mask_and_the_profile_reproduces_the_choi
     from dicache.sweep.metrics import psnr
 
     assert psnr(again.image, reference.image)[0] == pytest.approx(chosen.psnr[0], abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------ tokens
+def plain_attention(q, k, v, key_mask=None):
+    """softmax(q·kᵀ/√d)·v, `(B, H, S, D)`."""
+    return torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1) @ v
+
+
+class SelfAttention(torch.nn.Module):
+    kernel = staticmethod(plain_attention)
+    num_heads, head_dim = 1, 2
+
+    def forward(self, x, key_mask=None):
+        q = x[:, None]
+        return self.kernel(q, q, q, key_mask)[:, 0]
+
+
+class TokenBlock(torch.nn.Module):
+    """`h + t · attention(h)` (q = k = v = h): small enough to follow by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = SelfAttention()
+
+    def forward(self, hidden_states, temb, attention_mask=None):
+        return hidden_states + temb * self.attn(hidden_states, attention_mask)
+
+    @staticmethod
+    def token_rows(rows, hidden_states, temb, attention_mask=None):
+        return hidden_states, temb, attention_mask
+
+
+class TokenTransformer(torch.nn.Module):
+    def __init__(self, num_blocks: int = 2) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(TokenBlock() for _ in range(num_blocks))
+
+    def forward(self, hidden_states, timestep):
+        return self.run_blocks(hidden_states, timestep.reshape(-1, 1, 1))
+
+    def run_blocks(self, hidden_states, *block_args):
+        for block in self.blocks:
+            hidden_states = block(hidden_states, *block_args)
+        return hidden_states
+
+
+def tokens_config(share: float) -> CacheConfig:
+    return CacheConfig.from_env(
+        {},
+        scm_compute_bins=[1],
+        scm_cache_bins=[1],
+        scm_policy="static",
+        max_warmup_steps=0,
+        Fn_compute_blocks=0,
+        cached_step_method="tokens",
+        cached_step_tokens=share,
+    )
+
+
+def test_token_subset_runs_the_changed_rows_against_kept_keys_by_hand():
+    torch.manual_seed(5)
+    model = TokenTransformer(2).eval()
+    x0 = torch.randn(1, 4, 2)
+    x1 = x0.clone()
+    x1[0, 1] += torch.tensor([0.9, -0.4])  # rows 1 and 3 move most: the two a share of 0.5 computes
+    x1[0, 3] += torch.tensor([-0.7, 0.8])
+    x1[0, 0] += 0.01
+    t0, t1 = torch.tensor([1.0]), torch.tensor([0.6])
+    dicache.enable(model, tokens_config(0.5))
+    try:
+        with torch.no_grad(), dicache.request(model, num_inference_steps=2):
+            out0, out1 = model(x0, t0), model(x1, t1)
+        stats = dicache.stats(model)
+        kernels = [type(block.attn.__dict__.get("kernel")).__name__ for block in model.blocks]
+    finally:
+        dicache.disable(model)
+    assert kernels == ["KernelTap", "KernelTap"] and all("kernel" not in b.attn.__dict__ for b in model.blocks)
+
+    def attend(q, k, v):
+        return torch.softmax(q @ k.T / 2**0.5, dim=-1) @ v
+
+    with torch.no_grad():
+        torch.testing.assert_close(out0, model(x0, t0), rtol=0, atol=0)  # the computed call is the plain model
+        h = [x0[0]]  # the computed call's stream entering each block: the keys/values kept
+        for _ in model.blocks:
+            h.append(h[-1] + 1.0 * attend(h[-1], h[-1], h[-1]))
+        rows = [1, 3]
+        r = x1[0, rows]
+        for b in range(2):  # the rows through each block, attending to the kept keys with their own rows fresh
+            keys = h[b].clone()
+            keys[rows] = r
+            r = r + 0.6 * attend(r, keys, keys)
+        expected = x1[0] + (h[2] - h[0])  # the other rows: the reused residual of the computed call
+        expected[rows] = r
+    torch.testing.assert_close(out1[0], expected)
+    branch = stats.branches["cond"]
+    assert branch.computed_steps == [0] and branch.cached_steps == [1]
+    # each block at 2 of 4 rows: linears none, attention 2·4 of 4·4 query-key pairs -> half a block each
+    assert stats.partial_blocks == pytest.approx(2 * 0.5) and stats.blocks_run == pytest.approx(2 + 1)
+
+
+def test_token_subsets_need_blocks_that_declare_them():
+    model = SeamTransformer(num_blocks=3, dim=DIM).eval()
+    dicache.enable(model, tokens_config(0.5))
+    try:
+        with pytest.raises(ConfigError, match="token_rows"), dicache.request(model, num_inference_steps=2):
+            drive(model, torch.randn(1, 4, DIM), 2)
+    finally:
+        dicache.disable(model)

@@ -27,7 +27,7 @@ from torch import nn
 from ..errors import ConfigError, UnsupportedModelError
 from .adapters.stack import StackSpec
 from .block_plan import BlockObserver
-from .hooks import BlockStackRunner
+from .hooks import BlockStackRunner, KernelTap
 from .session import CacheSession
 
 
@@ -187,10 +187,26 @@ def _attach(specs: Sequence[StackSpec]) -> list[BlockStackRunner]:
         else:
             runner = BlockStackRunner(spec)
             _redirect_iteration(runner, undo)
+        if all(_attention_of(block) is not None for block in spec.blocks):
+            runner.tap_kernels = functools.partial(_tap_kernels, runner, undo)
         runners.append(runner)
     _wrap_forward(specs, runners, undo)
     _ATTACHMENTS[owner] = _Attachment(runners, undo)
     return runners
+
+
+def _attention_of(block: nn.Module) -> nn.Module | None:
+    """The block's attention module when it has an `attn.kernel` seam (`cached_step_method=tokens`), else None."""
+    attn = getattr(block, "attn", None)
+    return attn if isinstance(attn, nn.Module) and callable(getattr(attn, "kernel", None)) else None
+
+
+def _tap_kernels(runner: BlockStackRunner, undo: list[Callable[[], None]]) -> None:
+    """Put a `KernelTap` on each block's attention kernel (reversibly, on the instance); the first token-subset
+    call asks for it, once."""
+    for block in runner.spec.blocks:
+        attn = _attention_of(block)
+        _set_instance_attr(attn, "kernel", KernelTap(attn.kernel), undo)
 
 
 def _paths(spec: StackSpec) -> tuple[str, ...]:

@@ -56,6 +56,8 @@ class BranchState:
     """`cached_step_method=fitted`: the inputs and outputs of the last computed calls (the predictor's features)."""
     kv: dict[int, tuple] = field(default_factory=dict)
     """`cached_step_method=tokens`: per stack block, the attention keys/values of the last computed call."""
+    token_input: torch.Tensor | None = None
+    """`cached_step_method=tokens`: the `h` stream entering the skipped blocks at the last computed call."""
 
     @property
     def has_residual(self) -> bool:
@@ -79,6 +81,7 @@ class BranchState:
         held += len(self.previous_input) if self.previous_input is not None else 0
         held += sum(map(len, self.computed_io)) if self.computed_io is not None else 0
         held += 2 * len(self.computed_calls.calls) if self.computed_calls is not None else 0
+        held += self.token_input is not None
         return held + sum(c.stored_tensors for c in self.calibrators.values())
 
 

@@ -416,6 +416,11 @@ class CacheConfig(BaseSettings):
                 f"fitted_predictor={self.fitted_predictor!r} is read only by cached_step_method='fitted' (got "
                 f"cached_step_method={method!r}): set that method, or leave fitted_predictor empty"
             )
+        if method == "tokens" and self.cached_step_blocks:
+            raise ValueError(
+                "cached_step_method='tokens' runs the chosen tokens through every skipped block of one middle "
+                f"segment: it needs no cached_step_blocks (got cached_step_blocks={self.cached_step_blocks})"
+            )
         if method != "fitted":
             return
         if not self.decides_statically or self.policy != "dbcache":

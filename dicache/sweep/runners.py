@@ -38,7 +38,7 @@ class Sample:
     total_s: float
     calls: int
     cached_calls: int
-    blocks_run: int
+    blocks_run: float
     num_blocks: int
     image_tokens: int
     text_tokens: int
@@ -54,7 +54,7 @@ class Sample:
         return block_fraction(self.blocks_run, self.num_blocks, full)
 
 
-def block_fraction(blocks_run: int, num_blocks: int, full_calls: int) -> float:
+def block_fraction(blocks_run: float, num_blocks: int, full_calls: int) -> float:
     """`blocks_run / (num_blocks × full_calls)`: compute against an uncached run of `full_calls` transformer calls
     (steps × CFG branches); 1.0 when there are no calls."""
     return blocks_run / (num_blocks * full_calls) if full_calls else 1.0
@@ -73,7 +73,7 @@ def recorded_sample(
     num_blocks: int,
     *,
     cached_calls: int = 0,
-    blocks_run: int | None = None,
+    blocks_run: float | None = None,
     cached_steps: dict[str, list[int]] | None = None,
 ) -> Sample:
     """The `Sample` of one generation that `rec` recorded: `image` / `latents` copied to float32 on the CPU;

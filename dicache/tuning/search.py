@@ -36,7 +36,7 @@ class CandidateResult:
     error: str | None = None
     config: CacheConfig | None = None
     psnr: dict[int, float] = field(default_factory=dict)
-    blocks_run: dict[int, int] = field(default_factory=dict)
+    blocks_run: dict[int, float] = field(default_factory=dict)
     blocks_total: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     meets_target: bool = False

@@ -15,6 +15,7 @@ from .fitted import (
     solve_ridge,
     steering_target,
 )
+from .tokens import select_rows, subset_fraction, token_count
 from .weights import PREDICTOR_FORMAT, FittedWeights, load_weights
 
 __all__ = [
@@ -28,6 +29,9 @@ __all__ = [
     "feature_width",
     "load_weights",
     "predict",
+    "select_rows",
     "solve_ridge",
     "steering_target",
+    "subset_fraction",
+    "token_count",
 ]
