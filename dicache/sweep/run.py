@@ -27,7 +27,7 @@ from .. import __version__
 from . import solvers
 from .cachedit import unsupported_reason
 from .compare import compare
-from .fitting import BatchRun, fit_predictor, fit_samples
+from .fitting import BatchRun, Trajectory, fit_predictor, fit_samples
 from .keys import RESULTS_VERSION, SweepKeys
 from .plots import save_image_grid
 from .records import flops_ratio_of, measured_record, reference_record, sample_from_ref
@@ -83,6 +83,7 @@ class Sweep(SweepKeys):
         self._bar: Any = None
         self._warm: set[str] = set()
         self._hirefs: list[dict[str, Any]] | None = None
+        self._trajectories: dict[tuple[str, Schedule], Trajectory] = {}
         for cell in dict.fromkeys(c for m in spec.methods for c in spec.method_cells(m)):
             try:
                 cell.config.check_block_split(native.num_blocks)
@@ -294,7 +295,10 @@ class Sweep(SweepKeys):
             self.log(f"fitting the predictor of {cell.label} on {len(self.spec.fit_prompts)} training prompt(s)")
             run = BatchRun(self._runner(pipeline), schedule, self.height, self.width)
             samples = fit_samples(self.spec.fit_prompts, self.spec.fit_seeds)
-            fit_predictor(run, samples, cell.overrides).save(path)
+            key = (pipeline, schedule)
+            if key not in self._trajectories:  # the fit samples' uncached run, shared by the schedule's cells
+                self._trajectories[key] = Trajectory.record(run, samples)
+            fit_predictor(run, samples, cell.overrides, self._trajectories[key]).save(path)
         return config.merged({"fitted_predictor": str(path)})
 
     def _baseline(self, schedule: Schedule, steps: int, refs: list[dict[str, Any]]) -> dict[str, Any]:
