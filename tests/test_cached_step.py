@@ -146,7 +146,7 @@ def test_a_fitter_is_handed_the_features_and_supplies_the_weights():
         def __init__(self):
             self.calls = []
 
-        def weights(self, step, branch, x, features):
+        def weights(self, step, branch, x, features, calls):
             self.calls.append((step, branch, x, features))
             return W4
 
@@ -262,7 +262,7 @@ def test_the_fit_steers_each_cached_step_back_to_the_uncached_trajectory(turbo_r
 
     run = BatchRun(turbo_runner, Schedule(4, 1.0, "turbo"), 32, 32)
     trajectory = Trajectory.record(run, FIT_SAMPLES)
-    assert sorted(trajectory.x) == [0, 1, 2, 3] and trajectory.x[0].shape == (2, 16, 64)
+    assert sorted(trajectory.x) == [0, 1, 2, 3, 4] and trajectory.x[0].shape == (2, 16, 64)
     assert len(trajectory.dt) == 4 and all(dt < 0 for dt in trajectory.dt)
     fit = fit_predictor(run, FIT_SAMPLES, predictor_overrides((1, 0, 1, 0)), trajectory)
     assert fit.mask == (1, 0, 1, 0) and set(fit.weights) == {(1, "cond"), (3, "cond")}
@@ -421,3 +421,20 @@ def test_token_subsets_need_blocks_that_declare_them():
             drive(model, torch.randn(1, 4, DIM), 2)
     finally:
         dicache.disable(model)
+
+
+def test_calibrate_quantized_measures_against_the_unquantized_model(tmp_path, capsys):
+    from dicache.cli import main
+
+    candidates = tmp_path / "c.json"
+    candidates.write_text(json.dumps([{"policy": "never"}]))  # every block computed: the quantization's own error
+    out = tmp_path / "int8.json"
+    argv = ["calibrate", "--variant", "turbo", "--steps", "4", "--size", "32", "--prompts", "1", "--device", "cpu"]
+    argv += ["--no-step-masks", "--candidates", str(candidates), "--target-psnr", "20", "--out", str(out)]
+    assert main([*argv, "--quantization", "int8", "--no-progress"]) == 0, capsys.readouterr().out
+    record = json.loads(out.read_text())["calibration"]
+    assert record["quantization"] == {"method": "int8", "exclude": []}
+    uncached = record["candidates"][0]
+    assert uncached["compute_fraction"] == 1.0 and 20 < uncached["psnr_min_db"] < 100  # INT8 vs float32, not 100
+    assert main([*argv, "--quantization", "fp8"]) == 2
+    assert "FP8 tensor cores" in capsys.readouterr().err

@@ -21,7 +21,8 @@ from .. import __version__
 from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import heldout_prompts_file, resolve_model
 from ..models.krea2.presets import PRESETS, resolve_variant
-from ..models.options import DeviceOptions
+from ..models.options import DeviceOptions, QuantizationOptions
+from ..quantization import check_fp8_support, parse_quantization
 from ..settings.cache_config import SETTINGS, CacheConfig
 from ..settings.options import FlagOptions, option
 from ..settings.profiles import write_profile
@@ -126,6 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_sampling_arguments(parser, "--preset")
     add_options(parser, CalibrateOptions)
+    add_options(parser, QuantizationOptions)
     add_options(parser, DeviceOptions)
     add_options(parser, RunOptions)
 
@@ -165,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        runner, meta = _load_runner(args)
+        runner, reference, meta = _load_runner(args)
         print(
             f"calibrating {meta['model_source']}: {meta['steps']} steps, guidance {meta['guidance_scale']:g}, "
             f"{meta['width']}x{meta['height']} px, {len(samples)} prompt(s), {len(candidates)} candidate(s), "
@@ -187,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
             early_stop=not args.no_early_stop,
             progress=not args.no_progress,
             step_masks=not args.no_step_masks,
-            predictor=_predictor_search(runner, samples, args),
+            predictor=_predictor_search(runner, samples, args, reference),
+            reference=reference,
             on_reject=lambda r: print(f"skipping candidate #{r.index} {r.label}: {r.error}", file=sys.stderr),
             base=CacheConfig.defaults().merged(fits),
         )
@@ -227,10 +230,13 @@ def predictor_folder(out: str) -> Path:
     return path.with_name(path.stem + ".predictors")
 
 
-def _predictor_search(runner: Any, samples: list[tuple[str, int]], args: argparse.Namespace) -> Any:
+def _predictor_search(
+    runner: Any, samples: list[tuple[str, int]], args: argparse.Namespace, reference: Any = None
+) -> Any:
     if args.fit_seeds == 0 or args.no_step_masks:
         return None
-    return PredictorSearch(runner, fit_samples(samples, args.fit_seeds), predictor_folder(args.out))
+    fits = fit_samples(samples, args.fit_seeds)
+    return PredictorSearch(runner, fits, predictor_folder(args.out), reference=reference)
 
 
 def _keep_chosen_predictor(settings: dict[str, Any], out: str) -> None:
@@ -249,12 +255,17 @@ def _keep_chosen_predictor(settings: dict[str, Any], out: str) -> None:
             folder.rmdir()
 
 
-def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
-    """The pipeline runner at the resolved schedule and size, and what to record about them."""
+def _load_runner(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
+    """The pipeline runner at the resolved schedule and size, the reference runner (the unquantized model when
+    `--quantization` is given, else None: the runner itself) and what to record about them."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    spec = parse_quantization(args.quantization, args.quantization_exclude)  # a bad value stops before loading
+    if spec is not None and spec.method == "fp8":
+        check_fp8_support(device)
 
-    pipe = Krea2Pipeline.from_pretrained(resolve_model(args.model, args.variant), dtype=dtype, device=device)
+    source = resolve_model(args.model, args.variant)
+    pipe = Krea2Pipeline.from_pretrained(source, dtype=dtype, device=device, quantization=spec)
     variant = resolve_variant(pipe, args.variant)
     preset = PRESETS[variant]
     steps = args.steps if args.steps is not None else preset.num_inference_steps
@@ -264,6 +275,10 @@ def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if width % multiple or height % multiple:
         raise CalibrationError(f"--size={width}x{height} is invalid: each side must be a multiple of {multiple} px")
     runner = PipelineRunner(pipe, steps, guidance, variant, height, width)
+    reference = None
+    if spec is not None:  # the served model is calibrated against the unquantized one
+        unquantized = Krea2Pipeline.from_pretrained(source, dtype=dtype, device=device)
+        reference = PipelineRunner(unquantized, steps, guidance, variant, height, width)
     meta = {
         "model": args.model,
         "model_source": pipe.source,
@@ -275,5 +290,6 @@ def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "height": height,
         "device": str(pipe.device),
         "dtype": str(next(pipe.transformer.parameters()).dtype).removeprefix("torch."),
+        "quantization": None if spec is None else {"method": spec.method, "exclude": list(spec.exclude)},
     }
-    return runner, meta
+    return runner, reference, meta

@@ -280,7 +280,8 @@ class BlockStackRunner:
                     "cached_step_method='fitted' needs fitted_predictor (SGLANG_CACHE_DIT_FITTED_PREDICTOR): the "
                     "predictor file dicache calibrate writes next to its profile"
                 )
-            weight = fitter.weights(ctx.step, branch.name, x, features)
+            calls_by_branch = {name: b.computed_calls for name, b in request.branches.items()}
+            weight = fitter.weights(ctx.step, branch.name, x, features, calls_by_branch)
         template = calls.template
         answer = with_sample(template, predict(features, weight, output_sample(template).dtype))
         count_decision(branch, decision)

@@ -41,17 +41,26 @@ class PredictorSearch:
     recorded once, on first use) and writes it to `folder/mask-<flags>.safetensors`; `fits` counts them."""
 
     def __init__(
-        self, runner: Any, samples: Sequence[tuple[str, int]], folder: str | Path, ridge: float = DEFAULT_RIDGE
+        self,
+        runner: Any,
+        samples: Sequence[tuple[str, int]],
+        folder: str | Path,
+        ridge: float = DEFAULT_RIDGE,
+        reference: Any = None,
     ) -> None:
-        """`runner`: a `PipelineRunner` (its native runner, schedule and size make the batch run)."""
+        """`runner`: a `PipelineRunner` (its native runner, schedule and size make the batch run); `reference`: the
+        one whose uncached run the fit steers to (default `runner`; the unquantized model when `runner` is the
+        quantized one that will be served)."""
         self.run = BatchRun(runner.native, runner.schedule, runner.height, runner.width)
+        reference = reference or runner
+        self.reference = BatchRun(reference.native, reference.schedule, reference.height, reference.width)
         self.samples, self.folder, self.ridge = list(samples), Path(folder), ridge
         self.trajectory: Trajectory | None = None
         self.fits = 0
 
     def fit(self, mask: Mask) -> Path:
         if self.trajectory is None:
-            self.trajectory = Trajectory.record(self.run, self.samples)
+            self.trajectory = Trajectory.record(self.reference, self.samples)
         weights = fit_predictor(self.run, self.samples, predictor_overrides(mask), self.trajectory, self.ridge)
         self.fits += 1
         return weights.save(self.folder / f"mask-{''.join(map(str, mask))}.safetensors")

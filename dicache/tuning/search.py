@@ -143,6 +143,7 @@ def calibrate(
     base: CacheConfig | None = None,
     step_masks: bool = False,
     predictor: PredictorSearch | None = None,
+    reference: Runner | None = None,
 ) -> Calibration:
     """Run the references and the candidates on `samples` and choose (see the module docstring).
 
@@ -151,6 +152,9 @@ def calibrate(
     `predictor`: also search masks whose cached steps the fitted output predictor answers (`cached_step_method=
     fitted`), each fitted by `predictor.fit` on its own samples (training prompts, never `samples`' seeds): the
     beam search on short schedules, `long_schedule_masks` on longer ones; each becomes a candidate.
+
+    `reference`: the runner the uncached references come from (default `runner`): the unquantized model when
+    `runner` runs the quantized one that will be served, so that the PSNR counts both errors.
 
     `on_reject` is called for each invalid candidate (the command prints them as they are found); `base`: the config
     every candidate is merged over (default the built-in defaults; `fit_algorithms`' values go there)."""
@@ -179,7 +183,7 @@ def calibrate(
         for prompt, seed in samples:
             bar.set_postfix_str("uncached reference")
             try:
-                ref = runner.run(prompt, seed, None)
+                ref = (reference or runner).run(prompt, seed, None)
             except ValueError as exc:  # e.g. a size off the model's multiple: nothing can run
                 raise CalibrationError(f"the uncached reference of {prompt!r} failed: {exc}") from None
             references.append(ref.image)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextvars
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -113,9 +113,12 @@ def solve_ridge(features: Iterable[torch.Tensor], targets: Iterable[torch.Tensor
 
 class PredictorFitter(Protocol):
     """Supplies the weights of a cached call while `dicache calibrate` fits them (`FITTER`): given the call's step,
-    branch, input `x` `(B, N, C)` and features `(B, N, F)`, it returns `W` `(F, C')` (fitted on this very batch)."""
+    branch, input `x` `(B, N, C)`, features `(B, N, F)` and every branch's computed calls so far (CFG branches may be
+    fitted together), it returns `W` `(F, C')` (fitted on this very batch)."""
 
-    def weights(self, step: int, branch: str, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor: ...
+    def weights(
+        self, step: int, branch: str, x: torch.Tensor, features: torch.Tensor, calls: Mapping[str, ComputedCalls]
+    ) -> torch.Tensor: ...
 
 
 FITTER: contextvars.ContextVar[PredictorFitter | None] = contextvars.ContextVar("dicache_fitter", default=None)
