@@ -199,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(format_table(result))
     if result.chosen is None:
+        _keep_chosen_predictor({}, args.out)  # nothing is written: no predictor file either
         raise TargetNotMet(result.failure_message())
 
     record = calibration_record(
