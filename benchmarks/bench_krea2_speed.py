@@ -17,6 +17,12 @@ padded to 512 with 48 real tokens; denoising only (latent output, no text encode
 - gaps: the GPU timeline (torch.profiler, CUDA) of one forward, of a plain Turbo denoise and of one under SGLang's
   pattern: span, kernel-busy time, idle time and its largest gaps with the kernels around them (where the denoise
   loses time to the host: decisions' synchronisations, launches). CUDA only.
+- cachedstep: one cached call under each cached-step method (issue 43) against a full forward: `forecast` (the plain
+  cached call, Fn=0: embeddings and final layer only), `fitted` (the fitted output predictor: no forward, one small
+  matmul; random weights of the real shape) and `tokens` at the shares `TOKEN_SHARES` (those rows through every
+  block against kept keys/values): median wall time of a call after a warm-up request, its share of a full
+  forward's time next to its share of the FLOPs (`RequestStats`), and graphs compiled after the warm-up (0 = no
+  recompilation). Run it once bf16 and once with `--quantization fp8`.
 
     python benchmarks/bench_krea2_speed.py [--results benchmarks/RESULTS.md] [--no-compile] [--sections ...]
     python benchmarks/bench_krea2_speed.py --tiny --device cpu      # logic check
@@ -59,7 +65,9 @@ from dicache.models.krea2 import Krea2Pipeline  # noqa: E402
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler  # noqa: E402
 from dicache.quantization import QUANTIZATION_METHODS, parse_quantization  # noqa: E402
 
-SECTIONS = ("forward", "masks", "sglang", "overhead", "profile", "gaps")
+SECTIONS = ("forward", "masks", "sglang", "overhead", "profile", "gaps", "cachedstep")
+TOKEN_SHARES = (0.1, 0.2)
+"""`cachedstep`: the token shares `cached_step_method=tokens` is timed at."""
 SGLANG_PATTERN = {
     "Fn_compute_blocks": 1,
     "Bn_compute_blocks": 0,
@@ -596,6 +604,81 @@ class Bench:
             rows.append({"run": name, "host_waits": waits, "wall_ms": round(wall * 1e3, 3), **timeline(kernels)})
             print(f"gaps{tag}: {rows[-1]}", flush=True)
         self.results["sections"][f"gaps{tag}"] = rows
+
+    def section_cachedstep(self, tag: str) -> None:
+        import tempfile
+
+        from torch._dynamo.utils import counters
+
+        from dicache.engine.cached_step import FittedWeights, feature_width
+
+        ours, steps = self.ours, 12
+        channels = self.config["in_channels"]
+        text = ours.encode_text(self.pe, self.pm)
+        gen = torch.Generator(self.device).manual_seed(3)
+        x = torch.randn(1, self.image_tokens, channels, generator=gen, device=self.device).to(self.dtype)
+        drift = torch.randn(x.shape, generator=gen, device=self.device).to(self.dtype)
+        ids = Krea2Pipeline.position_ids(self.size // 16, self.size // 16, self.device)
+        mask = (1,) + (0,) * steps
+        base = {"scm_compute_bins": [1], "scm_cache_bins": [steps], "scm_policy": "static", "max_warmup_steps": 0}
+        base["Fn_compute_blocks"] = 0
+        folder = tempfile.mkdtemp(prefix="dicache-bench-")
+        weights = {(i, "cond"): 0.01 * torch.randn(feature_width(channels), channels) for i in range(1, steps + 1)}
+        path = FittedWeights(steps + 1, mask, weights).save(f"{folder}/predictor.safetensors")
+        methods = {
+            "forecast": {},
+            "fitted": {"cached_step_method": "fitted", "fitted_predictor": str(path)},
+            **{f"tokens {s:g}": {"cached_step_method": "tokens", "cached_step_tokens": s} for s in TOKEN_SHARES},
+        }
+        with torch.no_grad():
+            full = self.timed(lambda: ours(x, text, torch.full((1,), 0.7, device=self.device), ids), 10)
+
+        def request() -> list[float]:
+            times = []
+            with torch.no_grad(), dicache.request(ours, num_inference_steps=steps + 1):
+                for i in range(steps + 1):
+                    sigma = 0.9 - 0.05 * i
+                    t = torch.full((1,), sigma, device=self.device)
+                    xi = x + (0.02 * i) * drift
+                    self.sync()
+                    start = time.perf_counter()
+                    with dicache.step(ours, i, "cond", sigma):
+                        ours(xi, text, t, ids)
+                    self.sync()
+                    times.append(time.perf_counter() - start)
+            return times
+
+        rows = [
+            {
+                "method": "full forward",
+                "call_ms": round(full["s"] * 1e3, 3),
+                "time_share": 1.0,
+                "flop_share": 1.0,
+                "new_graphs_after_warmup": full["new_graphs"],
+            }
+        ]
+        num_blocks = self.config["num_layers"]
+        for name, extra in methods.items():
+            dicache.enable(ours, {**base, **extra})
+            try:
+                request()  # warm-up: compiles what a method's calls need (token subsets: their row count)
+                graphs = counters["stats"]["unique_graphs"]
+                times = request()
+                stats = dicache.stats(ours)
+            finally:
+                dicache.disable(ours)
+            cached = sorted(times[1:])[len(times[1:]) // 2]
+            rows.append(
+                {
+                    "method": name,
+                    "call_ms": round(cached * 1e3, 3),
+                    "time_share": round(cached / full["s"], 4),
+                    "flop_share": round((stats.blocks_run - num_blocks) / steps / num_blocks, 4),
+                    "new_graphs_after_warmup": counters["stats"]["unique_graphs"] - graphs,
+                }
+            )
+            print(f"cachedstep{tag}: {rows[-1]}", flush=True)
+        self.results["sections"][f"cachedstep{tag}"] = rows
 
     # -------------------------------------------------------------------------------------------------- compile
     def compile_both(self) -> dict:

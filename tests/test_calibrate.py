@@ -174,6 +174,7 @@ def test_calibrate_searches_step_masks_and_picks_one_on_the_tiny_model(tmp_path,
     candidates.write_text(json.dumps([{"residual_diff_threshold": 0.5}]))  # caches nothing at 4 steps (W 4)
     out = tmp_path / "masks.json"
     argv = ["calibrate", "--variant", "turbo", "--steps", "4", "--size", "32", "--prompts", "1", "--device", "cpu"]
+    argv += ["--fit-seeds", "0"]  # the whole-step masks alone (the fitted predictor's search: its own test)
     code = main([*argv, "--candidates", str(candidates), "--target-psnr", "40", "--out", str(out), "--no-progress"])
     printed = capsys.readouterr().out
     assert code == 0, printed

@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "dicache.engine.policies",
         "dicache.engine.calibrators",
+        "dicache.engine.cached_step",
         "dicache.engine.stats",
         "dicache.engine.block_plan",
         "dicache.engine.reduction",

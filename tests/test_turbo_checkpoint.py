@@ -108,7 +108,7 @@ def test_commands_load_the_turbo_checkpoint_for_variant_turbo(checkpoints, tmp_p
     assert main([*args, "--out", str(tmp_path / "a.png")]) == 0
     assert f"(model: {turbo_dir})" in capsys.readouterr().out
 
-    runner, meta = _load_runner(
+    runner, _reference, meta = _load_runner(
         argparse.Namespace(model=None, variant="turbo", device="cpu", dtype=None, steps=1, guidance=None, size=(32, 32))
     )
     assert meta["model_source"] == str(turbo_dir) and meta["variant"] == "turbo" and meta["guidance_scale"] == 1.0

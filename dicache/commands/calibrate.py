@@ -22,10 +22,12 @@ from ..models.families import is_family_model, pipeline_class
 from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import heldout_prompts_file, resolve_model
 from ..models.krea2.presets import PRESETS, resolve_variant
-from ..models.options import DeviceOptions
+from ..models.options import DeviceOptions, QuantizationOptions
+from ..quantization import check_fp8_support, parse_quantization
 from ..settings.cache_config import SETTINGS, CacheConfig
 from ..settings.options import FlagOptions, option
 from ..settings.profiles import write_profile
+from ..sweep.fitting import DEFAULT_FIT_SEEDS, fit_samples
 from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
 from ..sweep.runners import FamilyRunner
 from ..sweep.settings import RECOMMENDED_BUDGETS
@@ -44,6 +46,7 @@ from ..tuning import (
     profile_settings,
 )
 from ..tuning.masks import MAX_MASK_STEPS
+from ..tuning.predictor import PredictorSearch
 from .fields import add_options
 from .generate import add_sampling_arguments
 from .shared import RunOptions
@@ -101,6 +104,14 @@ class CalibrateOptions(FlagOptions):
         help=f"skip the per-step mask search (on schedules of at most {MAX_MASK_STEPS} steps, each mask scored is a "
         "candidate: which steps to compute, the cached ones forecast with forecaster=input_corrected)",
     )
+    fit_seeds: int = option(
+        DEFAULT_FIT_SEEDS,
+        flag="--fit-seeds",
+        ge=0,
+        help="with the step mask search, also search masks whose cached steps a fitted output predictor answers "
+        "(cached_step_method=fitted), fitted on each prompt with this many other seeds (seed+1...); 0: off. The "
+        "predictor files go next to OUT (<out>.predictors/); the chosen one stays",
+    )
     no_early_stop: bool = option(
         False, flag="--no-early-stop", help="run every candidate on every prompt (fuller table, slower)"
     )
@@ -134,6 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  dicache calibrate --out turbo.json --variant turbo                 # embedded model, 4 held-out prompts\n"
         "  dicache calibrate --steps 28 --guidance 4.5 --target-psnr 40 --out raw28.json\n"
         "  dicache calibrate --model DIR --device cuda --prompts prompts.txt --candidates mine.yaml\n"
+        "  dicache calibrate --variant turbo --prompts benchmarks/grids/turbo_calibration_prompts.json --fit-seeds 8\n"
         "  dicache generate 'red apple' --profile turbo.json        # or SGLANG_CACHE_DIT_PROFILE=turbo.json\n"
         "The profile holds the chosen settings (caching on) and how they were measured; calibrate with the steps,\n"
         "guidance and size you will serve: the target is only checked there. SGLANG_CACHE_DIT_* variables still\n"
@@ -141,6 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_sampling_arguments(parser, "--preset")
     add_options(parser, CalibrateOptions)
+    add_options(parser, QuantizationOptions)
     add_options(parser, DeviceOptions)
     add_options(parser, RunOptions)
 
@@ -180,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        runner, meta = _load_runner(args)
+        runner, reference, meta = _load_runner(args)
         print(
             f"calibrating {meta['model_source']}: {meta['steps']} steps, guidance {meta['guidance_scale']:g}, "
             f"{meta['width']}x{meta['height']} px, {len(samples)} prompt(s), {len(candidates)} candidate(s), "
@@ -202,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
             early_stop=not args.no_early_stop,
             progress=not args.no_progress,
             step_masks=not args.no_step_masks,
+            predictor=_predictor_search(runner, samples, args, reference),
+            reference=reference,
             on_reject=lambda r: print(f"skipping candidate #{r.index} {r.label}: {r.error}", file=sys.stderr),
             base=CacheConfig.defaults().merged(fits),
         )
@@ -222,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(lines))
         print(f"wrote {path}: dicache sweep --grid {path} measures these settings (on other prompts)")
     if result.chosen is None:
+        _keep_chosen_predictor({}, args.out)  # nothing is written: no predictor file either
         raise TargetNotMet(result.failure_message())
 
     record = calibration_record(
@@ -232,7 +248,9 @@ def run(args: argparse.Namespace) -> int:
         dicache_version=__version__,
         torch_version=torch.__version__,
     )
-    path = write_profile(args.out, profile_settings(result.chosen), record)
+    settings = profile_settings(result.chosen)
+    _keep_chosen_predictor(settings, args.out)
+    path = write_profile(args.out, settings, record)
     print(f"wrote {path}: use it with --profile {path} (dicache generate / serve / config) or SGLANG_CACHE_DIT_PROFILE")
     if result.chosen.compute_fraction >= 1.0:
         print(
@@ -245,12 +263,49 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_family_runner(args: argparse.Namespace, device: str, dtype: Any) -> tuple[Any, dict[str, Any]]:
+def predictor_folder(out: str) -> Path:
+    """Where the fitted predictors of a calibration writing the profile `out` go: `<out without suffix>.predictors`."""
+    path = Path(out)
+    return path.with_name(path.stem + ".predictors")
+
+
+def _predictor_search(
+    runner: Any, samples: list[tuple[str, int]], args: argparse.Namespace, reference: Any = None
+) -> Any:
+    if args.fit_seeds == 0 or args.no_step_masks:
+        return None
+    fits = fit_samples(samples, args.fit_seeds)
+    return PredictorSearch(runner, fits, predictor_folder(args.out), reference=reference)
+
+
+def _keep_chosen_predictor(settings: dict[str, Any], out: str) -> None:
+    """The chosen profile's predictor file, named relative to the profile (as the profile reads it); the other
+    fits' files are removed."""
+    folder = predictor_folder(out)
+    chosen = settings.get("fitted_predictor")
+    if chosen is not None:
+        chosen_path = Path(chosen).resolve()
+        settings["fitted_predictor"] = os.path.relpath(chosen_path, Path(out).resolve().parent)
+    if folder.is_dir():
+        for file in folder.glob("mask-*.safetensors"):
+            if chosen is None or file.resolve() != chosen_path:
+                file.unlink()
+        if not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def _load_family_runner(args: argparse.Namespace, device: str, dtype: Any) -> tuple[Any, Any, dict[str, Any]]:
     """`_load_runner` for a diffusers pipeline of a registered family (its own `__call__`: `FamilyRunner`)."""
     embedded = getattr(args, "embedded_guidance", None)
     name = f"{pipeline_class(args.model)} ({args.model})"
     if args.variant is not None:
         raise CalibrationError(f"--variant={args.variant!r} is refused for {name}: variants are Krea-2's presets")
+    quantization = getattr(args, "quantization", None)  # absent from a namespace built without QuantizationOptions
+    if parse_quantization(quantization, getattr(args, "quantization_exclude", None)) is not None:
+        raise CalibrationError(
+            f"--quantization={quantization!r} is refused for {name}: calibrating the quantized model against "
+            "the unquantized one is built for Krea-2 checkpoints"
+        )
     family = FamilyRunner.load(args.model, dtype=dtype or torch.float32, device=device)
     sampling = family.model.sampling
     steps = args.steps or sampling["steps"]
@@ -272,11 +327,12 @@ def _load_family_runner(args: argparse.Namespace, device: str, dtype: Any) -> tu
         "device": str(device),
         "dtype": str(next(family.pipe.transformer.parameters()).dtype).removeprefix("torch."),
     }
-    return runner, meta
+    return runner, None, meta
 
 
-def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
-    """The pipeline runner at the resolved schedule and size, and what to record about them."""
+def _load_runner(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
+    """The pipeline runner at the resolved schedule and size, the reference runner (the unquantized model when
+    `--quantization` is given, else None: the runner itself) and what to record about them."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if is_family_model(args.model):
@@ -284,8 +340,13 @@ def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     embedded = getattr(args, "embedded_guidance", None)  # absent from a namespace built without SamplingOptions
     if embedded is not None:
         raise CalibrationError(f"--embedded-guidance={embedded:g} is refused for Krea-2: it has none")
+    # a bad value stops before loading; absent from a namespace built without QuantizationOptions
+    spec = parse_quantization(getattr(args, "quantization", None), getattr(args, "quantization_exclude", None))
+    if spec is not None and spec.method == "fp8":
+        check_fp8_support(device)
 
-    pipe = Krea2Pipeline.from_pretrained(resolve_model(args.model, args.variant), dtype=dtype, device=device)
+    source = resolve_model(args.model, args.variant)
+    pipe = Krea2Pipeline.from_pretrained(source, dtype=dtype, device=device, quantization=spec)
     variant = resolve_variant(pipe, args.variant)
     preset = PRESETS[variant]
     steps = args.steps if args.steps is not None else preset.num_inference_steps
@@ -295,6 +356,10 @@ def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if width % multiple or height % multiple:
         raise CalibrationError(f"--size={width}x{height} is invalid: each side must be a multiple of {multiple} px")
     runner = PipelineRunner(pipe, steps, guidance, variant, height, width)
+    reference = None
+    if spec is not None:  # the served model is calibrated against the unquantized one
+        unquantized = Krea2Pipeline.from_pretrained(source, dtype=dtype, device=device)
+        reference = PipelineRunner(unquantized, steps, guidance, variant, height, width)
     meta = {
         "model": args.model,
         "model_source": pipe.source,
@@ -306,5 +371,6 @@ def _load_runner(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "height": height,
         "device": str(pipe.device),
         "dtype": str(next(pipe.transformer.parameters()).dtype).removeprefix("torch."),
+        "quantization": None if spec is None else {"method": spec.method, "exclude": list(spec.exclude)},
     }
-    return runner, meta
+    return runner, reference, meta

@@ -217,6 +217,7 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
     reference_steps = S.DEFAULT_REFERENCE_STEPS if reference_steps == "" else S.parse_reference_steps(reference_steps)
     compute_targets = args.compute_targets or file.get("compute_targets") or S.DEFAULT_COMPUTE_TARGETS
     cachedit_grid = file.get("cachedit_grid")
+    fit_prompts = file.get("fit_prompts")
     return S.SweepSpec(
         samples=samples,
         schedules=schedules,
@@ -230,6 +231,8 @@ def build_spec(args: argparse.Namespace, log: Any = print) -> Any:
         reference_steps=reference_steps,
         compute_targets=tuple(_fraction(v) for v in compute_targets),
         cachedit_cells=None if cachedit_grid is None else S.expand_grid(cachedit_grid),
+        fit_prompts=None if fit_prompts is None else S.make_samples(S.read_prompts(fit_prompts, split="train"), None),
+        fit_seeds=file.get("fit_seeds", 8),
         extra={"notes": notes},
     )
 

@@ -19,6 +19,8 @@ gets a runner too (every call runs all blocks).
 from __future__ import annotations
 
 import contextvars
+import copy
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -30,8 +32,9 @@ import torch
 from ..blocks.families import registered_forms
 from ..blocks.forms import DIFF_STREAMS, BlockForm, H, describe, fitting_forms, misfit
 from ..blocks.stack import StackSpec
-from ..errors import BlockFormError
+from ..errors import BlockFormError, ConfigError
 from .block_plan import BlockObserver, BlockPlan, CallInfo, publish
+from .cached_step import FITTER, predict, select_rows, subset_fraction, token_count
 from .policies import StepContext
 from .policies.lookahead import BranchCounters, decide_without_diff, upcoming_decisions
 from .reduction import PARALLEL_LAYOUT_ATTR, change_ratio, relative_change
@@ -74,6 +77,124 @@ class _Scope:
         self.walk: StackWalk | None = None
 
 
+def step_context(ctx) -> StepContext:
+    """What the policy reads of a call: its step and its branch's counters."""
+    request, branch = ctx.request, ctx.branch
+    return StepContext(
+        step=ctx.step,
+        num_steps=request.num_steps,
+        cached_total=branch.cached_total,
+        continuous_cached=branch.continuous_cached,
+        has_residual=branch.has_residual,
+        has_reference=branch.reference is not None,
+        sigma=ctx.sigma,
+        accumulated=branch.accumulated,
+        rate=branch.rate,
+    )
+
+
+def count_decision(branch, decision) -> None:
+    """Advance a branch's counters past a call decided `decision`."""
+    if decision.cache:
+        branch.cached_total += 1
+        branch.continuous_cached += 1
+        branch.accumulated = decision.accumulated or 0.0
+    else:
+        branch.continuous_cached = 0
+        branch.accumulated = 0.0
+
+
+def forward_sample(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The forward's latent input (`hidden_states`, keyword or first positional): `(B, N, C)`, what the fitted
+    predictor reads; a `ConfigError` for any other input."""
+    x = kwargs.get("hidden_states", args[0] if args else None)
+    if not isinstance(x, torch.Tensor) or x.ndim != 3:
+        raise ConfigError(
+            "cached_step_method='fitted' needs a transformer whose forward takes hidden_states as (batch, tokens, "
+            f"channels); got {describe(x)}"
+        )
+    return x
+
+
+def output_sample(output: Any) -> torch.Tensor:
+    """The latent-shaped tensor of a forward's output: the output itself, its first element (a tuple), or `.sample`."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    sample = getattr(output, "sample", None)
+    if isinstance(sample, torch.Tensor):
+        return sample
+    raise ConfigError(
+        "cached_step_method='fitted' needs a transformer whose forward returns a tensor, a tuple starting with one, "
+        f"or an object with .sample; got {describe(output)}"
+    )
+
+
+def with_sample(template: Any, sample: torch.Tensor) -> Any:
+    """`template` (a computed call's output) with its sample replaced by `sample`, in the same structure."""
+    if isinstance(template, torch.Tensor):
+        return sample
+    if isinstance(template, tuple | list):
+        return type(template)([sample, *template[1:]])
+    answer = copy.copy(template)
+    answer.sample = sample
+    return answer
+
+
+class OutputCall:
+    """One transformer call of a request whose cached calls the fitted output predictor answers: `answer` is the
+    predicted output (no forward runs), or None for a computed call, whose output `computed` records."""
+
+    __slots__ = ("branch", "x", "answer")
+
+    def __init__(self, branch, x: torch.Tensor, answer: Any = None) -> None:
+        self.branch, self.x, self.answer = branch, x, answer
+
+    def computed(self, output: Any) -> None:
+        """The forward returned `output`: keep its input and output for the predictions that follow."""
+        calls = self.branch.computed_calls
+        calls.record(self.x, output_sample(output))
+        calls.template = output
+
+
+class TokenKeys:
+    """What a block's attention gets in place of its key mask under `cached_step_method=tokens` (through the
+    block's `attention_mask` argument, which it hands to `attn.kernel` unchanged; `KernelTap` reads it).
+
+    Recording (`keys` None, a computed call): the kernel's keys and values are kept here, the attention is the
+    plain one. Subset (a cached call computing `rows` only): the kernel's keys and values (those rows') replace
+    `rows` of the kept ones, and the queries attend to all of them. Layout `(B, heads, seq, head_dim)`."""
+
+    __slots__ = ("mask", "keys", "values", "rows")
+
+    def __init__(self, mask: Any, keys: Any = None, values: Any = None, rows: Any = None) -> None:
+        self.mask, self.keys, self.values, self.rows = mask, keys, values, rows
+
+    def attend(self, kernel: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if self.keys is None:
+            self.keys, self.values = k, v
+            return kernel(q, k, v, self.mask)
+        keys = self.keys.index_copy(2, self.rows, k)
+        values = self.values.index_copy(2, self.rows, v)
+        return kernel(q, keys, values, self.mask)
+
+
+class KernelTap:
+    """Stands in for an attention module's `kernel` (set by `engine/install.py` when a request first computes token
+    subsets): the module's own kernel, except when a `TokenKeys` comes as the key mask."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Callable[..., torch.Tensor]) -> None:
+        self.inner = inner
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Any = None) -> torch.Tensor:
+        if isinstance(key_mask, TokenKeys):
+            return key_mask.attend(self.inner, q, k, v)
+        return self.inner(q, k, v, key_mask)
+
+
 class BlockStackRunner:
     """Runs a block stack for the call context the session reports, and keeps the stack's observers informed.
 
@@ -92,6 +213,12 @@ class BlockStackRunner:
         self.proxies = tuple(BlockProxy(self, i, block) for i, block in enumerate(spec.blocks))
         self.checked: set[int] = set()
         """Lists (positions in `spec.lists`) whose form a complete call has confirmed."""
+        self.tap_kernels: Callable[[], None] | None = None
+        """Puts a `KernelTap` on every block's attention kernel (given by `engine/install.py` when every block has
+        an `attn.kernel`; None: token subsets are not supported)."""
+        self.kernels_tapped = False
+        self.costs: dict[int, tuple[float, int]] = {}
+        """Per block: multiply-adds per row of its linears and its attention's query width (token subsets' cost)."""
         self._scope: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
             f"dicache_stack_{next(_ids)}", default=None
         )
@@ -128,6 +255,46 @@ class BlockStackRunner:
             ctx = self.session.current_call() if self.session is not None else None
             scope.walk = StackWalk(self, ctx, tuple(self.observers))
         return scope.walk
+
+    def output_call(self, args: tuple, kwargs: dict) -> OutputCall | None:
+        """For a request under the fitted output predictor (`cached_step_method=fitted`): the call's answer when its
+        step mask caches it (counted, recorded and told to the observers as a call that runs no block), else an
+        `OutputCall` that records the computed output. None for any other call."""
+        ctx = self.session.current_call() if self.session is not None else None
+        if ctx is None or not ctx.request.predicts_output:
+            return None
+        request, branch = ctx.request, ctx.branch
+        x = forward_sample(args, kwargs)
+        decision = decide_without_diff(request.policy, step_context(ctx))
+        if decision is None or not decision.cache:
+            return OutputCall(branch, x)
+        calls = branch.computed_calls
+        features = calls.features(x)
+        weights = request.fitted_weights()
+        if weights is not None:
+            weight = weights.weight(ctx.step, branch.name)
+        else:
+            fitter = FITTER.get()
+            if fitter is None:
+                raise ConfigError(
+                    "cached_step_method='fitted' needs fitted_predictor (SGLANG_CACHE_DIT_FITTED_PREDICTOR): the "
+                    "predictor file dicache calibrate writes next to its profile"
+                )
+            calls_by_branch = {name: b.computed_calls for name, b in request.branches.items()}
+            weight = fitter.weights(ctx.step, branch.name, x, features, calls_by_branch)
+        template = calls.template
+        answer = with_sample(template, predict(features, weight, output_sample(template).dtype))
+        count_decision(branch, decision)
+        branch.stats.record(ctx.step, True, decision.reason, None)
+        observers = tuple(self.observers)
+        for observer in observers:
+            observer.begin_call(CallInfo(ctx.step, branch.name))
+        try:
+            publish(observers, BlockPlan((), True, self.upcoming(ctx, True)))
+        finally:
+            for observer in reversed(observers):
+                observer.end_call()
+        return OutputCall(branch, x, answer)
 
     def run_seam(self, *args: Any, **kwargs: Any) -> Any:
         """Replaces the owner's `run_blocks(hidden, *block_args)` seam: the blocks in order, each through its proxy."""
@@ -224,6 +391,10 @@ class StackWalk:
         self.fn_out: tuple[torch.Tensor, ...] | None = None  # the streams after the Fn blocks
         self.position = 0.0
         self.previous: tuple | None = None  # the last run block's call, checked again against the next call
+        self.tokens = False  # cached_step_method=tokens
+        self.rows: torch.Tensor | None = None  # the rows a cached call computes (tokens)
+        self.h_rows: torch.Tensor | None = None  # those rows' `h` stream through the skipped blocks
+        self.cached_values: dict[str, Any] = {}
         info = CallInfo(ctx.step, ctx.branch.name) if ctx is not None else CallInfo()
         for observer in observers:
             observer.begin_call(info)
@@ -231,22 +402,13 @@ class StackWalk:
             everything = tuple(range(self.spec.num_blocks))
             publish(observers, BlockPlan(everything, True, everything))
             return
-        request, branch = ctx.request, ctx.branch
+        request = ctx.request
         config = request.config
         self.fn, self.bn = config.Fn_compute_blocks, config.Bn_compute_blocks
+        self.tokens = config.cached_step_method == "tokens"
         self.segments = request.segments
         self.segment_of = request.segment_of
-        self.step_ctx = StepContext(
-            step=ctx.step,
-            num_steps=request.num_steps,
-            cached_total=branch.cached_total,
-            continuous_cached=branch.continuous_cached,
-            has_residual=branch.has_residual,
-            has_reference=branch.reference is not None,
-            sigma=ctx.sigma,
-            accumulated=branch.accumulated,
-            rate=branch.rate,
-        )
+        self.step_ctx = step_context(ctx)
         # Rules that do not read the diff decide before any block runs (same answer: decisions are pure), so the
         # observers learn the whole call up front; otherwise they learn the Fn blocks now and the rest after them.
         self.early = decide_without_diff(request.policy, self.step_ctx) if observers else None
@@ -295,13 +457,70 @@ class StackWalk:
             self._close()
             if segment is not None:
                 self._enter(segment, form)
-        if segment is not None and self.decision.cache and self.segments[segment].cached:
+        skipped = segment is not None and self.segments[segment].cached
+        if skipped and self.decision.cache:
             self.previous = None
-            return self.cached_out
+            return self._token_block(index, block, args, kwargs) if self.tokens else self.cached_out
+        keys = None
+        if skipped and self.tokens:  # a computed call keeps each skippable block's keys and values
+            args, kwargs, keys = self._with_keys(block, args, kwargs, TokenKeys(None))
         result, outputs = self._run(index, block, form, args, kwargs)
+        if keys is not None:
+            self.ctx.branch.kv[index] = (keys.keys, keys.values)
         if segment is not None:
             self.seg_out = outputs
         return result
+
+    # ------------------------------------------------------------------ token subsets (cached_step_method=tokens)
+    def _with_keys(self, block: torch.nn.Module, args: tuple, kwargs: dict, keys: TokenKeys) -> tuple:
+        """`(args, kwargs, keys)`: the block's call with `keys` as its `attention_mask` (holding the one given)."""
+        self._check_tokens(block)
+        runner = self.runner
+        if not runner.kernels_tapped:
+            runner.tap_kernels()
+            runner.kernels_tapped = True
+        bound = bound_call(block, args, kwargs)
+        keys.mask = bound.arguments.get("attention_mask")
+        bound.arguments["attention_mask"] = keys
+        return bound.args, bound.kwargs, keys
+
+    def _token_block(self, index: int, block: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """A skipped block on a cached call: run the chosen rows through it against the kept keys and values; the
+        segment's last block answers with the estimate, those rows replaced by what the blocks computed."""
+        branch, segment = self.ctx.branch, self.segments[self.open]
+        kept = branch.kv.get(index)
+        if kept is None or branch.token_input is None:
+            raise RuntimeError(f"dicache: no kept keys/values for {self.spec.where(index)}; no computed call ran it")
+        if self.rows is None:
+            source = self.seg_in[H]
+            count = token_count(source.shape[1], self.ctx.request.config.cached_step_tokens)
+            self.rows = select_rows(source, branch.token_input, count)
+            self.h_rows = source.index_select(1, self.rows)
+        args, kwargs, _ = self._with_keys(block, args, kwargs, TokenKeys(None, *kept, self.rows))
+        bound = bound_call(block, args, kwargs)
+        bound.arguments["hidden_states"] = self.h_rows
+        call = block.token_rows(self.rows, *bound.args, **bound.kwargs)
+        for observer in self.observers:
+            observer.before_block(index)
+        self.h_rows = block(*call)
+        for observer in self.observers:
+            observer.after_block(index)
+        self.ctx.request.stats.partial_blocks += self._subset_cost(index, block, self.h_rows.shape[1], kept[0])
+        if index != segment.stop - 1:
+            return self.cached_out
+        values = dict(self.cached_values)
+        values[H] = values[H].index_copy(1, self.rows, self.h_rows.to(values[H].dtype))
+        self.state.update(values)
+        return self.seg_form.pack(values)
+
+    def _subset_cost(self, index: int, block: torch.nn.Module, rows: int, keys: torch.Tensor) -> float:
+        cost = self.runner.costs.get(index)
+        if cost is None:
+            macs = sum(m.in_features * m.out_features for m in block.modules() if isinstance(m, torch.nn.Linear))
+            attn = getattr(block, "attn", None)
+            width = int(getattr(attn, "num_heads", 0)) * int(getattr(attn, "head_dim", 0))
+            cost = self.runner.costs[index] = (float(macs), width)
+        return subset_fraction(rows, keys.shape[2], *cost)
 
     def _run(self, index: int, block: torch.nn.Module, form: BlockForm, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         """Run the block as the model called it; its result and that result read with `form` (None: unreadable)."""
@@ -381,13 +600,7 @@ class StackWalk:
             full = runner.call_plan(decision.cache, self.fn, self.bn, self.segments)
             publish(self.observers, BlockPlan(full, True, runner.upcoming(ctx, decision.cache)))
         self.position = request.position(ctx.step, ctx.sigma)
-        if decision.cache:
-            branch.cached_total += 1
-            branch.continuous_cached += 1
-            branch.accumulated = decision.accumulated or 0.0
-        else:
-            branch.continuous_cached = 0
-            branch.accumulated = 0.0
+        count_decision(branch, decision)
         if (
             policy.uses_diff
             and (not decision.cache or signal == "fn_residual_consecutive")
@@ -402,6 +615,7 @@ class StackWalk:
         """The first called block of middle segment `segment`: remember its input; on a cached call, build the answer
         every block of a skipped segment gives."""
         self.open, self.seg_form, self.seg_out = segment, form, None
+        self.rows = self.h_rows = None
         self.seg_in = {s: self.state.get(s) for s in form.outputs}
         if not (self.decision.cache and self.segments[segment].cached):
             return
@@ -421,13 +635,31 @@ class StackWalk:
             estimate = calibrator.estimate(self.position, base)
             values[stream] = estimate if base is None else base + estimate
         self.state.update(values)
+        self.cached_values = values
         self.cached_out = form.pack(values)
+
+    def _check_tokens(self, block: torch.nn.Module) -> None:
+        """`cached_step_method=tokens` runs on blocks that declare `token_rows` and compute attention through
+        `attn.kernel`, without sequence parallelism; a `ConfigError` otherwise."""
+        if not hasattr(block, "token_rows") or self.runner.tap_kernels is None:
+            raise ConfigError(
+                "cached_step_method='tokens' needs blocks that declare token_rows and compute attention through "
+                f"attn.kernel (the native Krea-2 transformer's do); {type(block).__name__} of "
+                f"{type(self.spec.owner).__name__} does not: use another cached_step_method"
+            )
+        if getattr(getattr(self.spec.owner, PARALLEL_LAYOUT_ATTR, None), "shard", None) is not None:
+            raise ConfigError("cached_step_method='tokens' does not run under Ulysses sequence parallelism")
 
     def _close(self) -> None:
         """Leaving the open segment: on a computed call, store what its blocks added to each stream."""
         segment, self.open = self.open, None
         if segment is None or self.decision.cache or not self.segments[segment].cached or self.seg_out is None:
             return
+        if self.ctx.request.predicts_output:  # cached calls never run the walk: no residual is forecast
+            self.middle_out = self._diff_streams()
+            return
+        if self.tokens:
+            self.ctx.branch.token_input = self.seg_in.get(H)
         branch = self.ctx.branch
         for stream in self.seg_form.outputs:
             out, base = self.seg_out.get(stream), self.seg_in.get(stream)
@@ -474,6 +706,13 @@ class StackWalk:
         finally:
             for observer in reversed(self.observers):
                 observer.end_call()
+
+
+def bound_call(block: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """The block call's arguments bound to its `forward`'s parameters (defaults applied)."""
+    bound = inspect.signature(block.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound
 
 
 def describe_call(args: tuple, kwargs: dict, limit: int = 5) -> str:

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from ..blocks.stack import StackSpec
-from ..errors import UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 from .block_plan import BlockObserver
-from .hooks import BlockStackRunner
+from .hooks import BlockStackRunner, KernelTap
 from .session import CacheSession
 
 
@@ -143,10 +143,21 @@ def _wrap_forward(specs: Sequence[StackSpec], runners: list[BlockStackRunner], u
                 this_key = key
             derived.append((session, session.derive_call(this_key)))
         try:
+            calls = [call for runner in runners if (call := runner.output_call(args, kwargs)) is not None]
+            if calls and len(runners) > 1:
+                raise ConfigError(
+                    "cached_step_method='fitted' predicts the whole transformer's output: it needs the stack cached "
+                    f"as one group (lists='joined'), not {len(runners)}"
+                )
+            if calls and calls[0].answer is not None:
+                return calls[0].answer
             with contextlib.ExitStack() as scopes:
                 for runner in delimited:
                     scopes.enter_context(runner.scope())
-                return original_forward(*args, **kwargs)
+                output = original_forward(*args, **kwargs)
+            if calls:
+                calls[0].computed(output)
+            return output
         finally:
             for session, token in reversed(derived):
                 session.end_call(token)
@@ -176,10 +187,26 @@ def _attach(specs: Sequence[StackSpec]) -> list[BlockStackRunner]:
         else:
             runner = BlockStackRunner(spec)
             _redirect_iteration(runner, undo)
+        if all(_attention_of(block) is not None for block in spec.blocks):
+            runner.tap_kernels = functools.partial(_tap_kernels, runner, undo)
         runners.append(runner)
     _wrap_forward(specs, runners, undo)
     _ATTACHMENTS[owner] = _Attachment(runners, undo)
     return runners
+
+
+def _attention_of(block: nn.Module) -> nn.Module | None:
+    """The block's attention module when it has an `attn.kernel` seam (`cached_step_method=tokens`), else None."""
+    attn = getattr(block, "attn", None)
+    return attn if isinstance(attn, nn.Module) and callable(getattr(attn, "kernel", None)) else None
+
+
+def _tap_kernels(runner: BlockStackRunner, undo: list[Callable[[], None]]) -> None:
+    """Put a `KernelTap` on each block's attention kernel (reversibly, on the instance); the first token-subset
+    call asks for it, once."""
+    for block in runner.spec.blocks:
+        attn = _attention_of(block)
+        _set_instance_attr(attn, "kernel", KernelTap(attn.kernel), undo)
 
 
 def _paths(spec: StackSpec) -> tuple[str, ...]:

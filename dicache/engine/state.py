@@ -13,6 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from ..settings.cache_config import CacheConfig
+from .cached_step import ComputedCalls, FittedWeights, load_weights
 from .calibrators import Calibrator, make_calibrator
 from .policies import CachePolicy, Segment, make_policy, middle_segments
 from .stats import BranchStats, RequestStats
@@ -51,10 +52,19 @@ class BranchState:
     """EasyCache: (input, middle output) streams of the last computed call."""
     rate: float | None = None
     """EasyCache: the transformation rate measured on the last two computed calls."""
+    computed_calls: ComputedCalls | None = None
+    """`cached_step_method=fitted`: the inputs and outputs of the last computed calls (the predictor's features)."""
+    kv: dict[int, tuple] = field(default_factory=dict)
+    """`cached_step_method=tokens`: per stack block, the attention keys/values of the last computed call."""
+    token_input: torch.Tensor | None = None
+    """`cached_step_method=tokens`: the `h` stream entering the skipped blocks at the last computed call."""
 
     @property
     def has_residual(self) -> bool:
-        """A computed step has stored the middle residuals (every calibrator can estimate)."""
+        """A computed step has stored what a cached call needs: the middle residuals (every calibrator can
+        estimate), or, for the fitted predictor, a computed call's input and output."""
+        if self.computed_calls is not None:
+            return self.computed_calls.ready
         return bool(self.calibrators) and all(c.ready for c in self.calibrators.values())
 
     def calibrator(self, segment: int, stream: str) -> Calibrator:
@@ -70,6 +80,8 @@ class BranchState:
         held = len(self.reference) if self.reference is not None else 0
         held += len(self.previous_input) if self.previous_input is not None else 0
         held += sum(map(len, self.computed_io)) if self.computed_io is not None else 0
+        held += 2 * len(self.computed_calls.calls) if self.computed_calls is not None else 0
+        held += self.token_input is not None
         return held + sum(c.stored_tensors for c in self.calibrators.values())
 
 
@@ -123,6 +135,7 @@ class RequestState:
     tracker: StepTracker = field(default_factory=StepTracker)
 
     _policy: CachePolicy | None = None
+    _weights: FittedWeights | None = None
 
     def __post_init__(self) -> None:
         self.segments: list[Segment] = middle_segments(
@@ -160,6 +173,7 @@ class RequestState:
         finished = self.stats
         self.branches = {}
         self.tracker = StepTracker()
+        self._weights = None
         self.stats = self._new_stats()
         return finished
 
@@ -171,6 +185,7 @@ class RequestState:
         if sigmas is not None:
             self.sigmas = list(sigmas)
         self._policy = None
+        self._weights = None
 
     @property
     def policy(self) -> CachePolicy:
@@ -185,8 +200,24 @@ class RequestState:
             state = BranchState(
                 name=name, stats=self.stats.branch(name), new_calibrator=lambda: make_calibrator(config)
             )
+            if config.enable_cache and config.cached_step_method == "fitted":
+                state.computed_calls = ComputedCalls()
             self.branches[name] = state
         return state
+
+    @property
+    def predicts_output(self) -> bool:
+        """Cached calls of this request are answered by the fitted output predictor (no forward runs)."""
+        return self.enabled and self.config.cached_step_method == "fitted"
+
+    def fitted_weights(self) -> FittedWeights | None:
+        """The predictor's weights from `fitted_predictor` (read once; checked against this request's step count
+        and mask), or None when none is set (a fitter supplies them: `cached_step.FITTER`)."""
+        if self._weights is None and self.config.fitted_predictor is not None:
+            weights = load_weights(self.config.fitted_predictor)
+            weights.check_schedule(self.num_steps, getattr(self.policy, "mask", None))
+            self._weights = weights
+        return self._weights
 
     def position(self, step: int, sigma: float | None) -> float:
         """Where a step sits for a forecaster: its index, or its sigma when `taylorseer_distance == 'sigma'` (with

@@ -52,13 +52,17 @@ class RequestStats:
     """Statistics of one request over all its branches.
 
     `compute_fraction` = transformer blocks run / blocks a plain run would have run: a computed call runs all
-    `num_blocks`, a cached call only the `Fn + Bn` always-computed blocks and its `cached_step_blocks` middle ones.
+    `num_blocks`, a cached call only the `Fn + Bn` always-computed blocks and its `cached_step_blocks` middle ones,
+    plus the block-equivalents of token subsets (`partial_blocks`); a call the fitted predictor answers runs none.
     """
 
     num_blocks: int
     fn_blocks: int
     bn_blocks: int
     cached_step_blocks: int = 0
+    partial_blocks: float = 0.0
+    """Block-equivalents of the token subsets cached calls computed (`cached_step_method=tokens`: each block's
+    `cached_step.subset_fraction`)."""
     num_steps: int | None = None
     enabled: bool = True
     branches: dict[str, BranchStats] = field(default_factory=dict)
@@ -81,9 +85,11 @@ class RequestStats:
         return self.computed_calls + self.cached_calls
 
     @property
-    def blocks_run(self) -> int:
+    def blocks_run(self) -> float:
+        """Blocks run over all calls (whole blocks, plus token subsets as fractions of a block: `partial_blocks`)."""
         per_cached = self.fn_blocks + self.bn_blocks + self.cached_step_blocks
-        return self.computed_calls * self.num_blocks + self.cached_calls * per_cached
+        whole = self.computed_calls * self.num_blocks + self.cached_calls * per_cached
+        return whole + self.partial_blocks if self.partial_blocks else whole
 
     @property
     def compute_fraction(self) -> float:
@@ -102,6 +108,7 @@ class RequestStats:
             "Fn_compute_blocks": self.fn_blocks,
             "Bn_compute_blocks": self.bn_blocks,
             "cached_step_blocks": self.cached_step_blocks,
+            "partial_blocks": round(self.partial_blocks, 6),
             "computed_calls": self.computed_calls,
             "cached_calls": self.cached_calls,
             "compute_fraction": round(self.compute_fraction, 6),
@@ -129,7 +136,8 @@ class RequestStats:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(
-            f"compute fraction {self.compute_fraction:.3f} ({self.blocks_run} of {self.total_calls * self.num_blocks} "
+            f"compute fraction {self.compute_fraction:.3f} ({self.blocks_run:g} of "
+            f"{self.total_calls * self.num_blocks} "
             f"block evaluations; Fn={self.fn_blocks} Bn={self.bn_blocks}"
             + (f" +{self.cached_step_blocks} middle" if self.cached_step_blocks else "")
             + f" of {self.num_blocks} blocks)"

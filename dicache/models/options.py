@@ -42,18 +42,12 @@ class DeviceOptions(FlagOptions):
     )
 
 
-class SpeedOptions(FlagOptions):
-    """Loading and speed: weights read or drawn, FP8, `torch.compile` (applied in that order after loading)."""
+class QuantizationOptions(FlagOptions):
+    """The transformer blocks' linears in 8 bits (`dicache generate`/`serve` through `SpeedOptions`; `dicache
+    calibrate` calibrates the model as it will be served)."""
 
     group: ClassVar[tuple[str, str | None]] = ("loading and speed", None)
 
-    load_format: str = option(
-        "auto",
-        flag="--load-format",
-        choices=LOAD_FORMATS,
-        help="auto: read the checkpoint's weights; dummy: random weights from its config files alone, for speed and "
-        "memory measurements (SGLang's flag)",
-    )
     quantization: str = option(
         "none",
         flag="--quantization",
@@ -70,6 +64,20 @@ class SpeedOptions(FlagOptions):
         help="block linears kept in bf16 under --quantization, replacing the method's defaults: group names "
         f"({', '.join(LAYER_GROUPS)}) or glob patterns over module names, e.g. 'transformer_blocks.*.attn.to_gate'; "
         f"'{NO_EXCLUSIONS}': every block linear quantised",
+    )
+
+
+class SpeedOptions(QuantizationOptions):
+    """Loading and speed: weights read or drawn, FP8, `torch.compile` (applied in that order after loading)."""
+
+    group: ClassVar[tuple[str, str | None]] = ("loading and speed", None)
+
+    load_format: str = option(
+        "auto",
+        flag="--load-format",
+        choices=LOAD_FORMATS,
+        help="auto: read the checkpoint's weights; dummy: random weights from its config files alone, for speed and "
+        "memory measurements (SGLang's flag)",
     )
     compile: bool = option(
         False,

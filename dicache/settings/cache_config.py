@@ -65,11 +65,21 @@ RatioList = Annotated[
 """Positive numbers, one per step (`magcache_ratios`): a list or comma-separated text."""
 
 
-def setting(default: Any, *, env: str, meaning: str, allowed: str | None = None, short: str | None = None, **rules):
+def setting(
+    default: Any,
+    *,
+    env: str,
+    meaning: str,
+    allowed: str | None = None,
+    short: str | None = None,
+    path: bool = False,
+    **rules,
+):
     """A `CacheConfig` field declared with everything said about it elsewhere: its environment suffix `env`
     (``SGLANG_CACHE_DIT_<env>``), the sweep's `short` name (default: `env`), what it means and, where the
-    field's type and bounds do not say it well, the `allowed` values in words. `rules` are pydantic's (ge, le...)."""
-    extra = {"env": env, "short": short or env, "allowed": allowed}
+    field's type and bounds do not say it well, the `allowed` values in words; `path`: a file path, read relative to
+    the profile's folder when a profile holds it. `rules` are pydantic's (ge, le...)."""
+    extra = {"env": env, "short": short or env, "allowed": allowed, "path": path}
     return Field(default, description=meaning, json_schema_extra=extra, **rules)
 
 
@@ -124,6 +134,33 @@ class CacheConfig(BaseSettings):
         allowed="comma-separated distinct block indices in [Fn, num_blocks - Bn), e.g. 4,5 (empty: none)",
         meaning="middle blocks a cached step still computes (finer compute than whole steps); each run of the other "
         "middle blocks adds its own stored (or extrapolated) residual",
+    )
+    cached_step_method: Literal["forecast", "fitted", "tokens"] = setting(
+        "forecast",
+        env="CACHED_STEP_METHOD",
+        short="CSM",
+        meaning="what a cached step computes: forecast (no middle block runs; the forecaster's estimate), fitted (no "
+        "forward runs: the transformer's output is predicted linearly from the last computed calls' inputs and "
+        "outputs and this call's input, with the weights FITTED_PREDICTOR holds; needs a static step mask, Fn=Bn=0), "
+        "or tokens (the CACHED_STEP_TOKENS share of the tokens whose input changed most since the last computed step "
+        "run through every middle block, attending to keys/values kept from that step; the rest are forecast)",
+    )
+    cached_step_tokens: float = setting(
+        0.2,
+        env="CACHED_STEP_TOKENS",
+        gt=0.0,
+        lt=1.0,
+        meaning="cached_step_method=tokens: share of a call's tokens a cached step computes (a fixed count, so "
+        "shapes stay static under torch.compile)",
+    )
+    fitted_predictor: str | None = setting(
+        None,
+        env="FITTED_PREDICTOR",
+        path=True,
+        allowed="a path to a predictor file written by dicache calibrate (relative paths in a profile are relative "
+        "to the profile's folder), or empty",
+        meaning="cached_step_method=fitted: the per-step weights of the output predictor (fitted by dicache calibrate "
+        "on training prompts for one step mask)",
     )
     max_warmup_steps: int = setting(
         4, env="WARMUP", short="W", ge=0, meaning="steps 0..W-1 of every branch are always computed"
@@ -288,7 +325,16 @@ class CacheConfig(BaseSettings):
     def _split_bins(cls, value: Any) -> Any:
         return _parse_bins(value)
 
-    @field_validator("scm_preset", "scm_policy", "policy", "taylorseer_distance", "forecaster", mode="before")
+    @field_validator("fitted_predictor", mode="before")
+    @classmethod
+    def _empty_path(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "none", "unset"):
+            return None
+        return value
+
+    @field_validator(
+        "scm_preset", "scm_policy", "policy", "taylorseer_distance", "forecaster", "cached_step_method", mode="before"
+    )
     @classmethod
     def _lowercase_choice(cls, value: Any) -> Any:
         return _lower(value)
@@ -330,6 +376,7 @@ class CacheConfig(BaseSettings):
                 "two forecasters of the same residual: set one of them"
             )
         self._check_policy_settings()
+        self._check_cached_step_method()
         if self.Fn_compute_blocks == 0 and self.policy == "dbcache" and not self.decides_statically:
             raise ValueError(
                 "Fn_compute_blocks=0 needs a static step mask (scm_preset or scm_compute_bins with "
@@ -359,6 +406,35 @@ class CacheConfig(BaseSettings):
         if self.teacache_coefficients is None or len(self.teacache_coefficients) > 8:
             raise ValueError(
                 f"teacache_coefficients={clip_repr(self.teacache_coefficients)} must hold 1 to 8 coefficients"
+            )
+
+    def _check_cached_step_method(self) -> None:
+        """The rules of `cached_step_method` and the settings it reads; each error names both settings."""
+        method = self.cached_step_method
+        if self.fitted_predictor is not None and method != "fitted":
+            raise ValueError(
+                f"fitted_predictor={self.fitted_predictor!r} is read only by cached_step_method='fitted' (got "
+                f"cached_step_method={method!r}): set that method, or leave fitted_predictor empty"
+            )
+        if method == "tokens" and self.cached_step_blocks:
+            raise ValueError(
+                "cached_step_method='tokens' runs the chosen tokens through every skipped block of one middle "
+                f"segment: it needs no cached_step_blocks (got cached_step_blocks={self.cached_step_blocks})"
+            )
+        if method != "fitted":
+            return
+        if not self.decides_statically or self.policy != "dbcache":
+            raise ValueError(
+                "cached_step_method='fitted' predicts the cached steps of the step mask it was fitted for: it needs "
+                "policy='dbcache' with a static step mask (scm_compute_bins/scm_cache_bins or scm_preset, "
+                f"scm_policy='static'; got policy={self.policy!r}, scm_policy={self.scm_policy!r}, "
+                f"scm_preset={self.scm_preset!r})"
+            )
+        if self.Fn_compute_blocks or self.Bn_compute_blocks or self.cached_step_blocks:
+            raise ValueError(
+                "cached_step_method='fitted' runs no block on a cached step: it needs Fn_compute_blocks=0, "
+                f"Bn_compute_blocks=0 and no cached_step_blocks (got Fn_compute_blocks={self.Fn_compute_blocks}, "
+                f"Bn_compute_blocks={self.Bn_compute_blocks}, cached_step_blocks={self.cached_step_blocks})"
             )
 
     # ------------------------------------------------------------------ construction

@@ -21,7 +21,16 @@ from .options import bounds as declared_bounds
 ENV_PREFIX = "SGLANG_CACHE_DIT_"
 PROFILE_ENV = ENV_PREFIX + "PROFILE"
 
-CROSS_FIELD_KEYS = ("scm_", "Fn_compute_blocks", "policy", "forecaster", "enable_taylorseer")
+CROSS_FIELD_KEYS = (
+    "scm_",
+    "Fn_compute_blocks",
+    "Bn_compute_blocks",
+    "policy",
+    "forecaster",
+    "enable_taylorseer",
+    "cached_step_",
+    "fitted_predictor",
+)
 """Key prefixes a cross-field rule's message may come from: a bad combination names the values the user set among
 these."""
 
@@ -36,6 +45,8 @@ class Setting:
     short: str
     allowed: str
     meaning: str
+    path: bool = False
+    """A file path: a profile's relative value is read relative to the profile's folder."""
 
     @property
     def env_name(self) -> str:
@@ -52,6 +63,7 @@ def catalogue(model: type[BaseModel]) -> tuple[Setting, ...]:
             short=field.json_schema_extra["short"],
             allowed=allowed_in_words(field),
             meaning=field.description,
+            path=bool(field.json_schema_extra.get("path")),
         )
         for key, field in model.model_fields.items()
     )

@@ -25,8 +25,9 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..formatting import show_value
-from .cache_config import PROFILE_ENV, CacheConfig, load_profile
+from .cache_config import PROFILE_ENV, SETTINGS_BY_KEY, CacheConfig, load_profile
 from .options import FlagOptions, option
+from .sources import resolve_paths
 
 OPTION = "--profile"
 
@@ -133,7 +134,7 @@ def write_profile(path: str | os.PathLike, settings: Mapping[str, Any], calibrat
             handle.write(text)
         loaded = load_profile(tmp)
         CacheConfig.from_env({PROFILE_ENV: tmp})
-        if loaded != document["settings"]:
+        if loaded != resolve_paths(dict(document["settings"]), target.resolve().parent, SETTINGS_BY_KEY):
             raise ConfigError(f"profile {str(target)!r}: the settings did not survive a JSON round trip")
         os.replace(tmp, target)
     finally:

@@ -49,7 +49,7 @@ def read_environment(env: Mapping[str, str], by_env: Mapping[str, Setting]) -> d
 
 def load_profile(path: str | os.PathLike, keys: Mapping[str, Any]) -> dict[str, Any]:
     """Read a settings profile: a JSON object whose `settings` (or top level) maps request keys (those in `keys`) to
-    values."""
+    values. A relative value of a path setting (`Setting.path`) is made relative to the profile's folder."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{PROFILE_ENV}={str(path)!r}: no such file (expected a JSON profile from dicache calibrate)")
@@ -63,6 +63,14 @@ def load_profile(path: str | os.PathLike, keys: Mapping[str, Any]) -> dict[str, 
     unknown = sorted(set(settings) - set(keys))
     if unknown:
         raise ConfigError(f"{PROFILE_ENV}={str(path)!r}: unknown key(s) {unknown}; allowed keys: {', '.join(keys)}")
+    return resolve_paths(settings, p.resolve().parent, keys)
+
+
+def resolve_paths(settings: dict[str, Any], folder: Path, keys: Mapping[str, Any]) -> dict[str, Any]:
+    """`settings` with each relative value of a path setting (`Setting.path`) made relative to `folder`."""
+    for key, value in settings.items():
+        if getattr(keys.get(key), "path", False) and isinstance(value, str) and value and not Path(value).is_absolute():
+            settings[key] = str(folder / value)
     return settings
 
 

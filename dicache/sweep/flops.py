@@ -79,7 +79,7 @@ def krea2_call_flops(config: Mapping[str, Any], image_tokens: int, text_tokens: 
 def flops_ratio(
     call: CallFlops,
     calls: int,
-    blocks_run: int,
+    blocks_run: float,
     text_runs: int,
     full_calls: int | None = None,
     full_text_runs: int | None = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import Cell, Schedule, stable_hash
+from .spec import Cell, Schedule, fitted_here, stable_hash
 
 RESULTS_VERSION = 1
 
@@ -50,9 +50,22 @@ class SweepKeys:
         )
 
     def cell_key(self, method: str, schedule: Schedule, cell: Cell) -> str:
+        parts: dict[str, Any] = {}
+        if fitted_here(cell.config):
+            parts["fit"] = {"prompts": [list(p) for p in self.spec.fit_prompts or []], "seeds": self.spec.fit_seeds}
         return self._measured_key(
-            kind="cell", method=method, schedule=schedule.to_dict(), config=cell.canonical(), samples=self._samples_id()
+            kind="cell",
+            method=method,
+            schedule=schedule.to_dict(),
+            config=cell.canonical(),
+            samples=self._samples_id(),
+            **parts,
         )
+
+    def predictor_key(self, method: str, schedule: Schedule, cell: Cell) -> str:
+        """The fitted predictor a sweep fits for a cell (its file `predictors/<key>.safetensors`)."""
+        fit = {"prompts": [list(p) for p in self.spec.fit_prompts or []], "seeds": self.spec.fit_seeds}
+        return self._key(kind="predictor", method=method, schedule=schedule.to_dict(), config=cell.canonical(), fit=fit)
 
     def baseline_key(self, schedule: Schedule, steps: int) -> str:
         return self._measured_key(kind="baseline", schedule=schedule.to_dict(), steps=steps, samples=self._samples_id())

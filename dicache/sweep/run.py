@@ -29,12 +29,13 @@ from ..errors import ConfigError
 from . import solvers
 from .cachedit import unsupported_reason
 from .compare import compare
+from .fitting import BatchRun, Trajectory, fit_predictor, fit_samples
 from .keys import RESULTS_VERSION, SweepKeys
 from .plots import save_image_grid
 from .progress import progress_bar
 from .records import flops_ratio_of, measured_record, reference_record, sample_from_ref
 from .runners import Sample
-from .spec import QUANTIZED_METHODS, Cell, Schedule, SweepSpec, SweepSpecError
+from .spec import QUANTIZED_METHODS, Cell, Schedule, SweepSpec, SweepSpecError, fitted_here
 from .store import ResultStore
 
 GRIDS_DIR = "grids"
@@ -85,6 +86,7 @@ class Sweep(SweepKeys):
         self._bar: Any = None
         self._warm: set[str] = set()
         self._hirefs: list[dict[str, Any]] | None = None
+        self._trajectories: dict[tuple[str, Schedule], Trajectory] = {}
         self._euler_runs = 0
         for schedule in spec.schedules:  # settings the model cannot take are refused before any run
             if hasattr(native, "check_schedule"):
@@ -313,7 +315,8 @@ class Sweep(SweepKeys):
             if record is None:
                 pipeline = self._pipeline_of(method)
                 ref_samples = refs[self._reference_pipeline(pipeline)]
-                samples = self._generate(pipeline, schedule, schedule.steps, cell.config, f"{method} {cell.label}")
+                config = self._cell_config(method, pipeline, schedule, cell)
+                samples = self._generate(pipeline, schedule, schedule.steps, config, f"{method} {cell.label}")
                 record = self._record(key, method, pipeline, schedule, samples, ref_samples, cell=cell)
                 record["grid"] = self._save_grid(schedule, f"{method}-{key[:10]}", ref_samples, samples)
                 record["baseline_steps"] = max(1, round(schedule.steps * record["compute_fraction"]))
@@ -326,6 +329,23 @@ class Sweep(SweepKeys):
             self._baseline(schedule, steps, refs["native"])
         for kind, count in self._solver_runs(schedule):
             self._solver_baseline(schedule, kind, count, refs["native"])
+
+    def _cell_config(self, method: str, pipeline: str, schedule: Schedule, cell: Cell) -> Any:
+        """The cell's settings as run: a fitted-predictor cell that names no file gets the predictor fitted on the
+        spec's `fit_prompts` (each with `fit_seeds` other seeds) on its own pipeline, kept in `predictors/`."""
+        config = cell.config
+        if not fitted_here(config):
+            return config
+        path = self.root / "predictors" / f"{self.predictor_key(method, schedule, cell)}.safetensors"
+        if not path.is_file():
+            self.log(f"fitting the predictor of {cell.label} on {len(self.spec.fit_prompts)} training prompt(s)")
+            run = BatchRun(self._runner(pipeline), schedule, self.height, self.width)
+            samples = fit_samples(self.spec.fit_prompts, self.spec.fit_seeds)
+            key = (pipeline, schedule)
+            if key not in self._trajectories:  # the fit samples' uncached run, shared by the schedule's cells
+                self._trajectories[key] = Trajectory.record(run, samples)
+            fit_predictor(run, samples, cell.overrides, self._trajectories[key]).save(path)
+        return config.merged({"fitted_predictor": str(path)})
 
     def _baseline(self, schedule: Schedule, steps: int, refs: list[dict[str, Any]]) -> dict[str, Any]:
         """Fewer-steps Euler at `steps` steps (the native pipeline's own sampler, no cache)."""

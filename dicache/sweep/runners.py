@@ -32,6 +32,7 @@ from ..models.families import (
     wrap_pipeline,
 )
 from ..models.krea2 import Krea2Pipeline
+from ..models.krea2.presets import resolve_variant
 from ..settings.cache_config import CacheConfig
 from . import solvers
 from .spec import Schedule
@@ -61,7 +62,7 @@ class Sample:
     total_s: float
     calls: int
     cached_calls: int
-    blocks_run: int
+    blocks_run: float
     num_blocks: int
     image_tokens: int
     text_tokens: int
@@ -77,7 +78,7 @@ class Sample:
         return block_fraction(self.blocks_run, self.num_blocks, full)
 
 
-def block_fraction(blocks_run: int, num_blocks: int, full_calls: int) -> float:
+def block_fraction(blocks_run: float, num_blocks: int, full_calls: int) -> float:
     """`blocks_run / (num_blocks × full_calls)`: compute against an uncached run of `full_calls` transformer calls
     (steps × CFG branches); 1.0 when there are no calls."""
     return blocks_run / (num_blocks * full_calls) if full_calls else 1.0
@@ -96,7 +97,7 @@ def recorded_sample(
     num_blocks: int,
     *,
     cached_calls: int = 0,
-    blocks_run: int | None = None,
+    blocks_run: float | None = None,
     cached_steps: dict[str, list[int]] | None = None,
     full_calls: int | None = None,
 ) -> Sample:
@@ -230,7 +231,8 @@ class NativeRunner:
                 "embedding; CFG goes through the guidance scale"
             )
 
-    def _configure(self, cache: CacheConfig | None) -> None:
+    def configure(self, cache: CacheConfig | None) -> None:
+        """Enable dicache on the pipeline with `cache` (replacing any settings), or disable it (None)."""
         if cache is None:
             dicache.disable(self.pipe)
         else:
@@ -260,7 +262,7 @@ class NativeRunner:
         self, prompt: str, seed: int, schedule: Schedule, steps: int, height: int, width: int, cache: CacheConfig | None
     ) -> Sample:
         """One image of `prompt` with `seed` at `steps` steps and the schedule's CFG, cached with `cache` (or not)."""
-        self._configure(cache)
+        self.configure(cache)
         with CallRecorder(self.pipe.transformer) as rec:
             image, latents = self._call(prompt, seed, schedule, steps, height, width)
         full = self._full_calls(rec, schedule, steps)
@@ -279,12 +281,41 @@ class NativeRunner:
             full_calls=full,
         )
 
+    def generate_batch(
+        self, samples: list[tuple[str, int]], schedule: Schedule, height: int, width: int, cache: CacheConfig | None
+    ) -> torch.Tensor:
+        """All `samples` (prompt, seed) as one batch, each row from its seed's noise (as `generate` draws it),
+        uncached or cached with `cache`; the final packed latents `(B, N, C)` (the fitted predictor's fit)."""
+        pipe = self.pipe
+        plan = pipe.plan_call(1, height, width, schedule.steps, schedule.guidance_scale, variant=schedule.variant)
+        latents = torch.cat([pipe.starting_latents(plan, seed) for _, seed in samples])
+        self.configure(cache)
+        out = pipe(
+            [prompt for prompt, _ in samples],
+            height=height,
+            width=width,
+            num_inference_steps=schedule.steps,
+            guidance_scale=schedule.guidance_scale,
+            latents=latents,
+            output_type="latent",
+            variant=schedule.variant,
+        )
+        return out.latents
+
+    def step_sizes(self, schedule: Schedule, height: int, width: int) -> list[float]:
+        """`σ(i + 1) − σ(i)` of each step of `schedule` at this size: the Euler step the pipeline takes."""
+        pipe = self.pipe
+        rows, cols = pipe.latent_grid(height, width)
+        variant = resolve_variant(pipe, schedule.variant)
+        sigmas = [float(s) for s in pipe.sigmas(schedule.steps, rows * cols, variant)]
+        return [b - a for a, b in zip(sigmas, sigmas[1:])]
+
     def generate_baseline(
         self, prompt: str, seed: int, schedule: Schedule, kind: str, count: int, height: int, width: int
     ) -> Sample:
         """One image of a same-compute baseline (`dicache.sweep.solvers`: `euler` / `heun` with `count` steps,
         `curved` computing `curved_steps(schedule.steps, count)`), uncached, measured like `generate`."""
-        self._configure(None)
+        self.configure(None)
         with CallRecorder(self.pipe.transformer) as rec:
             run = solvers.sample(
                 self.pipe,
@@ -359,10 +390,10 @@ class FamilyRunner(NativeRunner):
         """Why a step mask cannot apply at `steps` steps (the scheduler's step count), or None."""
         return step_mask_refusal(self.model, steps)
 
-    def _configure(self, cache: CacheConfig | None) -> None:
+    def configure(self, cache: CacheConfig | None) -> None:
         if self.exclusive is not None:
             self.exclusive.close()
-        super()._configure(cache)
+        super().configure(cache)
 
     def call(
         self, prompt: str, seed: int, schedule: Schedule, steps: int, height: int, width: int

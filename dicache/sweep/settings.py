@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ..formatting import show_value
@@ -109,15 +110,19 @@ _LABELLED = {
     "magcache_thresh",
     "magcache_ratios",
     "easycache_thresh",
+    "cached_step_method",
+    "cached_step_tokens",
+    "fitted_predictor",
 }
 """Settings `cell_label` names in its compact parts; any other one is appended as `key=value` when not default."""
 
-ALGORITHMS = ("recommended", "dbcache", "teacache", "magcache", "easycache", "foca", "dmd", "other")
+ALGORITHMS = ("recommended", "dbcache", "teacache", "magcache", "easycache", "foca", "dmd", "fitted", "tokens", "other")
 """The algorithm families a sweep's report compares (`algorithm`)."""
 
 
 def algorithm(overrides: Mapping[str, Any] | None) -> str:
-    """The family a cell belongs to: its policy when it is TeaCache / MagCache / EasyCache, else its forecaster when
+    """The family a cell belongs to: its cached-step method when it computes below step granularity (`fitted`,
+    `tokens`), else its policy when it is TeaCache / MagCache / EasyCache, else its forecaster when
     it is FoCa or DMD, else `recommended` for `RECOMMENDED_FAMILY` (any budget, curve and damping, TaylorSeer plain or
     corrected), else `dbcache`; `other`
     for a cell that is not a valid config."""
@@ -125,6 +130,8 @@ def algorithm(overrides: Mapping[str, Any] | None) -> str:
         c = CacheConfig.defaults().merged(dict(overrides or {}))
     except ValueError:
         return "other"
+    if c.cached_step_method in ("fitted", "tokens"):
+        return c.cached_step_method
     if c.policy in ("teacache", "magcache", "easycache"):
         return c.policy
     if c.enable_dmd:
@@ -172,6 +179,10 @@ def cell_label(c: CacheConfig) -> str:
         )
     if c.enable_dmd:
         parts.append(f"DMD{c.dmd_history}" + ("σ" if c.taylorseer_distance == "sigma" else ""))
+    if c.cached_step_method == "fitted":
+        parts.append("fitted" + (f" {Path(c.fitted_predictor).name}" if c.fitted_predictor else ""))
+    elif c.cached_step_method == "tokens":
+        parts.append(f"tokens {c.cached_step_tokens:g}")
     if c.policy not in ("dbcache", "teacache", "magcache", "easycache"):
         parts.append(f"policy {c.policy}")
     defaults = CacheConfig.defaults().model_dump()

@@ -58,6 +58,8 @@ FILE_KEYS = (
     "compute_targets",
     "cachedit_grid",
     "quantization",
+    "fit_prompts",
+    "fit_seeds",
 )
 VARIANTS = ("turbo", "raw")
 
@@ -181,6 +183,11 @@ class Cell:
         return data
 
 
+def fitted_here(config: CacheConfig) -> bool:
+    """A setting whose predictor the sweep fits itself: `cached_step_method=fitted` naming no `fitted_predictor`."""
+    return config.cached_step_method == "fitted" and config.fitted_predictor is None
+
+
 def make_cell(values: Mapping[str, Any]) -> Cell:
     """Validate one setting (aliases resolved, `taylorseer_order: 0` = off) into a `Cell`."""
     overrides: dict[str, Any] = {}
@@ -300,6 +307,10 @@ class SweepSpec:
     reference_steps: int | None = DEFAULT_REFERENCE_STEPS
     compute_targets: tuple[float, ...] = DEFAULT_COMPUTE_TARGETS
     cachedit_cells: list[Cell] | None = None
+    fit_prompts: list[tuple[str, int]] | None = None
+    """Training prompts (prompt, seed) the fitted predictor of a `cached_step_method=fitted` cell that names no file is
+    fitted on, each with the seeds `seed + 1 … seed + fit_seeds`; none may be one of `samples`' prompts."""
+    fit_seeds: int = 8
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -326,6 +337,28 @@ class SweepSpec:
                 raise SweepSpecError(f"compute_targets value {value!r} is invalid: must be a number in (0, 1]")
         if self.cachedit_cells is not None and not self.cachedit_cells:
             raise SweepSpecError("cachedit_grid has no cells; leave it out to run cache-dit on the grid's cells")
+        self._check_fit_prompts()
+
+    def _check_fit_prompts(self) -> None:
+        """A cell fitted by the sweep needs training prompts apart from the judged ones."""
+        fitted = [
+            c for c in self.cells if c.config.cached_step_method == "fitted" and c.config.fitted_predictor is None
+        ]
+        if not fitted:
+            return
+        if not self.fit_prompts:
+            raise SweepSpecError(
+                f"grid cell {fitted[0].label!r} has cached_step_method=fitted and no fitted_predictor: give the "
+                "training prompts its predictor is fitted on (fit_prompts: a prompt file), or a fitted_predictor file"
+            )
+        if isinstance(self.fit_seeds, bool) or not isinstance(self.fit_seeds, int) or self.fit_seeds < 1:
+            raise SweepSpecError(f"fit_seeds={self.fit_seeds!r} is invalid: must be an integer >= 1")
+        judged = {p for p, _ in self.samples} & {p for p, _ in self.fit_prompts}
+        if judged:
+            raise SweepSpecError(
+                f"fit_prompts and the sweep's prompts share {sorted(judged)[:3]}: a fitted predictor is judged on "
+                "prompts it was not fitted on"
+            )
 
     def method_cells(self, method: str) -> list[Cell]:
         """The cells `method` runs: cache-dit's own when `cachedit_cells` is given, else the grid's."""

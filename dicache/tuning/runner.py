@@ -20,7 +20,7 @@ class Measurement:
     candidate's compute is measured against its uncached reference's `blocks_total`); `seconds` wall time."""
 
     image: torch.Tensor
-    blocks_run: int
+    blocks_run: float
     blocks_total: int
     seconds: float
 
@@ -66,4 +66,4 @@ class PipelineRunner:
 
     def run(self, prompt: str, seed: int, config: CacheConfig | None) -> Measurement:
         s = self.native.generate(prompt, seed, self.schedule, self.steps, self.height, self.width, config)
-        return Measurement(s.image, int(s.blocks_run), s.calls * s.num_blocks, s.total_s)
+        return Measurement(s.image, s.blocks_run, s.calls * s.num_blocks, s.total_s)

@@ -17,6 +17,7 @@ from ..sweep.settings import label
 from .candidates import CANDIDATES, check_candidate
 from .errors import CalibrationError
 from .masks import MAX_MASK_STEPS, Mask, beam_search, computed_steps, mask_overrides, max_scored
+from .predictor import PredictorSearch, long_schedule_masks, predictor_overrides
 from .runner import Runner
 
 Criterion = Literal["min", "mean"]
@@ -35,7 +36,7 @@ class CandidateResult:
     error: str | None = None
     config: CacheConfig | None = None
     psnr: dict[int, float] = field(default_factory=dict)
-    blocks_run: dict[int, int] = field(default_factory=dict)
+    blocks_run: dict[int, float] = field(default_factory=dict)
     blocks_total: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     meets_target: bool = False
@@ -141,11 +142,19 @@ def calibrate(
     on_reject: Callable[[CandidateResult], None] | None = None,
     base: CacheConfig | None = None,
     step_masks: bool = False,
+    predictor: PredictorSearch | None = None,
+    reference: Runner | None = None,
 ) -> Calibration:
     """Run the references and the candidates on `samples` and choose (see the module docstring).
 
     `step_masks`: on schedules of at most `MAX_MASK_STEPS` steps, first search per-step masks (`masks.beam_search`,
     every sample, no early stop); each mask scored becomes a candidate after the listed ones.
+    `predictor`: also search masks whose cached steps the fitted output predictor answers (`cached_step_method=
+    fitted`), each fitted by `predictor.fit` on its own samples (training prompts, never `samples`' seeds): the
+    beam search on short schedules, `long_schedule_masks` on longer ones; each becomes a candidate.
+
+    `reference`: the runner the uncached references come from (default `runner`): the unquantized model when
+    `runner` runs the quantized one that will be served, so that the PSNR counts both errors.
 
     `on_reject` is called for each invalid candidate (the command prints them as they are found); `base`: the config
     every candidate is merged over (default the built-in defaults; `fit_algorithms`' values go there)."""
@@ -173,14 +182,22 @@ def calibrate(
     n = len(samples)
     searching = step_masks and runner.steps <= MAX_MASK_STEPS and refusal is None
     planned_masks = max_scored(runner.steps) if searching else 0  # an upper bound: the total never grows
+    long_masks = long_schedule_masks(runner.steps) if runner.steps > MAX_MASK_STEPS else []
+    planned_predicted = 0
+    if predictor is not None and refusal is None:
+        planned_predicted = max_scored(runner.steps) if runner.steps <= MAX_MASK_STEPS else len(long_masks)
     with progress_bar(
-        total=n * (1 + len(valid) + planned_masks), desc="calibrate", unit="image", disable=not progress, leave=False
+        total=n * (1 + len(valid) + planned_masks + planned_predicted),
+        desc="calibrate",
+        unit="image",
+        disable=not progress,
+        leave=False,
     ) as bar:
         references, reference_blocks, reference_seconds = [], [], 0.0
         for prompt, seed in samples:
             bar.set_postfix_str("uncached reference")
             try:
-                ref = runner.run(prompt, seed, None)
+                ref = (reference or runner).run(prompt, seed, None)
             except ValueError as exc:  # e.g. a size off the model's multiple: nothing can run
                 raise CalibrationError(f"the uncached reference of {prompt!r} failed: {exc}") from None
             references.append(ref.image)
@@ -215,22 +232,39 @@ def calibrate(
             bar.total -= n - len(result.psnr)  # the generations an early stop saved
             bar.refresh()
 
+        def score_overrides(overrides: dict[str, Any], what: str) -> float | None:
+            result = CandidateResult(len(results), overrides)
+            result.config = check_candidate(result.overrides, runner.num_blocks, runner.steps)
+            results.append(result)
+            bar.set_postfix_str(what)
+            for i in range(n):
+                if measure(result, i) is None:
+                    break
+            finish(result)
+            return result.score(criterion) if result.status == "complete" else None
+
         if searching:
-
-            def score(mask: Mask) -> float | None:
-                result = CandidateResult(len(results), mask_overrides(mask))
-                result.config = check_candidate(result.overrides, runner.num_blocks, runner.steps)
-                results.append(result)
-                bar.set_postfix_str(f"mask {computed_steps(mask)}")
-                for i in range(n):
-                    if measure(result, i) is None:
-                        break
-                finish(result)
-                return result.score(criterion) if result.status == "complete" else None
-
-            scored = beam_search(runner.steps, score, target=target_psnr)
+            scored = beam_search(
+                runner.steps,
+                lambda mask: score_overrides(mask_overrides(mask), f"mask {computed_steps(mask)}"),
+                target=target_psnr,
+            )
             bar.total -= n * (planned_masks - len(scored))  # the masks the search did not reach
             bar.refresh()
+        if predictor is not None and refusal is None:
+
+            def score_predicted(mask: Mask) -> float | None:
+                bar.set_postfix_str(f"fitting {computed_steps(mask)}")
+                path = predictor.fit(mask)
+                return score_overrides(predictor_overrides(mask, str(path)), f"fitted {computed_steps(mask)}")
+
+            if runner.steps <= MAX_MASK_STEPS:
+                scored = beam_search(runner.steps, score_predicted, target=target_psnr)
+                bar.total -= n * (planned_predicted - len(scored))
+                bar.refresh()
+            else:
+                for mask in long_masks:
+                    score_predicted(mask)
         for result in valid:
             order = sorted(range(n), key=lambda i: (hardest.get(i, math.inf), i)) if early_stop else range(n)
             bar.set_postfix_str(f"#{result.index} {result.label}"[:60])

@@ -11,7 +11,9 @@ taking three exact savings:
 
 The cache engine's seam is `Krea2Transformer.run_blocks`: the only place the block stack is run.
 Parallel layouts (`dicache.parallel`) use neutral seams that are identities here: `Krea2Transformer.shard_image` /
-`gather_image` (which image tokens this process computes) and `Attention.kernel` (the attention call).
+`gather_image` (which image tokens this process computes) and `Attention.kernel` (the attention call). A block's
+`token_rows` gives the arguments computing a subset of its rows as queries (the other rows' keys and values then come
+through `Attention.kernel`), the seam of `cached_step_method=tokens`.
 """
 
 from __future__ import annotations
@@ -363,6 +365,21 @@ class Krea2TransformerBlock(nn.Module):
         self.attn = Attention(hidden_size, num_heads, num_kv_heads, eps)
         self.norm2 = RMSNorm(hidden_size, eps)
         self.ff = SwiGLU(hidden_size, intermediate_size)
+
+    @staticmethod
+    def token_rows(
+        rows: torch.Tensor,
+        hidden_states: torch.Tensor,
+        temb_mod: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple:
+        """Sequence seam: the arguments that compute only the joint-sequence rows `rows` `(k,)` int64 as queries,
+        against keys from every row. `hidden_states` are those rows' `(B, k, C)` (already cut); the RoPE tables are
+        cut to `rows`; the time modulation and the key mask (over all keys) stay. Keys and values of the other rows
+        come through the attention's `kernel`, which gets this key mask unchanged; the block is the same code."""
+        cos, sin = rotary_emb
+        return hidden_states, temb_mod, (cos.index_select(0, rows), sin.index_select(0, rows)), attention_mask
 
     def forward(
         self,

@@ -1,0 +1,440 @@
+"""Cached-step methods (`cached_step_method`, docs/architecture.md §2): the fitted output predictor's maths, its file,
+its settings and its path through the hook layer, by hand on a toy stack; its fit through the engine on the tiny
+Krea-2 pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from toymodels import LinearInTimeBlock, SeamTransformer, timesteps
+
+import dicache
+from dicache import CacheConfig, ConfigError
+from dicache.engine.cached_step import (
+    FITTER,
+    ComputedCalls,
+    FittedWeights,
+    feature_width,
+    load_weights,
+    solve_ridge,
+    steering_target,
+)
+from dicache.settings.cache_config import PROFILE_ENV
+
+MASK = (1, 1, 0, 1, 0)  # steps 2 and 4 predicted
+DIM = 8
+
+
+def fitted_config(**extra) -> CacheConfig:
+    return CacheConfig.from_env(
+        {},
+        scm_compute_bins=[2, 1],
+        scm_cache_bins=[1, 1],
+        scm_policy="static",
+        max_warmup_steps=0,
+        Fn_compute_blocks=0,
+        cached_step_method="fitted",
+        **extra,
+    )
+
+
+def blocks_of(*parts: tuple[int, torch.Tensor]) -> torch.Tensor:
+    """A `(5·DIM + 1, DIM)` weight built from (feature index, DIM × DIM matrix) parts; index 5 is the bias row."""
+    w = torch.zeros(feature_width(DIM), DIM)
+    for index, part in parts:
+        if index == 5:
+            w[5 * DIM] = part
+        else:
+            w[index * DIM : (index + 1) * DIM] = part
+    return w
+
+
+EYE = torch.eye(DIM)
+# step 2: 2·v0 − v1 + 0.5·(x − x0) + 0.1; step 4: v0 + v2 (v2: the oldest of the three computed calls kept)
+W2 = blocks_of((0, 2 * EYE), (1, -EYE), (3, 0.5 * EYE), (4, -0.5 * EYE), (5, torch.full((DIM,), 0.1)))
+W4 = blocks_of((0, EYE), (2, EYE))
+
+
+class CountingBlock(LinearInTimeBlock):
+    calls = 0
+
+    def forward(self, hidden_states, temb):
+        CountingBlock.calls += 1
+        return super().forward(hidden_states, temb)
+
+
+def drive(model, x, num_steps):
+    """The toy sampler, one call a step: `x ← x − 0.05·out`; every call's input and output."""
+    seen = []
+    with torch.no_grad():
+        for t in timesteps(num_steps):
+            out = model(x, torch.tensor([t]))
+            seen.append((x, out))
+            x = x - 0.05 * out
+    return seen
+
+
+def request_run(model) -> None:
+    with dicache.request(model, num_inference_steps=5):
+        drive(model, torch.randn(1, 2, DIM), 5)
+
+
+# ------------------------------------------------------------------------------------------------------ pure maths
+def test_features_are_the_last_computed_calls_and_this_input_by_hand():
+    calls = ComputedCalls()
+    xs = [torch.full((1, 2, 3), float(k)) for k in range(4)]
+    vs = [torch.full((1, 2, 3), 10.0 + k) for k in range(4)]
+    calls.record(xs[0], vs[0])
+    x = torch.full((1, 2, 3), 7.0)
+    # one computed call: it stands in for v1 and v2
+    assert calls.features(x)[0, 0].tolist() == [10.0] * 9 + [7.0] * 3 + [0.0] * 3 + [1.0]
+    for k in (1, 2, 3):
+        calls.record(xs[k], vs[k])
+    # four recorded, three kept: v0 = the newest (13), v1 = 12, v2 = 11; x0 = the newest input (3)
+    assert calls.features(x)[0, 1].tolist() == [13.0] * 3 + [12.0] * 3 + [11.0] * 3 + [7.0] * 3 + [3.0] * 3 + [1.0]
+    assert feature_width(3) == 16
+
+
+def test_ridge_recovers_a_linear_map_and_the_steering_target_returns_to_the_reference():
+    torch.manual_seed(0)
+    w = torch.randn(6, 4)
+    xs = [torch.randn(2, 50, 6), torch.randn(1, 30, 6)]
+    assert torch.allclose(solve_ridge(xs, [x @ w for x in xs], 1e-12), w, atol=1e-5)
+    shrunk = solve_ridge(xs, [x @ w for x in xs], 10.0)  # a strong ridge shrinks towards 0
+    assert shrunk.norm() < 0.5 * w.norm()
+    # one Euler step of size dt with the target lands on the reference's next latent: x + dt·v = x_ref + dt·v_ref
+    x, x_ref, v_ref, dt = torch.randn(1, 5, 4), torch.randn(1, 5, 4), torch.randn(1, 5, 4), -0.2
+    torch.testing.assert_close(x + dt * steering_target(v_ref, x_ref, x, dt), x_ref + dt * v_ref)
+    with pytest.raises(ValueError, match="dt"):
+        steering_target(v_ref, x_ref, x, 0.0)
+
+
+# ------------------------------------------------------------------------------------------------------ the hook
+def test_predicted_calls_run_nothing_and_equal_the_hand_computed_map(tmp_path):
+    torch.manual_seed(2)
+    model = SeamTransformer(num_blocks=4, dim=DIM, block=CountingBlock).eval()
+    x = torch.randn(1, 3, DIM)
+    path = FittedWeights(5, MASK, {(2, "cond"): W2, (4, "cond"): W4}).save(tmp_path / "p.safetensors")
+    dicache.enable(model, fitted_config(fitted_predictor=str(path)))
+    CountingBlock.calls = 0
+    try:
+        with dicache.request(model, num_inference_steps=5):
+            seen = drive(model, x, 5)
+        stats = dicache.stats(model)
+    finally:
+        dicache.disable(model)
+    assert CountingBlock.calls == 4 * 3, "only the 3 computed calls run blocks"
+    branch = stats.branches["cond"]
+    assert branch.computed_steps == [0, 1, 3] and branch.cached_steps == [2, 4]
+    assert {branch.reasons[s] for s in (2, 4)} == {"mask"} and stats.compute_fraction == pytest.approx(3 / 5)
+    with torch.no_grad():  # computed calls: the plain model at the input they see
+        for step in (0, 1, 3):
+            torch.testing.assert_close(seen[step][1], model(seen[step][0], torch.tensor([timesteps(5)[step]])))
+    (_, v0), (x1, v1), (x2, v2), (_, v3) = seen[0], seen[1], seen[2], seen[3]
+    torch.testing.assert_close(v2, 2 * v1 - v0 + 0.5 * (x2 - x1) + 0.1)
+    torch.testing.assert_close(seen[4][1], v3 + v0)  # v0: computed calls 3, 1, 0 are kept; 0 is the oldest
+
+
+def test_a_fitter_is_handed_the_features_and_supplies_the_weights():
+    torch.manual_seed(3)
+    model = SeamTransformer(num_blocks=3, dim=DIM).eval()
+    x = torch.randn(2, 4, DIM)
+
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        def weights(self, step, branch, x, features, calls):
+            self.calls.append((step, branch, x, features))
+            return W4
+
+    fitter = Recording()
+    dicache.enable(model, fitted_config())
+    token = FITTER.set(fitter)
+    try:
+        with dicache.request(model, num_inference_steps=5):
+            seen = drive(model, x, 5)
+    finally:
+        FITTER.reset(token)
+        dicache.disable(model)
+    assert [(s, b) for s, b, _, _ in fitter.calls] == [(2, "cond"), (4, "cond")]
+    step, _, given_x, features = fitter.calls[0]
+    assert given_x is seen[2][0]
+    ones = torch.ones(2, 4, 1)
+    hand = torch.cat([seen[1][1], seen[0][1], seen[0][1], seen[2][0], seen[1][0], ones], dim=-1)
+    torch.testing.assert_close(features, hand)
+
+
+def test_without_a_file_or_a_fitter_a_cached_call_names_the_setting():
+    model = SeamTransformer(num_blocks=3, dim=DIM).eval()
+    dicache.enable(model, fitted_config())
+    try:
+        with pytest.raises(ConfigError, match="SGLANG_CACHE_DIT_FITTED_PREDICTOR"):
+            request_run(model)
+    finally:
+        dicache.disable(model)
+
+
+def test_a_file_fitted_for_another_mask_or_schedule_is_refused(tmp_path):
+    model = SeamTransformer(num_blocks=3, dim=DIM).eval()
+    other = FittedWeights(5, (1, 0, 1, 1, 0), {(1, "cond"): W4}).save(tmp_path / "other.safetensors")
+    dicache.enable(model, fitted_config(fitted_predictor=str(other)))
+    try:
+        with pytest.raises(ConfigError, match="fitted for 5 steps with the step mask 10110"):
+            request_run(model)
+    finally:
+        dicache.disable(model)
+    partial = FittedWeights(5, MASK, {(2, "cond"): W2}).save(tmp_path / "partial.safetensors")
+    dicache.enable(model, fitted_config(fitted_predictor=str(partial)))
+    try:
+        with pytest.raises(ConfigError, match="no weights for step 4, branch 'cond'"):
+            request_run(model)
+    finally:
+        dicache.disable(model)
+
+
+# ------------------------------------------------------------------------------------------------- file and settings
+def test_the_file_round_trips_and_bad_files_name_the_setting(tmp_path):
+    fit = FittedWeights(5, MASK, {(2, "cond"): W2, (4, "uncond"): W4}, ridge=0.01, fitted_on=[{"prompt": "a"}])
+    loaded = load_weights(fit.save(tmp_path / "f.safetensors"))
+    assert (loaded.num_steps, loaded.mask, loaded.ridge, loaded.fitted_on) == (5, MASK, 0.01, [{"prompt": "a"}])
+    assert torch.equal(loaded.weight(4, "uncond"), W4) and set(loaded.weights) == {(2, "cond"), (4, "uncond")}
+    with pytest.raises(ConfigError, match="FITTED_PREDICTOR.*no such file"):
+        load_weights(tmp_path / "missing.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        load_weights(junk)
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "plain.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="not a dicache predictor file"):
+        load_weights(tmp_path / "plain.safetensors")
+
+
+def test_settings_rules_name_both_settings():
+    with pytest.raises(ConfigError, match="static step mask"):
+        CacheConfig.from_env({}, cached_step_method="fitted")
+    with pytest.raises(ConfigError, match="Fn_compute_blocks=0"):
+        fitted_config().merged({"Fn_compute_blocks": 1})
+    with pytest.raises(ConfigError, match="read only by cached_step_method='fitted'"):
+        CacheConfig.from_env({}, fitted_predictor="p.safetensors")
+    env = {"SGLANG_CACHE_DIT_CACHED_STEP_METHOD": "Fitted", "SGLANG_CACHE_DIT_SCM_PRESET": "curved"}
+    env |= {
+        "SGLANG_CACHE_DIT_SCM_POLICY": "static",
+        "SGLANG_CACHE_DIT_FN": "0",
+        "SGLANG_CACHE_DIT_FITTED_PREDICTOR": "",
+    }
+    config = CacheConfig.from_env(env)
+    assert config.cached_step_method == "fitted" and config.fitted_predictor is None
+    with pytest.raises(ConfigError, match="CACHED_STEP_TOKENS"):
+        CacheConfig.from_env({"SGLANG_CACHE_DIT_CACHED_STEP_TOKENS": "1.5"})
+
+
+def test_a_profile_names_its_predictor_relative_to_itself(tmp_path):
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    profile = folder / "turbo.json"
+    settings = {**fitted_config().model_dump(exclude_none=True), "fitted_predictor": "turbo.predictors/m.safetensors"}
+    profile.write_text(json.dumps({"settings": settings}))
+    config = CacheConfig.from_env({PROFILE_ENV: str(profile)})
+    assert config.fitted_predictor == str(folder / "turbo.predictors" / "m.safetensors")
+
+
+# ------------------------------------------------------------------------------------------------------ the fit
+@pytest.fixture(scope="module")
+def turbo_runner():
+    from dicache.models.krea2.checkpoints import resolve_model
+    from dicache.sweep.runners import NativeRunner
+
+    return NativeRunner.load(str(resolve_model(None, "turbo")))
+
+
+FIT_SAMPLES = [("red apple", 7), ("rocket", 8)]
+
+
+def test_the_fit_steers_each_cached_step_back_to_the_uncached_trajectory(turbo_runner, tmp_path):
+    from dicache.sweep.fitting import BatchRun, Trajectory, fit_predictor
+    from dicache.sweep.spec import Schedule
+    from dicache.tuning.predictor import predictor_overrides
+
+    run = BatchRun(turbo_runner, Schedule(4, 1.0, "turbo"), 32, 32)
+    trajectory = Trajectory.record(run, FIT_SAMPLES)
+    assert sorted(trajectory.x) == [0, 1, 2, 3, 4] and trajectory.x[0].shape == (2, 16, 64)
+    assert len(trajectory.dt) == 4 and all(dt < 0 for dt in trajectory.dt)
+    fit = fit_predictor(run, FIT_SAMPLES, predictor_overrides((1, 0, 1, 0)), trajectory)
+    assert fit.mask == (1, 0, 1, 0) and set(fit.weights) == {(1, "cond"), (3, "cond")}
+    assert fit.weights[(1, "cond")].shape == (feature_width(64), 64)
+    reference = run(FIT_SAMPLES, None)
+    reuse = FittedWeights(4, (1, 0, 1, 0), {k: blocks_of_width(64) for k in fit.weights})
+    errors = {}
+    for name, weights in (("fitted", fit), ("reuse", reuse)):
+        path = weights.save(tmp_path / f"{name}.safetensors")
+        config = CacheConfig.from_env({}, **predictor_overrides((1, 0, 1, 0), str(path)), enable_cache=True)
+        errors[name] = float((run(FIT_SAMPLES, config) - reference).norm() / reference.norm())
+    assert errors["fitted"] < 0.5 * errors["reuse"], errors
+
+
+def blocks_of_width(channels: int) -> torch.Tensor:
+    """The reuse map: the newest computed output, unchanged."""
+    w = torch.zeros(feature_width(channels), channels)
+    w[:channels] = torch.eye(channels)
+    return w
+
+
+def test_calibrate_fits_a_predictor_per_mask_and_the_profile_reproduces_the_choice(turbo_runner, tmp_path):
+    from dicache.commands.calibrate import _keep_chosen_predictor, predictor_folder
+    from dicache.settings.profiles import write_profile
+    from dicache.sweep.fitting import fit_samples
+    from dicache.tuning import PipelineRunner, calibrate, profile_settings
+    from dicache.tuning.predictor import PredictorSearch
+
+    runner = PipelineRunner(turbo_runner.pipe, 4, 1.0, "turbo", 32, 32)
+    samples = [("dog face", 3)]
+    out = tmp_path / "turbo.json"
+    search = PredictorSearch(runner, fit_samples(samples, 2), predictor_folder(str(out)))
+    result = calibrate(runner, samples, [], target_psnr=10.0, criterion="mean", progress=False, predictor=search)
+    fitted = [c for c in result.candidates if c.config.cached_step_method == "fitted"]
+    assert search.fits == len(fitted) >= 3 and all(c.status == "complete" for c in fitted)
+    assert {c.config.fitted_predictor for c in fitted} <= {str(p) for p in predictor_folder(str(out)).iterdir()}
+    chosen = result.chosen
+    assert chosen in fitted and chosen.compute_fraction == 0.5  # the beam goes down to 2 computed steps of 4
+    settings = profile_settings(chosen)
+    _keep_chosen_predictor(settings, str(out))
+    assert settings["fitted_predictor"] == f"turbo.predictors/{chosen.config.fitted_predictor.rsplit('/', 1)[1]}"
+    assert [p.name for p in predictor_folder(str(out)).iterdir()] == [settings["fitted_predictor"].split("/")[1]]
+    write_profile(out, settings, {})
+    config = CacheConfig.from_env({PROFILE_ENV: str(out)})
+    again = runner.run(*samples[0], config)
+    reference = runner.run(*samples[0], None)
+    from dicache.sweep.metrics import psnr
+
+    assert psnr(again.image, reference.image)[0] == pytest.approx(chosen.psnr[0], abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------ tokens
+def plain_attention(q, k, v, key_mask=None):
+    """softmax(q·kᵀ/√d)·v, `(B, H, S, D)`."""
+    return torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1) @ v
+
+
+class SelfAttention(torch.nn.Module):
+    kernel = staticmethod(plain_attention)
+    num_heads, head_dim = 1, 2
+
+    def forward(self, x, key_mask=None):
+        q = x[:, None]
+        return self.kernel(q, q, q, key_mask)[:, 0]
+
+
+class TokenBlock(torch.nn.Module):
+    """`h + t · attention(h)` (q = k = v = h): small enough to follow by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = SelfAttention()
+
+    def forward(self, hidden_states, temb, attention_mask=None):
+        return hidden_states + temb * self.attn(hidden_states, attention_mask)
+
+    @staticmethod
+    def token_rows(rows, hidden_states, temb, attention_mask=None):
+        return hidden_states, temb, attention_mask
+
+
+class TokenTransformer(torch.nn.Module):
+    def __init__(self, num_blocks: int = 2) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(TokenBlock() for _ in range(num_blocks))
+
+    def forward(self, hidden_states, timestep):
+        return self.run_blocks(hidden_states, timestep.reshape(-1, 1, 1))
+
+    def run_blocks(self, hidden_states, *block_args):
+        for block in self.blocks:
+            hidden_states = block(hidden_states, *block_args)
+        return hidden_states
+
+
+def tokens_config(share: float) -> CacheConfig:
+    return CacheConfig.from_env(
+        {},
+        scm_compute_bins=[1],
+        scm_cache_bins=[1],
+        scm_policy="static",
+        max_warmup_steps=0,
+        Fn_compute_blocks=0,
+        cached_step_method="tokens",
+        cached_step_tokens=share,
+    )
+
+
+def test_token_subset_runs_the_changed_rows_against_kept_keys_by_hand():
+    torch.manual_seed(5)
+    model = TokenTransformer(2).eval()
+    x0 = torch.randn(1, 4, 2)
+    x1 = x0.clone()
+    x1[0, 1] += torch.tensor([0.9, -0.4])  # rows 1 and 3 move most: the two a share of 0.5 computes
+    x1[0, 3] += torch.tensor([-0.7, 0.8])
+    x1[0, 0] += 0.01
+    t0, t1 = torch.tensor([1.0]), torch.tensor([0.6])
+    dicache.enable(model, tokens_config(0.5))
+    try:
+        with torch.no_grad(), dicache.request(model, num_inference_steps=2):
+            out0, out1 = model(x0, t0), model(x1, t1)
+        stats = dicache.stats(model)
+        kernels = [type(block.attn.__dict__.get("kernel")).__name__ for block in model.blocks]
+    finally:
+        dicache.disable(model)
+    assert kernels == ["KernelTap", "KernelTap"] and all("kernel" not in b.attn.__dict__ for b in model.blocks)
+
+    def attend(q, k, v):
+        return torch.softmax(q @ k.T / 2**0.5, dim=-1) @ v
+
+    with torch.no_grad():
+        torch.testing.assert_close(out0, model(x0, t0), rtol=0, atol=0)  # the computed call is the plain model
+        h = [x0[0]]  # the computed call's stream entering each block: the keys/values kept
+        for _ in model.blocks:
+            h.append(h[-1] + 1.0 * attend(h[-1], h[-1], h[-1]))
+        rows = [1, 3]
+        r = x1[0, rows]
+        for b in range(2):  # the rows through each block, attending to the kept keys with their own rows fresh
+            keys = h[b].clone()
+            keys[rows] = r
+            r = r + 0.6 * attend(r, keys, keys)
+        expected = x1[0] + (h[2] - h[0])  # the other rows: the reused residual of the computed call
+        expected[rows] = r
+    torch.testing.assert_close(out1[0], expected)
+    branch = stats.branches["cond"]
+    assert branch.computed_steps == [0] and branch.cached_steps == [1]
+    # each block at 2 of 4 rows: linears none, attention 2·4 of 4·4 query-key pairs -> half a block each
+    assert stats.partial_blocks == pytest.approx(2 * 0.5) and stats.blocks_run == pytest.approx(2 + 1)
+
+
+def test_token_subsets_need_blocks_that_declare_them():
+    model = SeamTransformer(num_blocks=3, dim=DIM).eval()
+    dicache.enable(model, tokens_config(0.5))
+    try:
+        with pytest.raises(ConfigError, match="token_rows"), dicache.request(model, num_inference_steps=2):
+            drive(model, torch.randn(1, 4, DIM), 2)
+    finally:
+        dicache.disable(model)
+
+
+def test_calibrate_quantized_measures_against_the_unquantized_model(tmp_path, capsys):
+    from dicache.cli import main
+
+    candidates = tmp_path / "c.json"
+    candidates.write_text(json.dumps([{"policy": "never"}]))  # every block computed: the quantization's own error
+    out = tmp_path / "int8.json"
+    argv = ["calibrate", "--variant", "turbo", "--steps", "4", "--size", "32", "--prompts", "1", "--device", "cpu"]
+    argv += ["--no-step-masks", "--candidates", str(candidates), "--target-psnr", "20", "--out", str(out)]
+    assert main([*argv, "--quantization", "int8", "--no-progress"]) == 0, capsys.readouterr().out
+    record = json.loads(out.read_text())["calibration"]
+    assert record["quantization"] == {"method": "int8", "exclude": []}
+    uncached = record["candidates"][0]
+    assert uncached["compute_fraction"] == 1.0 and 20 < uncached["psnr_min_db"] < 100  # INT8 vs float32, not 100
+    assert main([*argv, "--quantization", "fp8"]) == 2
+    assert "FP8 tensor cores" in capsys.readouterr().err
