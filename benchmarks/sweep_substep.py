@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import platform
 import sys
+
+import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"\n## Issue 43: below step granularity, {meta['model']}, {steps} steps, CFG {guidance:g} (held-out prompts)\n",
         f"Command: `{command_line('sweep_substep.py', argv)}`  ",
+        f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}  ",
         f"{meta['width']} px, {len(meta['samples'])} held-out prompts; PSNR against the uncached {steps} steps. Fitted "
         f"predictors: fitted by the sweep on the grid's training prompts ({pathlib.Path(args.grid).name}: "
         "fit_prompts, fit_seeds other seeds each), never on the judged ones.\n",
