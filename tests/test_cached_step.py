@@ -26,6 +26,8 @@ from dicache.settings.cache_config import PROFILE_ENV
 MASK = (1, 1, 0, 1, 0)  # steps 2 and 4 predicted
 DIM = 8
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster on a busy CPU
+
 
 def fitted_config(**extra) -> CacheConfig:
     return CacheConfig.from_env(
@@ -284,34 +286,52 @@ def blocks_of_width(channels: int) -> torch.Tensor:
     return w
 
 
-def test_calibrate_fits_a_predictor_per_mask_and_the_profile_reproduces_the_choice(turbo_runner, tmp_path):
+def test_calibrate_scores_each_prompt_with_a_fit_that_never_saw_it_and_the_profile_names_the_final_fit(
+    turbo_runner, tmp_path
+):
+    """Each calibration sample is scored with the predictor fitted on the other fold's prompts (its file's
+    `fitted_on` holds no sample of its prompt); the chosen candidate's profile names a fit on every prompt, and the
+    profile reproduces that run."""
     from dicache.commands.calibrate import _keep_chosen_predictor, predictor_folder
+    from dicache.engine.cached_step.weights import load_weights
     from dicache.settings.profiles import write_profile
-    from dicache.sweep.fitting import fit_samples
     from dicache.tuning import PipelineRunner, calibrate, profile_settings
     from dicache.tuning.predictor import PredictorSearch
 
     runner = PipelineRunner(turbo_runner.pipe, 4, 1.0, "turbo", 32, 32)
-    samples = [("dog face", 3)]
+    samples = [("dog face", 3), ("red apple", 5)]
     out = tmp_path / "turbo.json"
-    search = PredictorSearch(runner, fit_samples(samples, 2), predictor_folder(str(out)))
-    result = calibrate(runner, samples, [], target_psnr=10.0, criterion="mean", progress=False, predictor=search)
-    fitted = [c for c in result.candidates if c.config.cached_step_method == "fitted"]
+    search = PredictorSearch(runner, samples, 1, predictor_folder(str(out)))
+    result = calibrate(
+        runner, samples, [], target_psnr=10.0, criterion="mean", progress=False, step_masks=False, predictor=search
+    )
+    fitted = [c for c in result.candidates if c.fitted_mask is not None]
     assert search.fits == len(fitted) >= 3 and all(c.status == "complete" for c in fitted)
-    assert {c.config.fitted_predictor for c in fitted} <= {str(p) for p in predictor_folder(str(out)).iterdir()}
+    for candidate in fitted:
+        for i, (prompt, _) in enumerate(samples):
+            fit = load_weights(candidate.sample_configs[i].fitted_predictor)
+            seen = {row["prompt"] for row in fit.fitted_on}
+            assert prompt not in seen and seen, (candidate.label, prompt, seen)  # scored on a prompt it never saw
     chosen = result.chosen
     assert chosen in fitted and chosen.compute_fraction == 0.5  # the beam goes down to 2 computed steps of 4
+    final = load_weights(chosen.config.fitted_predictor)
+    assert {row["prompt"] for row in final.fitted_on} == {p for p, _ in samples}  # the file to use saw them all
     settings = profile_settings(chosen)
     _keep_chosen_predictor(settings, str(out))
-    assert settings["fitted_predictor"] == f"turbo.predictors/{chosen.config.fitted_predictor.rsplit('/', 1)[1]}"
     assert [p.name for p in predictor_folder(str(out)).iterdir()] == [settings["fitted_predictor"].split("/")[1]]
     write_profile(out, settings, {})
     config = CacheConfig.from_env({PROFILE_ENV: str(out)})
     again = runner.run(*samples[0], config)
-    reference = runner.run(*samples[0], None)
-    from dicache.sweep.metrics import psnr
+    direct = runner.run(*samples[0], chosen.config)
+    assert torch.equal(again.image, direct.image)  # the profile runs the final fit
 
-    assert psnr(again.image, reference.image)[0] == pytest.approx(chosen.psnr[0], abs=1e-6)
+
+def test_the_predictor_search_refuses_one_prompt_naming_why():
+    from dicache.tuning import CalibrationError
+    from dicache.tuning.predictor import PredictorSearch
+
+    with pytest.raises(CalibrationError, match=r"at least 2 calibration prompts \(got 1\)"):
+        PredictorSearch(None, [("dog face", 3)], 2, "unused")
 
 
 # ------------------------------------------------------------------------------------------------------ tokens

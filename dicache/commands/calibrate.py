@@ -27,7 +27,7 @@ from ..quantization import check_fp8_support, parse_quantization
 from ..settings.cache_config import SETTINGS, CacheConfig
 from ..settings.options import FlagOptions, option
 from ..settings.profiles import write_profile
-from ..sweep.fitting import DEFAULT_FIT_SEEDS, fit_samples
+from ..sweep.fitting import DEFAULT_FIT_SEEDS
 from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
 from ..sweep.runners import FamilyRunner
 from ..sweep.settings import RECOMMENDED_BUDGETS
@@ -274,8 +274,14 @@ def _predictor_search(
 ) -> Any:
     if args.fit_seeds == 0 or args.no_step_masks:
         return None
-    fits = fit_samples(samples, args.fit_seeds)
-    return PredictorSearch(runner, fits, predictor_folder(args.out), reference=reference)
+    if len(samples) < 2:
+        print(
+            "note: the fitted predictor is not searched: it needs at least 2 calibration prompts (each is scored "
+            "with a fit made on the others)",
+            file=sys.stderr,
+        )
+        return None
+    return PredictorSearch(runner, samples, args.fit_seeds, predictor_folder(args.out), reference=reference)
 
 
 def _keep_chosen_predictor(settings: dict[str, Any], out: str) -> None:

@@ -85,6 +85,11 @@ class Trajectory:
         trajectory.x[len(trajectory.dt)] = final.to(inputs[0].device)
         return trajectory
 
+    def subset(self, rows: Sequence[int]) -> Trajectory:
+        """The trajectory of the batch rows `rows` (in that order)."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        return Trajectory(x={step: x[index.to(x.device)] for step, x in self.x.items()}, dt=list(self.dt))
+
     def target(self, step: int, x: torch.Tensor) -> torch.Tensor:
         """The velocity (guided, with CFG) that takes `x` to the uncached run's next latents in one Euler step."""
         return steering_target(torch.zeros_like(x, dtype=torch.float32), self.x[step + 1], x, self.dt[step])
