@@ -103,9 +103,10 @@ def rows_of(results: dict, profiles: dict[str, str] | None = None) -> list[dict]
 def profile_cell(path: str) -> dict:
     """A grid cell (`{key: [value]}`) of a settings profile's values that differ from the built-in defaults (a
     predictor file's path made absolute)."""
-    from dicache.settings.cache_config import CacheConfig, load_profile
+    from dicache.settings.cache_config import CacheConfig
+    from dicache.settings.profiles import check_profile
 
-    settings = load_profile(path)
+    settings = check_profile(path)
     defaults = CacheConfig.from_env({}).model_dump()
     return {k: [v] for k, v in settings.items() if k != "enable_cache" and v != defaults.get(k)}
 
