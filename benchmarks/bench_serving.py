@@ -14,8 +14,11 @@ prompt of `PROMPTS` once, untimed, so the runs meet known prompt lengths; `--fre
 length the server has not met instead (a new length costs its first-call work: RESULTS.md 2026-12-03).
 `--profile PATH` adds a cache mode per settings profile (`dicache calibrate`'s JSON, named by its file name): its
 requests carry the profile's settings (a fitted predictor's file named by its absolute path), as a server started with
-`--profile PATH` runs them. Each row says the steps the requests computed and their compute fraction (the answers'
-`cache_stats`).
+`--profile PATH` runs them. `--fitted-mask 0,1,3,6` adds a timing stand-in of the fitted output predictor on that
+Turbo mask (`cached_step_method=fitted`; its weights reuse the newest computed output, so its images say nothing about
+quality, but a cached step costs what any fitted predictor costs: no forward). A mode fitted for one step count runs
+only with the variant of that count. Each row says the steps the requests computed and their compute fraction (the
+answers' `cache_stats`).
 
     python benchmarks/bench_serving.py --results benchmarks/RESULTS.md            # H200: ~6 min
     python benchmarks/bench_serving.py --tiny --device cpu --servers none          # logic check on a CPU (minutes)
@@ -45,15 +48,19 @@ import threading
 import time
 import typing
 
+import torch
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from publish import command_line, markdown_table, publish  # noqa: E402
 
+from dicache.engine.cached_step import FittedWeights, feature_width, load_weights  # noqa: E402
 from dicache.errors import ConfigError  # noqa: E402
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT  # noqa: E402
 from dicache.server.memory import COMPONENTS  # noqa: E402
 from dicache.settings.profiles import check_profile  # noqa: E402
+from dicache.tuning.predictor import predictor_overrides  # noqa: E402
 
 SGLANG_PUBLISHED = {"turbo_c1_latency_s": 1.56, "turbo_c20_req_per_s": 0.64, "peak_GB": 37.5}
 """SGLang's Krea-2 Turbo serving figures from the seed docs (H200, 1024², default cache)."""
@@ -98,6 +105,8 @@ CACHE_MODES = {
     "recommended": {"enable_cache": True, "cache_dit_params": TURBO_RECOMMENDED},
 }
 VARIANTS = {"turbo": (8, 1.0), "raw": (50, 4.5)}
+MODE_STEPS: dict[str, int] = {}
+"""The step count a cache mode's fitted predictor is for (`--profile`, `--fitted-mask`): other variants skip it."""
 SERVERS = {
     "none": [],
     "fp8": ["--quantization", "fp8"],
@@ -335,15 +344,47 @@ def profile_summary(path: str) -> str:
     return f"{path} ({said or 'no calibration record'})"
 
 
-def profile_mode(path: str) -> tuple[str, dict]:
-    """The cache mode of a settings profile: its name (the file name without `.json`) and the request fields that
-    run its settings (`cache_dit_params`: every setting of the profile, a predictor file's path made absolute)."""
+def profile_mode(path: str) -> tuple[str, dict, int | None]:
+    """The cache mode of a settings profile: its name (the file name without `.json`), the request fields that run
+    its settings (`cache_dit_params`: every setting of the profile, a predictor file's path made absolute) and the
+    step count its predictor is for (None without one)."""
     settings = check_profile(path)
     name = pathlib.Path(path).stem
     if name in CACHE_MODES or not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"--profile {path!r}: its name {name!r} is taken or not a plain name; rename the file")
     params = {k: v for k, v in settings.items() if k != "enable_cache"}
-    return name, {"enable_cache": True, "cache_dit_params": params}
+    predictor = params.get("fitted_predictor")
+    steps = load_weights(predictor).num_steps if predictor else None
+    return name, {"enable_cache": True, "cache_dit_params": params}, steps
+
+
+def parse_fitted_mask(text: str, num_steps: int = VARIANTS["turbo"][0]) -> tuple[int, ...]:
+    """`--fitted-mask`: the computed steps, e.g. `0,1,3,6`, as `num_steps` flags (1 = computed); ValueError unless
+    they are distinct steps in [0, num_steps), step 0 among them, and at least one step is left to predict."""
+    try:
+        steps = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        steps = []
+    if not steps or steps[0] != 0 or steps[-1] >= num_steps or len(steps) == num_steps:
+        raise ValueError(
+            f"--fitted-mask {text!r} is invalid: expected the computed steps of the {num_steps}-step Turbo schedule, "
+            "comma-separated, step 0 among them and at least one step cached (e.g. 0,1,3,6)"
+        )
+    return tuple(int(i in steps) for i in range(num_steps))
+
+
+def stand_in_mode(mask: tuple[int, ...], folder: pathlib.Path, channels: int) -> tuple[str, dict]:
+    """The timing stand-in of the fitted predictor on `mask`: its name (`fitted-stand-in <steps>`) and request fields;
+    its predictor file (in `folder`) maps each cached step to the newest computed output of `channels` channels."""
+    cached = [i for i, flag in enumerate(mask) if not flag]
+    reuse = {}
+    for step in cached:
+        weight = torch.zeros(feature_width(channels), channels)
+        weight[:channels] = torch.eye(channels)
+        reuse[(step, "cond")] = weight
+    path = FittedWeights(len(mask), mask, reuse).save(folder / f"stand-in-{''.join(map(str, mask))}.safetensors")
+    name = "fitted-stand-in " + ",".join(str(i) for i, flag in enumerate(mask) if flag)
+    return name, {"enable_cache": True, "cache_dit_params": predictor_overrides(mask, str(path))}
 
 
 def fresh_prompt(base: str, count: int) -> str:
@@ -495,6 +536,8 @@ def plan(args) -> list[tuple[str, str, int, int]]:
     runs = []
     for variant in args.variants:
         for cache in args.caches:
+            if MODE_STEPS.get(cache, VARIANTS[variant][0]) != VARIANTS[variant][0]:
+                continue  # a predictor for another step count
             runs.append((variant, cache, 1, args.requests_c1 if variant == "turbo" else args.raw_requests))
             if variant == "turbo" and args.requests_c20:
                 runs.append((variant, cache, 20, args.requests_c20))
@@ -527,6 +570,12 @@ def run(args) -> dict:
     work = pathlib.Path(tempfile.mkdtemp(prefix="dicache-serving-"))
     model_dir = write_model_folder(work / "krea2-config", args.tiny)
     size = 1024 if not args.tiny else 128
+    channels = json.loads((model_dir / "transformer" / "config.json").read_text())["in_channels"]
+    for mask in args.fitted_mask:
+        name, mode = stand_in_mode(mask, work, channels)
+        CACHE_MODES[name], MODE_STEPS[name] = mode, len(mask)
+        args.caches = [*args.caches, name]
+        results.setdefault("stand_ins", []).append(name)
     out_dir = pathlib.Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
     with GpuMemoryPoller(args.device.startswith("cuda")) as memory:
@@ -607,6 +656,12 @@ def markdown(results: dict, args, command: str) -> str:
                 else "\n"
             )
         )
+    if results.get("stand_ins"):
+        lines.append(
+            f"Timing stand-ins ({', '.join(f'`{n}`' for n in results['stand_ins'])}): the fitted output predictor "
+            "on that mask with weights that reuse the newest computed output; a cached step costs what any fitted "
+            "predictor costs (no forward), the images say nothing about quality.\n"
+        )
     rows = [{k: v for k, v in r.items() if k != "time_goes"} for r in results["runs"]]
     if rows:
         lines += markdown_table(rows)
@@ -659,6 +714,14 @@ def main(argv=None) -> int:
         help="a settings profile (dicache calibrate's JSON): one more cache mode, named by the file name, whose "
         "requests carry the profile's settings (repeatable)",
     )
+    p.add_argument(
+        "--fitted-mask",
+        action="append",
+        default=[],
+        metavar="STEPS",
+        help="the computed steps of a Turbo mask, e.g. 0,1,3,6: one more cache mode, a timing stand-in of the fitted "
+        "output predictor on it (its images say nothing about quality; repeatable)",
+    )
     p.add_argument("--requests-c1", type=int, default=3)
     p.add_argument("--requests-c20", type=int, default=20)
     p.add_argument("--raw-requests", type=int, default=1)
@@ -679,11 +742,17 @@ def main(argv=None) -> int:
     profiles = {}
     for path in args.profile:
         try:
-            name, mode = profile_mode(path)
+            name, mode, steps = profile_mode(path)
         except (ValueError, ConfigError) as exc:
             p.error(str(exc))
         CACHE_MODES[name], profiles[name] = mode, profile_summary(path)
+        if steps is not None:
+            MODE_STEPS[name] = steps
         args.caches = [*args.caches, name]
+    try:
+        args.fitted_mask = [parse_fitted_mask(text) for text in args.fitted_mask]
+    except ValueError as exc:
+        p.error(str(exc))
     results = run(args)
     results["profiles"] = profiles
     command = command_line("bench_serving.py", argv)

@@ -1,6 +1,6 @@
-"""`benchmarks/bench_serving.py --profile`: a calibrated profile as a cache mode, through a real `dicache serve` on
-the tiny configs (CPU, random weights), beside the recommended setting; each row says the steps its requests computed
-(the answers' `cache_stats`)."""
+"""`benchmarks/bench_serving.py --profile` / `--fitted-mask`: a calibrated profile and a fitted predictor's timing
+stand-in as cache modes, through a real `dicache serve` on the tiny configs (CPU, random weights), beside the
+recommended setting; each row says the steps its requests computed (the answers' `cache_stats`)."""
 
 from __future__ import annotations
 
@@ -44,19 +44,33 @@ def test_a_profile_is_a_cache_mode_the_server_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     profile = fitted_profile(tmp_path)
     argv = ["--tiny", "--device", "cpu", "--servers", "none", "--no-compile", "--variants", "turbo"]
-    argv += ["--caches", "recommended", "--profile", str(profile), "--requests-c1", "1", "--requests-c20", "0"]
-    argv += ["--start-timeout", "240", "--results", str(tmp_path / "RESULTS.md")]
+    argv += ["--caches", "recommended", "--profile", str(profile), "--fitted-mask", "0,1,3"]
+    argv += ["--requests-c1", "1", "--requests-c20", "0", "--start-timeout", "240"]
     try:
-        assert bench_serving.main(argv) == 0
+        assert bench_serving.main([*argv, "--results", str(tmp_path / "RESULTS.md")]) == 0
     finally:
-        bench_serving.CACHE_MODES.pop("turbo-fitted", None)
+        for name in ("turbo-fitted", "fitted-stand-in 0,1,3"):
+            bench_serving.CACHE_MODES.pop(name, None)
+            bench_serving.MODE_STEPS.pop(name, None)
     results = json.loads((tmp_path / "bench_serving.json").read_text())
     rows = {r["cache"]: r for r in results["runs"]}
     assert rows["turbo-fitted"]["computed_steps"] == "0,1,3,6" and rows["turbo-fitted"]["compute"] == 0.5
     assert rows["recommended"]["computed_steps"] == "0,1,2,4,6" and rows["recommended"]["compute"] == 0.625
+    assert (
+        rows["fitted-stand-in 0,1,3"]["computed_steps"] == "0,1,3" and rows["fitted-stand-in 0,1,3"]["compute"] == 0.375
+    )
     [archived] = (tmp_path / "results" / "archive").iterdir()
     text = archived.read_text()
     assert "`turbo-fitted`: " in text and "calibrated on krea2-tiny-turbo; 8 steps; target mean PSNR >= 35.0 dB" in text
+    assert "Timing stand-ins (`fitted-stand-in 0,1,3`)" in text
+
+
+def test_a_predictor_runs_only_with_the_variant_of_its_step_count(monkeypatch):
+    monkeypatch.setitem(bench_serving.MODE_STEPS, "turbo-fitted", 8)
+    args = bench_serving.argparse.Namespace(
+        variants=["turbo", "raw"], caches=["off", "turbo-fitted"], requests_c1=3, requests_c20=0, raw_requests=1
+    )
+    assert bench_serving.plan(args) == [("turbo", "off", 1, 3), ("turbo", "turbo-fitted", 1, 3), ("raw", "off", 1, 1)]
 
 
 def test_a_bad_profile_is_refused_naming_it(tmp_path, capsys):
@@ -68,3 +82,7 @@ def test_a_bad_profile_is_refused_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_serving.main(["--tiny", "--device", "cpu", "--profile", str(taken)])
     assert "its name 'recommended' is taken" in capsys.readouterr().err
+    for bad in ("1,3", "0,1,8", "0,1,2,3,4,5,6,7", "a"):
+        with pytest.raises(SystemExit):
+            bench_serving.main(["--tiny", "--device", "cpu", "--fitted-mask", bad])
+        assert f"--fitted-mask {bad!r} is invalid" in capsys.readouterr().err
