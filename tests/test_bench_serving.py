@@ -56,9 +56,8 @@ def test_a_profile_is_a_cache_mode_the_server_runs(tmp_path, monkeypatch):
     rows = {r["cache"]: r for r in results["runs"]}
     assert rows["turbo-fitted"]["computed_steps"] == "0,1,3,6" and rows["turbo-fitted"]["compute"] == 0.5
     assert rows["recommended"]["computed_steps"] == "0,1,2,4,6" and rows["recommended"]["compute"] == 0.625
-    assert (
-        rows["fitted-stand-in 0,1,3"]["computed_steps"] == "0,1,3" and rows["fitted-stand-in 0,1,3"]["compute"] == 0.375
-    )
+    stand_in = rows["fitted-stand-in 0,1,3"]
+    assert stand_in["computed_steps"] == "0,1,3" and stand_in["compute"] == 0.375
     [archived] = (tmp_path / "results" / "archive").iterdir()
     text = archived.read_text()
     assert "`turbo-fitted`: " in text and "calibrated on krea2-tiny-turbo; 8 steps; target mean PSNR >= 35.0 dB" in text
