@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"\n## Issue 43: below step granularity, {meta['model']}, {steps} steps, CFG {guidance:g} (held-out prompts)\n",
         f"Command: `{command_line('sweep_substep.py', argv)}`  ",
+        f"Machine: {meta.get('machine', '?')}, torch {meta.get('versions', {}).get('torch', '?')}, "
+        f"{meta.get('model_id', '').split('|')[1] if meta.get('model_id', '').count('|') >= 2 else '?'}  ",
         f"{meta['width']} px, {len(meta['samples'])} held-out prompts; PSNR against {against}. Fitted "
         f"predictors: fitted by the sweep on the grid's training prompts ({pathlib.Path(args.grid).name}: "
         "fit_prompts, fit_seeds other seeds each), never on the judged ones"
