@@ -29,7 +29,7 @@
 #             sweep_turbo_substep_fp8.yaml with --profile that profile: the embedded Turbo student, 128 px, 8 steps,
 #             16 held-out prompts, PSNR against bf16 uncached, bf16 and FP8 side by side for today's masks
 #             (input_corrected) and the fitted predictor on the frontier masks, FP8 uncached, and the calibrated
-#             profile; its results.json as $OUT/sweep_results.json                                    (~5 min)
+#             profile; its results.json as $OUT/sweep_results.json                                    (~4 min)
 #   serve     bench_serving.py, the fp8-te server (`dicache serve --compile --quantization fp8
 #             --text-encoder-quantization fp8`, full-size random weights, `--load-format dummy`), Turbo at
 #             concurrency 1 (5 requests) and 20 (20 requests): today's recommended setting, the calibrated profile
@@ -39,8 +39,9 @@
 #             the quality is the fidelity step's. Target: <= 0.6 s at concurrency 1. A fresh machine's server is
 #             ready after about 6 min (371 s on 2026-12-04)                                            (~8 min)
 #
-# Suggested calls (a machine is given back 30 s after a call, so each call starts a fresh one; ~26 min in all):
-#   1) `bash benchmarks/gpu/cached_step.sh wheels fidelity tests`                                     (~7 min)
+# Suggested calls (a machine is given back 30 s after a call, so each call starts a fresh one, a minute or two
+# each; ~22 min of commands, ~26 min in all):
+#   1) `bash benchmarks/gpu/cached_step.sh wheels fidelity tests`                                     (~6 min)
 #   2) `CALIBRATED=.calibrated/turbo-fp8.json bash benchmarks/gpu/cached_step.sh wheels serve`, carry
 #      [".whl", ".calibrated"]: first copy call 1's $OUT/calibrated/ (the profile and its predictor folder) to
 #      .calibrated/ in the checkout (`echo /.calibrated/ >> .git/info/exclude`); without it the stand-ins still run
@@ -76,7 +77,7 @@ wheels() {
 }
 
 tests() {
-  timeout 240 python3 -m pytest -m gpu tests/test_cached_step_gpu.py -p no:cacheprovider -q -rs
+  timeout 180 python3 -m pytest -m gpu tests/test_cached_step_gpu.py -p no:cacheprovider -q -rs
 }
 
 speed() {
@@ -100,7 +101,7 @@ fidelity() {
   mkdir -p "$work"
   rm -rf "$calibrated" "${calibrated%.json}.predictors"
   # exit 2: no candidate met the target (the table says how close each came); the sweep then runs without it
-  timeout 200 python3 -m dicache.cli calibrate --variant turbo --quantization "$quantization" --device "$device" \
+  timeout 240 python3 -m dicache.cli calibrate --variant turbo --quantization "$quantization" --device "$device" \
     --dtype "$([ -n "$cpu" ] && echo float32 || echo bfloat16)" --prompts benchmarks/grids/turbo_calibration_prompts.json \
     --target-psnr 35 --criterion "$criterion" --no-progress --out "$calibrated" "${small[@]}" || status=$?
   if [ -f "$calibrated" ]; then
@@ -110,7 +111,7 @@ fidelity() {
     [ -d "${calibrated%.json}.predictors" ] && cp -r "${calibrated%.json}.predictors" "$out/calibrated/"
   fi
   [ -n "$cpu" ] && small=(--num-prompts 1 --height 32 --width 32 --threads 1 --quantization none int8)
-  timeout 300 python3 benchmarks/sweep_substep.py --grid benchmarks/grids/sweep_turbo_substep_fp8.yaml \
+  timeout 200 python3 benchmarks/sweep_substep.py --grid benchmarks/grids/sweep_turbo_substep_fp8.yaml \
     --dtype bfloat16 --device "$device" --no-progress --out "$work/sweep" "${profile[@]}" "${small[@]}" \
     --results "$results" || status=$?
   [ -f "$work/sweep/results.json" ] && cp "$work/sweep/results.json" "$out/sweep_results.json"
