@@ -184,11 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     steps, guidance = schedule["steps"], schedule["guidance_scale"]
     quantized = sorted({QUANTIZED_LABELS[m] for m in meta.get("methods", []) if m in QUANTIZED_LABELS})
     against = f"the uncached {steps} steps" + (" of the unquantized model" if quantized else "")
+    host, _, device = meta.get("machine", "?").rpartition(", ")  # `<OS arch>, <threads>, <CPU or the GPU's name>`
+    model_id = meta.get("model_id", "")
+    dtype = model_id.split("|")[1] if model_id.count("|") >= 2 else "?"
     lines = [
         f"\n## Issue 43: below step granularity, {meta['model']}, {steps} steps, CFG {guidance:g} (held-out prompts)\n",
         f"Command: `{command_line('sweep_substep.py', argv)}`  ",
-        f"Machine: {meta.get('machine', '?')}, torch {meta.get('versions', {}).get('torch', '?')}, "
-        f"{meta.get('model_id', '').split('|')[1] if meta.get('model_id', '').count('|') >= 2 else '?'}  ",
+        f"Machine: {device}, torch {meta.get('versions', {}).get('torch', '?')}, {dtype}; {host}  ",
         f"{meta['width']} px, {len(meta['samples'])} held-out prompts; PSNR against {against}. Fitted "
         f"predictors: fitted by the sweep on the grid's training prompts ({pathlib.Path(args.grid).name}: "
         "fit_prompts, fit_seeds other seeds each), never on the judged ones"
