@@ -273,7 +273,7 @@ def serve_run(
             row["ready_s"] = startup.get("ready_s")
             memory.phase = "first"
             body = request_body(PROMPT, "turbo", "off", args.size, 0)
-            first, _, _ = one_request(url, body)
+            first = one_request(url, body).seconds
             answered = time.time()
             row["first_request_s"] = round(first, 3)
             row["first_answer_s"] = round(answered - startup.get("process_start_unix", launched), 1)

@@ -279,6 +279,56 @@ def test_the_fit_steers_each_cached_step_back_to_the_uncached_trajectory(turbo_r
     assert errors["fitted"] < 0.5 * errors["reuse"], errors
 
 
+def test_a_sweep_fits_a_quantized_models_predictor_toward_the_unquantized_run(turbo_runner, tmp_path):
+    """`ours-int8` (the quantization axis; FP8 needs a GPU, INT8 runs here) fits its predictor on the quantized model,
+    steering to the unquantized model's uncached run: the run its samples are measured against, and what `dicache
+    calibrate --quantization` fits to. `ours` fits on and to the unquantized model."""
+    from dicache.sweep.fitting import BatchRun, Trajectory, fit_predictor, fit_samples
+    from dicache.sweep.run import Sweep
+    from dicache.sweep.runners import NativeRunner
+    from dicache.sweep.spec import Schedule, SweepSpec, expand_grid
+    from dicache.tuning.predictor import predictor_overrides
+
+    schedule, mask = Schedule(4, 1.0, "turbo"), (1, 0, 1, 0)
+    int8 = NativeRunner.load(str(turbo_runner.pipe.source), quantization="int8")
+    cells = expand_grid([{k: [v] for k, v in predictor_overrides(mask).items()}])
+    spec = SweepSpec(
+        samples=[("dog face", 3)],
+        schedules=[schedule],
+        cells=cells,
+        methods=("ours", "ours-int8"),
+        height=32,
+        width=32,
+        baselines=(),
+        reference_steps=None,
+        fit_prompts=FIT_SAMPLES[:1],
+        fit_seeds=1,
+    )
+    sweep = Sweep(spec, tmp_path, turbo_runner, quantized={"ours-int8": int8}, progress=False, log=lambda _: None)
+    records = {r["method"]: r for r in sweep.run()["records"] if r.get("settings")}
+    assert records["ours-int8"]["pipeline"] == "ours-int8" and records["ours-int8"]["psnr"] < 99
+    fits = fit_samples(FIT_SAMPLES[:1], 1)
+
+    def fit(model, steered_to):
+        trajectory = Trajectory.record(BatchRun(steered_to, schedule, 32, 32), fits)
+        return fit_predictor(BatchRun(model, schedule, 32, 32), fits, predictor_overrides(mask), trajectory)
+
+    def saved(method, steered_to=None):
+        return load_weights(tmp_path / "predictors" / f"{sweep.predictor_key(method, schedule, cells[0], steered_to)}"
+                            ".safetensors")  # fmt: skip
+
+    expected = {
+        "ours": (saved("ours"), fit(turbo_runner, turbo_runner)),
+        "ours-int8": (saved("ours-int8", "native"), fit(int8, turbo_runner)),
+    }
+    for method, (got, want) in expected.items():
+        assert set(got.weights) == set(want.weights) == {(1, "cond"), (3, "cond")}
+        for key in want.weights:
+            torch.testing.assert_close(got.weights[key], want.weights[key], msg=f"{method} {key}")
+    own = fit(int8, int8)  # steered to the quantized model's own run: another predictor
+    assert not torch.allclose(own.weights[(3, "cond")], expected["ours-int8"][0].weights[(3, "cond")])
+
+
 def blocks_of_width(channels: int) -> torch.Tensor:
     """The reuse map: the newest computed output, unchanged."""
     w = torch.zeros(feature_width(channels), channels)

@@ -62,9 +62,12 @@ class SweepKeys:
             **parts,
         )
 
-    def predictor_key(self, method: str, schedule: Schedule, cell: Cell) -> str:
-        """The fitted predictor a sweep fits for a cell (its file `predictors/<key>.safetensors`)."""
+    def predictor_key(self, method: str, schedule: Schedule, cell: Cell, steered_to: str | None = None) -> str:
+        """The fitted predictor a sweep fits for a cell (its file `predictors/<key>.safetensors`); `steered_to`: the
+        pipeline whose uncached run the fit steers to when it is not the method's own."""
         fit = {"prompts": [list(p) for p in self.spec.fit_prompts or []], "seeds": self.spec.fit_seeds}
+        if steered_to is not None:
+            fit["steered_to"] = steered_to
         return self._key(kind="predictor", method=method, schedule=schedule.to_dict(), config=cell.canonical(), fit=fit)
 
     def baseline_key(self, schedule: Schedule, steps: int) -> str:

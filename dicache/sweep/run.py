@@ -332,19 +332,24 @@ class Sweep(SweepKeys):
 
     def _cell_config(self, method: str, pipeline: str, schedule: Schedule, cell: Cell) -> Any:
         """The cell's settings as run: a fitted-predictor cell that names no file gets the predictor fitted on the
-        spec's `fit_prompts` (each with `fit_seeds` other seeds) on its own pipeline, kept in `predictors/`."""
+        spec's `fit_prompts` (each with `fit_seeds` other seeds) on its own pipeline, kept in `predictors/`. The fit
+        steers to the uncached run of the pipeline the cell is measured against: a quantized model's (`ours-fp8`) to
+        the unquantized model's, as `dicache calibrate --quantization` fits the model it will serve."""
         config = cell.config
         if not fitted_here(config):
             return config
-        path = self.root / "predictors" / f"{self.predictor_key(method, schedule, cell)}.safetensors"
+        reference = "native" if pipeline in QUANTIZED_METHODS.values() else pipeline
+        key = self.predictor_key(method, schedule, cell, steered_to=None if reference == pipeline else reference)
+        path = self.root / "predictors" / f"{key}.safetensors"
         if not path.is_file():
             self.log(f"fitting the predictor of {cell.label} on {len(self.spec.fit_prompts)} training prompt(s)")
             run = BatchRun(self._runner(pipeline), schedule, self.height, self.width)
             samples = fit_samples(self.spec.fit_prompts, self.spec.fit_seeds)
-            key = (pipeline, schedule)
-            if key not in self._trajectories:  # the fit samples' uncached run, shared by the schedule's cells
-                self._trajectories[key] = Trajectory.record(run, samples)
-            fit_predictor(run, samples, cell.overrides, self._trajectories[key]).save(path)
+            steered = (reference, schedule)
+            if steered not in self._trajectories:  # the fit samples' uncached run, shared by the schedule's cells
+                steer = BatchRun(self._runner(reference), schedule, self.height, self.width)
+                self._trajectories[steered] = Trajectory.record(steer, samples)
+            fit_predictor(run, samples, cell.overrides, self._trajectories[steered]).save(path)
         return config.merged({"fitted_predictor": str(path)})
 
     def _baseline(self, schedule: Schedule, steps: int, refs: list[dict[str, Any]]) -> dict[str, Any]:
