@@ -80,9 +80,9 @@ def test_a_family_that_cannot_take_the_predictor_is_refused_before_any_run(folde
     from dicache.sweep.spec import SweepSpec, SweepSpecError, expand_grid
 
     pixart = FamilyRunner.load(str(folders["pixart"]))
-    refusal = pixart.fitted_refusal(8)
+    refusal = pixart.fitted_refusal(Schedule(8, 4.5))
     assert refusal.startswith("cached_step_method='fitted' is refused for PixArtSigmaPipeline (PixArt-α / Σ)")
-    assert FamilyRunner.load(str(folders["flux"])).fitted_refusal(8) is None
+    assert FamilyRunner.load(str(folders["flux"])).fitted_refusal(Schedule(8, 2.0)) is None
 
     pipe = DiffusionPipeline.from_pretrained(folders["pixart"])
 

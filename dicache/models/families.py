@@ -276,11 +276,12 @@ def call_kwargs(
 FITTED = "cached_step_method='fitted'"
 
 
-def fitted_refusal(model: FamilyModel, steps: int) -> str | None:
+def fitted_refusal(model: FamilyModel, steps: int, guidance: float = 1.0) -> str | None:
     """Why the fitted output predictor (`cached_step_method=fitted`) cannot be fitted for or run on `model` at `steps`
-    steps, or None. It needs a step mask (`step_mask_refusal`); a flow-matching Euler scheduler, deterministic
-    (its step is `x + (σ(i+1) − σ(i))·v`, which the fit steers by); CFG's branches called apart (the fit reads each
-    branch's calls); one transformer; and the pipeline's step-end callback (the fit reads the latents there)."""
+    steps and CFG scale `guidance`, or None. It needs a step mask (`step_mask_refusal`); a flow-matching Euler
+    scheduler, deterministic (its step is `x + (σ(i+1) − σ(i))·v`, which the fit steers by); with CFG, the branches
+    called apart (the fit reads each branch's calls); one transformer; and the pipeline's step-end callback (the fit
+    reads the latents there)."""
     reason = step_mask_refusal(model, steps)
     if reason is not None:
         return reason.replace("a step mask is refused", f"{FITTED} (a step mask) is refused", 1)
@@ -295,10 +296,10 @@ def fitted_refusal(model: FamilyModel, steps: int) -> str | None:
             "x + (σ(i+1) − σ(i))·v the predictor is fitted for (FlowMatchEulerDiscreteScheduler does)"
         )
     family = find_family(pipe.transformer)
-    if family is not None and family.cfg == BATCHED:
+    if family is not None and family.cfg == BATCHED and guidance > 1.0:
         return (
-            f"{FITTED} is refused for {name}: its pipeline calls CFG's two branches as one batched call; the "
-            "predictor is fitted per branch call"
+            f"{FITTED} is refused for {name} with CFG (guidance {guidance:g}): its pipeline calls the two branches "
+            "as one batched call; the predictor is fitted per branch call"
         )
     others = [a for a in (family.transformers if family else ()) if a != "transformer" and getattr(pipe, a, None)]
     if others:

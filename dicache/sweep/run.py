@@ -107,8 +107,8 @@ class Sweep(SweepKeys):
                     raise SweepSpecError(f"grid cell {cell.label!r}: {refusal(schedule.steps)}")
             if cell.config.cached_step_method == "fitted":
                 for schedule in spec.schedules if fitted_refusal is not None else ():
-                    if fitted_refusal(schedule.steps):
-                        raise SweepSpecError(f"grid cell {cell.label!r}: {fitted_refusal(schedule.steps)}")
+                    if fitted_refusal(schedule):
+                        raise SweepSpecError(f"grid cell {cell.label!r}: {fitted_refusal(schedule)}")
                 self._check_predictor_file(cell)
 
     def _check_predictor_file(self, cell: Cell) -> None:

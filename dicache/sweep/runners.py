@@ -392,10 +392,10 @@ class FamilyRunner(NativeRunner):
         """Why a step mask cannot apply at `steps` steps (the scheduler's step count), or None."""
         return step_mask_refusal(self.model, steps)
 
-    def fitted_refusal(self, steps: int) -> str | None:
-        """Why the fitted output predictor (`cached_step_method=fitted`) cannot be fitted or run at `steps` steps
+    def fitted_refusal(self, schedule: Schedule) -> str | None:
+        """Why the fitted output predictor (`cached_step_method=fitted`) cannot be fitted or run at `schedule`
         (`dicache.models.families.fitted_refusal`), or None."""
-        return fitted_refusal(self.model, steps)
+        return fitted_refusal(self.model, schedule.steps, schedule.guidance_scale)
 
     def configure(self, cache: CacheConfig | None) -> None:
         if self.exclusive is not None:
@@ -440,7 +440,7 @@ class FamilyRunner(NativeRunner):
         as `generate` seeds it (so each row starts from its seed's noise), uncached or cached with `cache`; the
         final latents as the denoising loop holds them (read at the last step's callback: Flux's packed
         `(B, N, C)`, what the transformer takes). The scheduler's sigmas of the run are kept for `step_sizes`."""
-        reason = self.fitted_refusal(schedule.steps)
+        reason = self.fitted_refusal(schedule)
         if reason is not None:
             raise ConfigError(reason)
         kwargs = call_kwargs(

@@ -35,7 +35,7 @@ class Runner(Protocol):
         """Why the fitted output predictor cannot be fitted on this model at this schedule, or None (Krea-2 takes
         it; a family's pipeline: `FamilyRunner.fitted_refusal`)."""
         refusal = getattr(self.native, "fitted_refusal", None)
-        return None if refusal is None else refusal(self.steps)
+        return None if refusal is None else refusal(self.schedule)
 
     def run(self, prompt: str, seed: int, config: CacheConfig | None) -> Measurement: ...
 
@@ -74,7 +74,7 @@ class PipelineRunner:
         """Why the fitted output predictor cannot be fitted on this model at this schedule, or None (Krea-2 takes
         it; a family's pipeline: `FamilyRunner.fitted_refusal`)."""
         refusal = getattr(self.native, "fitted_refusal", None)
-        return None if refusal is None else refusal(self.steps)
+        return None if refusal is None else refusal(self.schedule)
 
     def run(self, prompt: str, seed: int, config: CacheConfig | None) -> Measurement:
         s = self.native.generate(prompt, seed, self.schedule, self.steps, self.height, self.width, config)
