@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from .. import __version__
+from ..engine.cached_step import DEFAULT_RIDGE
 from ..models.families import is_family_model, pipeline_class
 from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import heldout_prompts_file, resolve_model
@@ -111,6 +112,13 @@ class CalibrateOptions(FlagOptions):
         help="with the step mask search, also search masks whose cached steps a fitted output predictor answers "
         "(cached_step_method=fitted), fitted on each prompt with this many other seeds (seed+1...); 0: off. The "
         "predictor files go next to OUT (<out>.predictors/); the chosen one stays",
+    )
+    fit_ridge: float = option(
+        DEFAULT_RIDGE,
+        flag="--fit-ridge",
+        gt=0.0,
+        help="the fitted predictor's ridge λ, relative to the mean diagonal of the features' Gram matrix (smaller: "
+        "closer fit; choose it on training prompts, e.g. leaving one out)",
     )
     no_early_stop: bool = option(
         False, flag="--no-early-stop", help="run every candidate on every prompt (fuller table, slower)"
@@ -281,7 +289,8 @@ def _predictor_search(
         print(f"skipping the fitted predictor's masks: {refusal}", file=sys.stderr)
         return None
     fits = fit_samples(samples, args.fit_seeds)
-    return PredictorSearch(runner, fits, predictor_folder(args.out), reference=reference)
+    ridge = getattr(args, "fit_ridge", DEFAULT_RIDGE)  # absent from a namespace built without CalibrateOptions
+    return PredictorSearch(runner, fits, predictor_folder(args.out), ridge=ridge, reference=reference)
 
 
 def _grid_predictors_relative(grid: dict[str, Any], path: Path) -> set[Path]:
