@@ -23,11 +23,8 @@ FAST = [{"residual_diff_threshold": 0.3, "max_warmup_steps": 1}, {"scm_preset": 
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    import family_folders
-
-    root = tmp_path_factory.mktemp("families")
-    return {"flux": family_folders.flux_folder(root), "pixart": family_folders.pixart_folder(root)}
+def folders(tiny_family_folders):
+    return tiny_family_folders
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from .. import __version__
+from ..engine.cached_step import DEFAULT_RIDGE
 from ..models.families import is_family_model, pipeline_class
 from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import heldout_prompts_file, resolve_model
@@ -111,6 +112,13 @@ class CalibrateOptions(FlagOptions):
         help="with the step mask search, also search masks whose cached steps a fitted output predictor answers "
         "(cached_step_method=fitted), fitted on each prompt with this many other seeds (seed+1...); 0: off. The "
         "predictor files go next to OUT (<out>.predictors/); the chosen one stays",
+    )
+    fit_ridge: float = option(
+        DEFAULT_RIDGE,
+        flag="--fit-ridge",
+        gt=0.0,
+        help="the fitted predictor's ridge λ, relative to the mean diagonal of the features' Gram matrix (smaller: "
+        "closer fit; choose it on training prompts, e.g. leaving one out)",
     )
     no_early_stop: bool = option(
         False, flag="--no-early-stop", help="run every candidate on every prompt (fuller table, slower)"
@@ -229,15 +237,17 @@ def run(args: argparse.Namespace) -> int:
         meta["measured_on"] = measured_on
         where = "decoded images" if measured_on == "image" else "final latents (the decoded images are flat)"
         print(f"fidelity measured on the {where}")
+    kept: set[Path] = set()  # predictor files the grid names
     if getattr(args, "grid_out", None):
         grid, lines = budget_grid(result, args.budgets or list(RECOMMENDED_BUDGETS), CACHEDIT_GRID)
         path = Path(args.grid_out)
+        kept = _grid_predictors_relative(grid, path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(grid, indent=2) + "\n")
         print("\n".join(lines))
         print(f"wrote {path}: dicache sweep --grid {path} measures these settings (on other prompts)")
     if result.chosen is None:
-        _keep_chosen_predictor({}, args.out)  # nothing is written: no predictor file either
+        _keep_chosen_predictor({}, args.out, kept)  # no profile is written: only the grid's predictor files stay
         raise TargetNotMet(result.failure_message())
 
     record = calibration_record(
@@ -249,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         torch_version=torch.__version__,
     )
     settings = profile_settings(result.chosen)
-    _keep_chosen_predictor(settings, args.out)
+    _keep_chosen_predictor(settings, args.out, kept)
     path = write_profile(args.out, settings, record)
     print(f"wrote {path}: use it with --profile {path} (dicache generate / serve / config) or SGLANG_CACHE_DIT_PROFILE")
     if result.chosen.compute_fraction >= 1.0:
@@ -274,27 +284,48 @@ def _predictor_search(
 ) -> Any:
     if args.fit_seeds == 0 or args.no_step_masks:
         return None
-    if len(samples) < 2:
+    refusal = runner.fitted_refusal()
+    if refusal is not None:  # e.g. a family whose scheduler is not a flow-matching Euler one
+        print(f"skipping the fitted predictor's masks: {refusal}", file=sys.stderr)
+        return None
+    if len({prompt for prompt, _ in samples}) < 2:
         print(
             "note: the fitted predictor is not searched: it needs at least 2 calibration prompts (each is scored "
             "with a fit made on the others)",
             file=sys.stderr,
         )
         return None
-    return PredictorSearch(runner, samples, args.fit_seeds, predictor_folder(args.out), reference=reference)
+    ridge = getattr(args, "fit_ridge", DEFAULT_RIDGE)  # absent from a namespace built without CalibrateOptions
+    folder = predictor_folder(args.out)
+    return PredictorSearch(runner, samples, args.fit_seeds, folder, ridge=ridge, reference=reference)
 
 
-def _keep_chosen_predictor(settings: dict[str, Any], out: str) -> None:
+def _grid_predictors_relative(grid: dict[str, Any], path: Path) -> set[Path]:
+    """The predictor files `grid`'s cells name, each rewritten relative to the grid file at `path` (how
+    `dicache sweep --grid` reads it, as a profile names its own); returns them resolved."""
+    named = set()
+    for cell in grid.get("grid", []):
+        files = cell.get("fitted_predictor") or []
+        named.update(Path(f).resolve() for f in files)
+        cell_files = [os.path.relpath(Path(f).resolve(), path.resolve().parent) for f in files]
+        if cell_files:
+            cell["fitted_predictor"] = cell_files
+    return named
+
+
+def _keep_chosen_predictor(settings: dict[str, Any], out: str, keep: set[Path] = frozenset()) -> None:
     """The chosen profile's predictor file, named relative to the profile (as the profile reads it); the other
-    fits' files are removed."""
+    fits' files are removed, but for those in `keep` (resolved paths: the ones a `--grid-out` grid names)."""
     folder = predictor_folder(out)
     chosen = settings.get("fitted_predictor")
+    kept = set(keep)
     if chosen is not None:
         chosen_path = Path(chosen).resolve()
+        kept.add(chosen_path)
         settings["fitted_predictor"] = os.path.relpath(chosen_path, Path(out).resolve().parent)
     if folder.is_dir():
         for file in folder.glob("mask-*.safetensors"):
-            if chosen is None or file.resolve() != chosen_path:
+            if file.resolve() not in kept:
                 file.unlink()
         if not any(folder.iterdir()):
             folder.rmdir()

@@ -41,9 +41,9 @@ def predictor_overrides(mask: Sequence[int], path: str | None = None) -> dict[st
 class PredictorSearch:
     """The fits of a calibration, scored on prompts they did not see.
 
-    The calibration prompts are split in two folds (even and odd index). `held_out_paths(mask)` fits the predictor
-    of `mask` twice, each time on one fold's prompts with the other seeds (`fit_samples`: `seed + 1 … seed + k`),
-    and gives each calibration sample the fit made without its prompt: a candidate's PSNR then says what the
+    The calibration prompts are split in two folds (even and odd position among the distinct prompts).
+    `held_out_paths(mask)` fits the predictor of `mask` twice, each time on one fold's prompts with the other seeds
+    (`fit_samples`: `seed + 1 … seed + k`), and gives each calibration sample the fit made without its prompt: a candidate's PSNR then says what the
     predictor does on a new prompt, not on the prompts it was fitted on (on the Turbo student, a mask fitted on the
     captions it was scored on met 35 dB there and gave 28 dB on held-out prompts). `fit(mask)` fits on every prompt:
     the file a chosen candidate's profile names (`Calibration.finalize`). Files go to
@@ -63,9 +63,10 @@ class PredictorSearch:
         calibration samples (at least 2 prompts); `fit_seeds`: seeds per prompt fitted on; `reference`: the runner
         whose uncached run the fit steers to (default `runner`; the unquantized model when `runner` is the
         quantized one that will be served)."""
-        if len(samples) < 2:
+        prompts = list(dict.fromkeys(prompt for prompt, _ in samples))
+        if len(prompts) < 2:
             raise CalibrationError(
-                f"the fitted predictor needs at least 2 calibration prompts (got {len(samples)}): each is scored "
+                f"the fitted predictor needs at least 2 calibration prompts (got {len(prompts)}): each is scored "
                 "with a fit made on the others"
             )
         if fit_seeds < 1:
@@ -75,14 +76,14 @@ class PredictorSearch:
         self.reference = BatchRun(reference.native, reference.schedule, reference.height, reference.width)
         self.samples, self.fit_seeds, self.folder, self.ridge = list(samples), fit_seeds, Path(folder), ridge
         self.fit_rows = fit_samples(self.samples, fit_seeds)  # sample i's rows: i·fit_seeds … (i + 1)·fit_seeds − 1
+        self._folds = [prompts.index(prompt) % 2 for prompt, _ in self.samples]  # a prompt's seeds share a fold
         self.trajectory: Trajectory | None = None
         self._paths: dict[tuple[Mask, int | None], Path] = {}
         self.fits = 0
 
-    @staticmethod
-    def fold(index: int) -> int:
-        """The fold of calibration sample `index`."""
-        return index % 2
+    def fold(self, index: int) -> int:
+        """The fold of calibration sample `index`: its prompt's position among the distinct prompts, even or odd."""
+        return self._folds[index]
 
     def fit(self, mask: Mask, without: int | None = None) -> Path:
         """The predictor of `mask` fitted on every calibration prompt (`without` None) or on those outside fold
