@@ -43,11 +43,12 @@ class PredictorSearch:
 
     The calibration prompts are split in two folds (even and odd position among the distinct prompts).
     `held_out_paths(mask)` fits the predictor of `mask` twice, each time on one fold's prompts with the other seeds
-    (`fit_samples`: `seed + 1 … seed + k`), and gives each calibration sample the fit made without its prompt: a candidate's PSNR then says what the
-    predictor does on a new prompt, not on the prompts it was fitted on (on the Turbo student, a mask fitted on the
-    captions it was scored on met 35 dB there and gave 28 dB on held-out prompts). `fit(mask)` fits on every prompt:
-    the file a chosen candidate's profile names (`Calibration.finalize`). Files go to
-    `folder/mask-<flags>[-without-<fold>].safetensors`; the uncached batch of the fit samples is recorded once;
+    (`fit_samples`: `seed + 1 … seed + k`), and gives each calibration sample the fit made without its prompt: a
+    candidate's PSNR then says what the predictor does on a new prompt, not on the prompts it was fitted on (on the
+    Turbo student, a mask fitted on the captions it was scored on met 35 dB there and gave 28 dB on held-out
+    prompts). `fit(mask)` fits on every prompt: the file a chosen candidate's profile names
+    (`Calibration.finalize`). Files go to `folder/mask-<flags>[-without-<fold>].safetensors`; the uncached batch of
+    the fit samples is recorded once;
     `fits` counts the masks fitted."""
 
     def __init__(
