@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,3 +151,33 @@ def test_calibrate_grid_sweep_generate_and_enable_take_a_family_predictor(
     dicache.enable(pipe, dicache.Profile.load(out))
     pipe("blue heart", negative_prompt="", true_cfg_scale=2.0, num_inference_steps=4, height=16, width=16)
     assert dicache.stats(pipe).compute_fraction == pytest.approx(0.75)
+
+
+def test_leave_prompt_out_scores_each_prompt_with_a_fit_that_never_saw_it(folders, tmp_path, capsys, one_thread):
+    from dicache.sweep.fitting import fit_samples
+    from dicache.sweep.metrics import psnr
+    from dicache.tuning import PipelineRunner, calibrate
+    from dicache.tuning.predictor import PredictorSearch
+
+    runner = PipelineRunner(FamilyRunner.load(str(folders["flux"])), 4, 2.0, None, 16, 16)
+    samples = [("red apple", 0), ("rocket", 1)]
+    search = PredictorSearch(runner, fit_samples(samples, 2), tmp_path / "p", leave_prompt_out=True)
+    result = calibrate(runner, samples, [], target_psnr=10.0, criterion="mean", progress=False, predictor=search)
+    fitted = [c for c in result.candidates if c.config.cached_step_method == "fitted"]
+    assert fitted and all(c.status == "complete" for c in fitted)
+    assert search.fits == 3 * len(fitted)  # on both prompts, then once without each
+    candidate = fitted[0]
+    flags = Path(candidate.config.fitted_predictor).stem.removeprefix("mask-")
+    files = (tmp_path / "p").glob(f"mask-{flags}-without-*")
+    without = {f: {s["prompt"] for s in load_weights(f).fitted_on} for f in files}
+    assert sorted(map(sorted, without.values())) == [["red apple"], ["rocket"]]  # each fit leaves one prompt out
+    for i, (prompt, seed) in enumerate(samples):
+        (held_out,) = [f for f, fitted_on in without.items() if prompt not in fitted_on]
+        config = CacheConfig.from_env({}, **predictor_overrides(tuple(map(int, flags)), str(held_out)))
+        again = runner.run(prompt, seed, config.merged({"enable_cache": True}))
+        reference = runner.run(prompt, seed, None)
+        assert psnr(again.image, reference.image)[0] == pytest.approx(candidate.psnr[i], abs=1e-6)
+
+    argv = ["calibrate", "--model", str(folders["flux"]), "--prompts", "1", "--fit-leave-prompt-out"]
+    assert main([*argv, "--out", str(tmp_path / "x.json")]) == 2
+    assert "--fit-leave-prompt-out needs 2 or more distinct prompts" in capsys.readouterr().err

@@ -38,7 +38,11 @@ def predictor_overrides(mask: Sequence[int], path: str | None = None) -> dict[st
 
 class PredictorSearch:
     """The fits of a calibration: `fit(mask)` fits the predictor of `mask` on the fit samples (their uncached batch
-    recorded once, on first use) and writes it to `folder/mask-<flags>.safetensors`; `fits` counts them."""
+    recorded once, on first use) and writes it to `folder/mask-<flags>.safetensors`; `fits` counts them.
+
+    `leave_prompt_out`: each calibration prompt is scored with a predictor fitted without that prompt's samples
+    (`fit_without`: one more fit per prompt and mask), so a fitted candidate is measured, as a sweep then judges it,
+    on prompts it was not fitted on; the whole-step forecasts it competes with were never fitted on any."""
 
     def __init__(
         self,
@@ -47,6 +51,7 @@ class PredictorSearch:
         folder: str | Path,
         ridge: float = DEFAULT_RIDGE,
         reference: Any = None,
+        leave_prompt_out: bool = False,
     ) -> None:
         """`runner`: a `PipelineRunner` (its native runner, schedule and size make the batch run); `reference`: the
         one whose uncached run the fit steers to (default `runner`; the unquantized model when `runner` is the
@@ -55,15 +60,35 @@ class PredictorSearch:
         reference = reference or runner
         self.reference = BatchRun(reference.native, reference.schedule, reference.height, reference.width)
         self.samples, self.folder, self.ridge = list(samples), Path(folder), ridge
+        self.leave_prompt_out = leave_prompt_out
         self.trajectory: Trajectory | None = None
         self.fits = 0
 
-    def fit(self, mask: Mask) -> Path:
+    def _trajectory(self) -> Trajectory:
         if self.trajectory is None:
             self.trajectory = Trajectory.record(self.reference, self.samples)
-        weights = fit_predictor(self.run, self.samples, predictor_overrides(mask), self.trajectory, self.ridge)
+        return self.trajectory
+
+    def fit(self, mask: Mask) -> Path:
+        weights = fit_predictor(self.run, self.samples, predictor_overrides(mask), self._trajectory(), self.ridge)
         self.fits += 1
         return weights.save(self.folder / f"mask-{''.join(map(str, mask))}.safetensors")
+
+    def fit_without(self, mask: Mask, prompts: Sequence[str]) -> dict[str, Path]:
+        """Per prompt of `prompts`, the predictor of `mask` fitted on the other prompts' fit samples (written to
+        `folder/mask-<flags>-without-<k>.safetensors`); a prompt with no other prompt's samples to fit on gets
+        none."""
+        trajectory, found = self._trajectory(), {}
+        for k, prompt in enumerate(dict.fromkeys(prompts)):
+            rows = [i for i, (p, _) in enumerate(self.samples) if p != prompt]
+            if not rows:
+                continue
+            kept = Trajectory({step: x[rows] for step, x in trajectory.x.items()}, trajectory.dt)
+            subset = [self.samples[i] for i in rows]
+            weights = fit_predictor(self.run, subset, predictor_overrides(mask), kept, self.ridge)
+            self.fits += 1
+            found[prompt] = weights.save(self.folder / f"mask-{''.join(map(str, mask))}-without-{k}.safetensors")
+        return found
 
 
 def long_schedule_masks(num_steps: int) -> list[Mask]:

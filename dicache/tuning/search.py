@@ -151,7 +151,9 @@ def calibrate(
     every sample, no early stop); each mask scored becomes a candidate after the listed ones.
     `predictor`: also search masks whose cached steps the fitted output predictor answers (`cached_step_method=
     fitted`), each fitted by `predictor.fit` on its own samples (training prompts, never `samples`' seeds): the
-    beam search on short schedules, `long_schedule_masks` on longer ones; each becomes a candidate.
+    beam search on short schedules, `long_schedule_masks` on longer ones; each becomes a candidate (with
+    `predictor.leave_prompt_out`, scored on each prompt by the fit without that prompt, `fit_without`; the
+    candidate keeps the fit on all).
 
     `reference`: the runner the uncached references come from (default `runner`): the unquantized model when
     `runner` runs the quantized one that will be served, so that the PSNR counts both errors.
@@ -206,12 +208,12 @@ def calibrate(
             bar.update()
         hardest: dict[int, float] = {}  # sample index -> lowest PSNR any candidate got on it
 
-        def measure(result: CandidateResult, i: int) -> float | None:
-            """Run `result` on sample `i` and record it; None (and the candidate invalid) when the pipeline
-            refuses the setting (ConfigError is a ValueError: not fatal)."""
+        def measure(result: CandidateResult, i: int, config: CacheConfig | None = None) -> float | None:
+            """Run `result` on sample `i` (with `config`, default its own) and record it; None (and the candidate
+            invalid) when the pipeline refuses the setting (ConfigError is a ValueError: not fatal)."""
             prompt, seed = samples[i]
             try:
-                run = runner.run(prompt, seed, result.config)
+                run = runner.run(prompt, seed, config or result.config)
             except ValueError as exc:
                 result.status, result.error = "invalid", str(exc)
                 if on_reject is not None:
@@ -232,13 +234,18 @@ def calibrate(
             bar.total -= n - len(result.psnr)  # the generations an early stop saved
             bar.refresh()
 
-        def score_overrides(overrides: dict[str, Any], what: str) -> float | None:
+        def score_overrides(
+            overrides: dict[str, Any], what: str, per_prompt: Mapping[str, dict[str, Any]] | None = None
+        ) -> float | None:
+            """Score `overrides` on every sample (a prompt in `per_prompt`: with those overrides instead)."""
             result = CandidateResult(len(results), overrides)
             result.config = check_candidate(result.overrides, runner.num_blocks, runner.steps)
             results.append(result)
             bar.set_postfix_str(what)
             for i in range(n):
-                if measure(result, i) is None:
+                other = (per_prompt or {}).get(samples[i][0])
+                config = None if other is None else check_candidate(other, runner.num_blocks, runner.steps)
+                if measure(result, i, config) is None:
                     break
             finish(result)
             return result.score(criterion) if result.status == "complete" else None
@@ -256,7 +263,12 @@ def calibrate(
             def score_predicted(mask: Mask) -> float | None:
                 bar.set_postfix_str(f"fitting {computed_steps(mask)}")
                 path = predictor.fit(mask)
-                return score_overrides(predictor_overrides(mask, str(path)), f"fitted {computed_steps(mask)}")
+                held_out = None
+                if predictor.leave_prompt_out:  # each prompt scored by a fit that never saw it
+                    fits = predictor.fit_without(mask, [p for p, _ in samples])
+                    held_out = {p: predictor_overrides(mask, str(f)) for p, f in fits.items()}
+                what = f"fitted {computed_steps(mask)}"
+                return score_overrides(predictor_overrides(mask, str(path)), what, held_out)
 
             if runner.steps <= MAX_MASK_STEPS:
                 scored = beam_search(runner.steps, score_predicted, target=target_psnr)
