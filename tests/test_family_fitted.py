@@ -159,3 +159,29 @@ def test_calibrate_grid_sweep_generate_and_enable_take_a_family_predictor(
     dicache.enable(pipe, dicache.Profile.load(out))
     pipe("blue heart", negative_prompt="", true_cfg_scale=2.0, num_inference_steps=4, height=16, width=16)
     assert dicache.stats(pipe).compute_fraction == pytest.approx(0.75)
+
+
+def test_leave_prompt_out_scores_each_prompt_with_a_fit_that_never_saw_it(folders, tmp_path, capsys, one_thread):
+    from dicache.sweep.metrics import psnr
+    from dicache.tuning import PipelineRunner, calibrate
+    from dicache.tuning.predictor import PredictorSearch
+
+    runner = PipelineRunner(FamilyRunner.load(str(folders["flux"])), 4, 2.0, None, 16, 16)
+    samples = [("red apple", 0), ("rocket", 1)]
+    search = PredictorSearch(runner, samples, 2, tmp_path / "p", leave_prompt_out=True)
+    result = calibrate(runner, samples, [], target_psnr=10.0, criterion="mean", progress=False, predictor=search)
+    fitted = [c for c in result.candidates if c.fitted_mask is not None]
+    assert fitted and all(c.status == "complete" for c in fitted)
+    assert search.fits == len(fitted)  # each mask: one fit without each prompt (the chosen one: also on all)
+    candidate = fitted[0]
+    for i, (prompt, seed) in enumerate(samples):
+        config = candidate.sample_configs[i]
+        seen = {s["prompt"] for s in load_weights(config.fitted_predictor).fitted_on}
+        assert seen == {p for p, _ in samples} - {prompt}  # each prompt scored by the fit that left it out
+        again = runner.run(prompt, seed, config)
+        reference = runner.run(prompt, seed, None)
+        assert psnr(again.image, reference.image)[0] == pytest.approx(candidate.psnr[i], abs=1e-6)
+
+    argv = ["calibrate", "--model", str(folders["flux"]), "--prompts", "1", "--fit-leave-prompt-out"]
+    assert main([*argv, "--out", str(tmp_path / "x.json")]) == 2
+    assert "--fit-leave-prompt-out needs 2 or more distinct prompts" in capsys.readouterr().err

@@ -120,6 +120,13 @@ class CalibrateOptions(FlagOptions):
         help="the fitted predictor's ridge λ, relative to the mean diagonal of the features' Gram matrix (smaller: "
         "closer fit; choose it on training prompts, e.g. leaving one out)",
     )
+    fit_leave_prompt_out: bool = option(
+        False,
+        flag="--fit-leave-prompt-out",
+        help="score each fitted predictor's mask on every prompt with a fit made without that prompt alone (one fit "
+        "per prompt and mask) instead of the default two folds of the prompts (two fits per mask); either way each "
+        "prompt is scored by a fit that never saw it, and the chosen candidate gets the fit on all prompts",
+    )
     no_early_stop: bool = option(
         False, flag="--no-early-stop", help="run every candidate on every prompt (fuller table, slower)"
     )
@@ -196,6 +203,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     candidates = load_candidates(args.candidates) if args.candidates else list(CANDIDATES)
     samples = resolve_samples(args.prompts, args.model, getattr(args, "prompt_split", "heldout"))
+    prompts = len({p for p, _ in samples})
+    if getattr(args, "fit_leave_prompt_out", False) and prompts < 2:
+        raise CalibrationError(
+            f"--fit-leave-prompt-out needs 2 or more distinct prompts (--prompts {args.prompts!r} gives {prompts}): "
+            "each is scored by a fit on the others"
+        )
 
     previous_threads = torch.get_num_threads()
     if args.threads:
@@ -250,6 +263,12 @@ def run(args: argparse.Namespace) -> int:
         _keep_chosen_predictor({}, args.out, kept)  # no profile is written: only the grid's predictor files stay
         raise TargetNotMet(result.failure_message())
 
+    if getattr(args, "fit_seeds", 0) and not args.no_step_masks:  # how the fitted predictors were fitted and scored
+        meta["predictor_fit"] = {
+            "seeds": args.fit_seeds,
+            "ridge": getattr(args, "fit_ridge", DEFAULT_RIDGE),
+            "leave_prompt_out": getattr(args, "fit_leave_prompt_out", False),
+        }
     record = calibration_record(
         result,
         **meta,
@@ -296,8 +315,11 @@ def _predictor_search(
         )
         return None
     ridge = getattr(args, "fit_ridge", DEFAULT_RIDGE)  # absent from a namespace built without CalibrateOptions
+    leave_out = getattr(args, "fit_leave_prompt_out", False)
     folder = predictor_folder(args.out)
-    return PredictorSearch(runner, samples, args.fit_seeds, folder, ridge=ridge, reference=reference)
+    return PredictorSearch(
+        runner, samples, args.fit_seeds, folder, ridge=ridge, reference=reference, leave_prompt_out=leave_out
+    )
 
 
 def _grid_predictors_relative(grid: dict[str, Any], path: Path) -> set[Path]:

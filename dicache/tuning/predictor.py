@@ -41,7 +41,8 @@ def predictor_overrides(mask: Sequence[int], path: str | None = None) -> dict[st
 class PredictorSearch:
     """The fits of a calibration, scored on prompts they did not see.
 
-    The calibration prompts are split in two folds (even and odd position among the distinct prompts).
+    The calibration prompts are split in two folds (even and odd position among the distinct prompts; with
+    `leave_prompt_out`, one fold per prompt).
     `held_out_paths(mask)` fits the predictor of `mask` twice, each time on one fold's prompts with the other seeds
     (`fit_samples`: `seed + 1 … seed + k`), and gives each calibration sample the fit made without its prompt: a
     candidate's PSNR then says what the predictor does on a new prompt, not on the prompts it was fitted on (on the
@@ -59,11 +60,13 @@ class PredictorSearch:
         folder: str | Path,
         ridge: float = DEFAULT_RIDGE,
         reference: Any = None,
+        leave_prompt_out: bool = False,
     ) -> None:
         """`runner`: a `PipelineRunner` (its native runner, schedule and size make the batch run); `samples`: the
         calibration samples (at least 2 prompts); `fit_seeds`: seeds per prompt fitted on; `reference`: the runner
         whose uncached run the fit steers to (default `runner`; the unquantized model when `runner` is the
-        quantized one that will be served)."""
+        quantized one that will be served); `leave_prompt_out`: one fold per prompt (each scored by a fit on all
+        the others) instead of two."""
         prompts = list(dict.fromkeys(prompt for prompt, _ in samples))
         if len(prompts) < 2:
             raise CalibrationError(
@@ -77,13 +80,15 @@ class PredictorSearch:
         self.reference = BatchRun(reference.native, reference.schedule, reference.height, reference.width)
         self.samples, self.fit_seeds, self.folder, self.ridge = list(samples), fit_seeds, Path(folder), ridge
         self.fit_rows = fit_samples(self.samples, fit_seeds)  # sample i's rows: i·fit_seeds … (i + 1)·fit_seeds − 1
-        self._folds = [prompts.index(prompt) % 2 for prompt, _ in self.samples]  # a prompt's seeds share a fold
+        folds = len(prompts) if leave_prompt_out else 2
+        self._folds = [prompts.index(prompt) % folds for prompt, _ in self.samples]  # a prompt's seeds share a fold
         self.trajectory: Trajectory | None = None
         self._paths: dict[tuple[Mask, int | None], Path] = {}
         self.fits = 0
 
     def fold(self, index: int) -> int:
-        """The fold of calibration sample `index`: its prompt's position among the distinct prompts, even or odd."""
+        """The fold of calibration sample `index`: its prompt's position among the distinct prompts (modulo 2 unless
+        each prompt is its own fold)."""
         return self._folds[index]
 
     def fit(self, mask: Mask, without: int | None = None) -> Path:
