@@ -21,7 +21,7 @@ rate against the disk's, and GPU memory as nvidia-smi sees it: the peak while st
 `--burst` requests at concurrency 8), per process (compile workers included). Ends with `publish(...)`.
 
     python benchmarks/bench_startup.py --results benchmarks/RESULTS.md            # H200: about 8 min
-    python benchmarks/bench_startup.py --tiny --device cpu --server-args "" --runs cold artifact   # CPU logic check
+    python benchmarks/bench_startup.py --tiny --device cpu --size 128 --server-args "" --runs cold artifact  # CPU check
 """
 
 from __future__ import annotations
