@@ -216,6 +216,16 @@ def test_the_file_round_trips_and_bad_files_name_the_setting(tmp_path):
         load_weights(tmp_path / "plain.safetensors")
 
 
+def test_a_weight_is_copied_to_a_device_once_per_fit():
+    fit = FittedWeights(5, MASK, {(2, "cond"): W2.double()})
+    assert fit.weight(2, "cond", "cpu") is fit.weights[(2, "cond")]  # already there: no copy
+    on_meta = fit.weight(2, "cond", torch.device("meta"))
+    assert on_meta.device.type == "meta" and on_meta.dtype == torch.float32 and on_meta.shape == W2.shape
+    assert fit.weight(2, "cond", "meta") is on_meta and len(fit.device_copies) == 1
+    with pytest.raises(ConfigError, match="no weights for step 3"):
+        fit.weight(3, "cond", "meta")
+
+
 def test_settings_rules_name_both_settings():
     with pytest.raises(ConfigError, match="static step mask"):
         CacheConfig.from_env({}, cached_step_method="fitted")

@@ -26,6 +26,7 @@ from ..models.krea2.presets import PRESETS, resolve_variant
 from ..models.options import DeviceOptions, QuantizationOptions
 from ..quantization import check_fp8_support, parse_quantization
 from ..settings.cache_config import SETTINGS, CacheConfig
+from ..settings.devices import resolve_device
 from ..settings.options import FlagOptions, option
 from ..settings.profiles import write_profile
 from ..sweep.fitting import DEFAULT_FIT_SEEDS
@@ -392,7 +393,7 @@ def _load_family_runner(args: argparse.Namespace, device: str, dtype: Any) -> tu
 def _load_runner(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """The pipeline runner at the resolved schedule and size, the reference runner (the unquantized model when
     `--quantization` is given, else None: the runner itself) and what to record about them."""
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(args.device))
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if is_family_model(args.model):
         return _load_family_runner(args, device, dtype)

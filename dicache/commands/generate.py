@@ -26,6 +26,7 @@ from ..models.krea2.pipeline import Krea2Pipeline
 from ..models.options import DeviceOptions, ModelChoice, SamplingOptions
 from ..offload.settings import OffloadLimits
 from ..parallel import parallelize_pipeline, setup_from_args
+from ..settings.devices import resolve_device
 from ..settings.options import FlagOptions, option
 from ..settings.profiles import cache_config, describe_profile, profile_source
 from .fields import add_options
@@ -57,7 +58,12 @@ class GenerateOptions(FlagOptions):
     height: int | None = option(None, flag="--height", ge=1, default_text="the checkpoint's", help="image height, px")
     width: int | None = option(None, flag="--width", ge=1, default_text="the checkpoint's", help="image width, px")
     num_images: int = option(1, flag="--num-images", ge=1, help="images per prompt")
-    out: str = option("dicache.png", flag="--out", help="output PNG (several images: name-<i>.png)")
+    out: str = option(
+        "dicache.png",
+        flag="--out",
+        read=lambda text: image_file(text),  # resolved when parsing: image_file is defined below
+        help="output image, its format by suffix (several images: name-<i>.png)",
+    )
     cache: Literal["env", "on", "off"] = option(
         "env",
         flag="--cache",
@@ -69,6 +75,25 @@ class GenerateOptions(FlagOptions):
         metavar="PATH",
         help="also write the cache statistics as JSON here (with the settings used and where each came from)",
     )
+
+
+def image_file(path: str) -> str:
+    """`path` when its suffix names an image format Pillow writes, else a `ValueError` listing them (checked while
+    parsing, so that nothing generated is lost at the end)."""
+    allowed = image_suffixes()
+    if pathlib.Path(path).suffix.lower() not in allowed:
+        raise ValueError(
+            f"--out={path!r} is invalid: name an image file whose suffix Pillow writes: {', '.join(allowed)}"
+        )
+    return path
+
+
+def image_suffixes() -> list[str]:
+    """File suffixes Pillow can write (lower case, sorted), e.g. `.png`, `.jpg`, `.webp`."""
+    from PIL import Image
+
+    Image.init()
+    return sorted(ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.SAVE)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *variant_aliases: str) -> None:
@@ -191,8 +216,7 @@ def run(args: argparse.Namespace) -> int:
     config = cache_config(args.profile)  # defaults < profile (--profile wins over the variable) < environment
     speed_spec(args)  # a bad --quantization-exclude stops here, before loading
     use_cache = config.enable_cache if args.cache == "env" else args.cache == "on"
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = str(resolve_device(args.device))  # a device this machine lacks stops here, before loading
     if is_family_model(args.model):
         return _generate_family(args, config, use_cache)
     ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
