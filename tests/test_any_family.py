@@ -203,7 +203,7 @@ def test_settings_a_family_cannot_take_are_refused_before_any_run_naming_setting
     flux = str(folders["flux"])
     assert main(["sweep", "--model", flux, "--prompt", "x", "--baselines", "heun", "--out", str(tmp_path)]) == 2
     assert "baselines heun are refused for" in capsys.readouterr().err
-    assert main(["generate", "x", "--model", flux, "--embedded-guidance", "3.5", "--out", str(tmp_path / "a")]) == 2
+    assert main(["generate", "x", "--model", flux, "--embedded-guidance", "3.5", "--out", str(tmp_path / "a.png")]) == 2
     assert "embedded_guidance=3.5 is refused for FluxPipeline (Flux.1)" in capsys.readouterr().err
     assert main(["generate", "x", "--model", flux, "--variant", "turbo", "--out", str(tmp_path / "b.png")]) == 2
     assert "--variant='turbo' is refused for FluxPipeline" in capsys.readouterr().err

@@ -90,7 +90,7 @@ def image_file(path: str) -> str:
 
 def image_suffixes() -> list[str]:
     """File suffixes Pillow can write (lower case, sorted), e.g. `.png`, `.jpg`, `.webp`."""
-    from PIL import Image
+    from PIL import Image  # Pillow loads its plugins on first use: only a parsed --out needs them
 
     Image.init()
     return sorted(ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.SAVE)
