@@ -82,7 +82,10 @@ def _program(words: list[str]) -> list[str]:
 def problem_with_command(command: str) -> str | None:
     """Why `command` would not run as written (None: it would, as far as can be told without running it):
     a `dicache` command line its parser refuses, a script or file that does not exist, a `--flag` a script does not
-    define."""
+    define. Commands joined by `;` or `&&` are checked one by one."""
+    parts = [part for part in re.split(r";|&&", command) if part.strip()]
+    if len(parts) > 1:
+        return next((found for found in map(problem_with_command, parts) if found is not None), None)
     words = _program(shlex.split(command))
     program, args = words[0], words[1:]
     if program == "torchrun":  # torchrun's own options, then a script or `-m module`
