@@ -314,6 +314,50 @@ def test_calibrate_fits_a_predictor_per_mask_and_the_profile_reproduces_the_choi
     assert psnr(again.image, reference.image)[0] == pytest.approx(chosen.psnr[0], abs=1e-6)
 
 
+def test_long_schedules_climb_from_the_best_curved_mask_cheapest_budget_first():
+    from dicache.tuning.masks import computed_steps
+    from dicache.tuning.predictor import climb_masks
+
+    weights = (0, 1, 5, 2, 8, 3, 4, 0)  # a mask's score: the sum of its computed steps' weights
+    scored = []
+
+    def score(mask):
+        scored.append(mask)
+        return float(sum(w for w, f in zip(weights, mask) if f))
+
+    three, four = (1, 1, 0, 0, 0, 0, 1, 0), (1, 1, 1, 0, 0, 1, 0, 0)
+    noisy = (1, 0, 1, 0, 0, 0, 1, 0)  # scored 4 with the curved masks (9 if scored again): its score is kept
+    curved = {three: 5.0, noisy: 4.0, four: 9.0}
+    # 3 steps: from [0, 1, 6] (5) by [0, 3, 6] (6) to [0, 4, 6] (12), a local best short of 13; then 4 steps: from
+    # [0, 1, 2, 5] (9) up to [0, 2, 4, 6] (17), climbing on past the target at that compute
+    found = climb_masks(curved, score, target=13.0, budget=100)
+    assert [m for m, _ in found] == scored and len(set(scored)) == len(scored) and not set(scored) & set(curved)
+    assert [computed_steps(m) for m, _ in found[:2]] == [[0, 3, 6], [0, 4, 6]]
+    counts = [sum(m) for m, _ in found]
+    assert counts == sorted(counts) and counts.count(3) == 5  # cheapest first; then every move from [0, 4, 6]
+    assert max(v for m, v in found if sum(m) == 3) == 12 and max(v for m, v in found if sum(m) == 4) == 17
+    # a count that meets the target stops the climb after it; the budget bounds it
+    assert {sum(m) for m, _ in climb_masks(curved, score, target=5.0, budget=100)} == {3}
+    assert len(climb_masks(curved, score, target=13.0, budget=4)) == 4
+
+
+def test_calibrate_on_a_long_schedule_fits_the_curved_masks_then_climbs(turbo_runner, tmp_path):
+    from dicache.engine.policies import step_mask
+    from dicache.sweep.fitting import fit_samples
+    from dicache.tuning import PipelineRunner, calibrate
+    from dicache.tuning.predictor import PredictorSearch, long_schedule_masks
+
+    runner = PipelineRunner(turbo_runner.pipe, 13, 1.0, "turbo", 32, 32)
+    samples = [("dog face", 3)]
+    search = PredictorSearch(runner, fit_samples(samples, 1), tmp_path / "p", budgets=(0.2,), climb=2)
+    result = calibrate(runner, samples, [], target_psnr=99.0, criterion="mean", progress=False, predictor=search)
+    masks = [tuple(step_mask(c.config, 13)) for c in result.candidates]
+    curved = long_schedule_masks(13, (0.2,))
+    assert masks[: len(curved)] == curved and len(masks) == len(curved) + 2 == search.fits  # 2 climbing fits
+    assert {sum(m) for m in masks} == {3} and len(set(masks)) == len(masks)  # one budget, each mask once
+    assert all(c.status == "complete" and c.config.cached_step_method == "fitted" for c in result.candidates)
+
+
 # ------------------------------------------------------------------------------------------------------ tokens
 def plain_attention(q, k, v, key_mask=None):
     """softmax(q·kᵀ/√d)·v, `(B, H, S, D)`."""

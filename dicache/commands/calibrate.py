@@ -46,7 +46,7 @@ from ..tuning import (
     profile_settings,
 )
 from ..tuning.masks import MAX_MASK_STEPS
-from ..tuning.predictor import PredictorSearch
+from ..tuning.predictor import CLIMB_FITS, PredictorSearch
 from .fields import add_options
 from .generate import add_sampling_arguments
 from .shared import RunOptions
@@ -112,6 +112,14 @@ class CalibrateOptions(FlagOptions):
         "(cached_step_method=fitted), fitted on each prompt with this many other seeds (seed+1...); 0: off. The "
         "predictor files go next to OUT (<out>.predictors/); the chosen one stays",
     )
+    mask_climb: int = option(
+        CLIMB_FITS,
+        flag="--mask-climb",
+        ge=0,
+        help=f"on schedules of more than {MAX_MASK_STEPS} steps, the fitted predictor's masks: after the curved masks "
+        "of --budgets, at most this many more fits hill-climbing from the best of them (one computed step moved by "
+        "±1/±2 at a time; cheapest budget first, until one meets the target); 0: the curved masks only",
+    )
     no_early_stop: bool = option(
         False, flag="--no-early-stop", help="run every candidate on every prompt (fuller table, slower)"
     )
@@ -134,7 +142,8 @@ class CalibrateOptions(FlagOptions):
         flag="--budgets",
         metavar="F",
         default_text="0.3 0.4 ... 0.8",
-        help="compute bins of --grid-out (each f: compute in [f - 0.05, f + 0.05))",
+        help="compute bins of --grid-out (each f: compute in [f - 0.05, f + 0.05)), and on schedules of more than "
+        f"{MAX_MASK_STEPS} steps the budgets whose curved masks the fitted predictor tries",
     )
 
 
@@ -275,7 +284,9 @@ def _predictor_search(
     if args.fit_seeds == 0 or args.no_step_masks:
         return None
     fits = fit_samples(samples, args.fit_seeds)
-    return PredictorSearch(runner, fits, predictor_folder(args.out), reference=reference)
+    budgets = args.budgets or RECOMMENDED_BUDGETS
+    folder = predictor_folder(args.out)
+    return PredictorSearch(runner, fits, folder, reference=reference, budgets=budgets, climb=args.mask_climb)
 
 
 def _keep_chosen_predictor(settings: dict[str, Any], out: str) -> None:
