@@ -173,7 +173,8 @@ def test_moves_and_the_hill_climb_on_a_scored_profile():
     # step 0 stays; each other computed step moves by -1, +1, -2, +2 onto a cached step inside the schedule
     assert moved((1, 1, 0, 1, 0)) == [(1, 0, 1, 1, 0), (1, 1, 1, 0, 0), (1, 1, 0, 0, 1)]
     # a step's worth as in the beam search; the climb ends on a local best: [0, 4, 6] (12), while [0, 2, 4] (13)
-    # is two moves away through worse masks
+    # is two moves away through worse masks. After [0, 2, 6] (9) the scan goes on from the next move: [0, 3, 6]
+    # (6), then [0, 4, 6]; from there the scan starts at [0, 4, 5]
     weights = (0, 1, 5, 2, 8, 3, 4, 0)
     scored = []
 
@@ -189,6 +190,7 @@ def test_moves_and_the_hill_climb_on_a_scored_profile():
     assert all(sum(m) == 3 and m[0] == 1 for m, _ in found)  # the compute never changes
     # first improvement: 1 -> 2 (+4) is taken before any later move is scored
     assert found[1] == ((1, 0, 1, 0, 0, 0, 1, 0), 9.0) and len(hill_climb(start, score, budget=3)) == 3
+    assert [computed_steps(m) for m, _ in found[2:5]] == [[0, 3, 6], [0, 4, 6], [0, 4, 5]]
     # from the top (its score given), every neighbour is scored once, then it stops
     top = hill_climb(best[0], score, known={best[0]: 12.0}, budget=50)
     assert len(top) == len(moved(best[0])) == 5 and max(v for _, v in top) < 12

@@ -144,15 +144,17 @@ def hill_climb(
     if start not in scored and budget < 1:
         return order
     current, best = start, measure(start)
-    climbing = best is not None
+    climbing, resume = best is not None, 0
     while climbing:
         climbing = False
-        for child in moved(current, moves):
+        children = moved(current, moves)
+        resume %= max(len(children), 1)
+        for index, child in enumerate(children[resume:] + children[:resume]):
             if child not in scored and len(order) >= budget:
                 return order
             value = measure(child)
             if value is not None and value > best + min_gain:
-                current, best, climbing = child, value, True
+                current, best, climbing, resume = child, value, True, resume + index + 1
                 break
     return order
 
