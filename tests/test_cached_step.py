@@ -18,6 +18,7 @@ from dicache.engine.cached_step import (
     FittedWeights,
     feature_width,
     load_weights,
+    sample_weights,
     solve_ridge,
     steering_target,
 )
@@ -109,6 +110,43 @@ def test_ridge_recovers_a_linear_map_and_the_steering_target_returns_to_the_refe
     torch.testing.assert_close(x + dt * steering_target(v_ref, x_ref, x, dt), x_ref + dt * v_ref)
     with pytest.raises(ValueError, match="dt"):
         steering_target(v_ref, x_ref, x, 0.0)
+
+
+def test_weighted_rows_and_the_sample_weights_by_hand():
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(5, 3), torch.randn(5, 3)
+    x = torch.randn(2, 40, 5)
+    y = torch.stack([x[0] @ w1, x[1] @ w2])  # sample 0 follows w1, sample 1 w2
+    only_first = solve_ridge([x], [y], 1e-12, [torch.tensor([[1.0], [0.0]])])  # (B, 1): per sample
+    assert torch.allclose(only_first, w1, atol=1e-5)
+    # a weight of 2 counts the rows twice
+    twice = solve_ridge([torch.cat([x[:1], x[:1], x[1:]])], [torch.cat([y[:1], y[:1], y[1:]])], 1e-3)
+    assert torch.allclose(solve_ridge([x], [y], 1e-3, [torch.tensor([[2.0], [1.0]])]), twice, atol=1e-5)
+    # 1 / (d + floor · mean d), mean 1: d = (1, 3), floor 1 -> 1/3 and 1/5 -> 1.25 and 0.75
+    assert sample_weights(torch.tensor([1.0, 3.0]), 1.0).tolist() == pytest.approx([1.25, 0.75])
+    assert sample_weights(torch.tensor([0.0, 0.0]), 0.25).tolist() == [1.0, 1.0]  # nothing has moved yet
+    assert sample_weights(torch.tensor([1.0, 3.0]), None).tolist() == [1.0, 1.0]
+
+
+def test_the_fitter_weighs_a_sample_off_the_trajectory_less():
+    from dicache.sweep.fitting import Trajectory, TrajectoryFitter
+
+    torch.manual_seed(1)
+    ref = {0: torch.randn(2, 30, 4), 1: torch.randn(2, 30, 4)}
+    x = ref[0].clone()
+    x[1] += 2.0  # sample 1 is 2 off in every entry: d = (0, 4)
+    calls = ComputedCalls()
+    calls.record(torch.randn(2, 30, 4), torch.randn(2, 30, 4))
+    features = calls.features(x)
+    trajectory = Trajectory(x=ref, dt=[-0.5])
+    target = (ref[1] - x) / -0.5
+    fitted = TrajectoryFitter(trajectory, ridge=1e-3, weight_floor=0.25).weights(0, "cond", x, features, {})
+    # 1 / (d + 0.25 · 2) = (2, 1/4.5) before the scaling to mean 1 (which changes nothing)
+    by_hand = solve_ridge([features], [target], 1e-3, [torch.tensor([[2.0], [1 / 4.5]])])
+    torch.testing.assert_close(fitted, by_hand)
+    alike = TrajectoryFitter(trajectory, ridge=1e-3, weight_floor=None).weights(0, "cond", x, features, {})
+    torch.testing.assert_close(alike, solve_ridge([features], [target], 1e-3))
+    assert not torch.allclose(alike, fitted, atol=1e-3)
 
 
 # ------------------------------------------------------------------------------------------------------ the hook
