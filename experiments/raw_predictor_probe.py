@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--fit-first", type=int, default=1, help="first fit seed offset (0: the judged train seeds)")
     parser.add_argument("--alpha", type=float, default=1.0, help="steering: the share of the correction")
     parser.add_argument("--aim", default="next", choices=["next", "gap"], help="steer to the next step / gap end")
-    parser.add_argument("--weight-floor", default="0.25", help="sample_weights' floor; none: every sample alike")
+    parser.add_argument("--weight-floor", default="0.05", help="sample_weights' floor; none: every sample alike")
     parser.add_argument("--label", default="")
     parser.add_argument("--climb", type=int, default=0, help="hill-climb the mask on the train score, this many fits")
     args = parser.parse_args()
