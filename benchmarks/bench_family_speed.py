@@ -149,8 +149,9 @@ def dicache_settings(profile: str | None) -> CacheConfig:
 def cache_dit_counterpart(config: CacheConfig) -> tuple[CacheConfig, dict[str, object]]:
     """The settings cache-dit runs for `config` and the changes that alter what runs: `config` itself when cache-dit
     has an equivalent, else the nearest (Fn 0 -> 1; a forecaster other than plain step-distance TaylorSeer, or DMD ->
-    TaylorSeer of the same order, order 1 for DMD). Forecaster settings that do nothing with TaylorSeer off are reset
-    silently. ConfigError for a policy other than dbcache."""
+    TaylorSeer of the same order, order 1 for DMD; a cached step predicted by the fitted predictor or by a token
+    subset -> the cached residual, the same step mask). Forecaster settings that do nothing with TaylorSeer off are
+    reset silently. ConfigError for a policy other than dbcache."""
     if config.policy != "dbcache":
         raise ConfigError(f"policy={config.policy!r}: this benchmark compares step masks / dbcache with cache-dit")
     defaults = CacheConfig.defaults()
@@ -159,7 +160,7 @@ def cache_dit_counterpart(config: CacheConfig) -> tuple[CacheConfig, dict[str, o
         changes["Fn_compute_blocks"] = 1
     forecasting = config.enable_taylorseer or config.enable_dmd
     inert: dict[str, object] = {}
-    for key in (*NO_EQUIVALENT, "taylorseer_distance"):
+    for key in (*NO_EQUIVALENT, "taylorseer_distance", "fitted_predictor", "cached_step_tokens"):
         default = getattr(defaults, key)
         if getattr(config, key) != default:
             (changes if forecasting or key not in FORECAST_ONLY else inert)[key] = default

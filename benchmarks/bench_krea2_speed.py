@@ -693,6 +693,7 @@ class Bench:
 
     def save(self) -> None:
         if self.out_path is not None:
+            self.out_path.parent.mkdir(parents=True, exist_ok=True)
             self.out_path.write_text(json.dumps(self.results, indent=1))
 
     def run(self) -> dict:

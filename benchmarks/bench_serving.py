@@ -12,9 +12,17 @@ process as a user sees it). Random weights never pass a real threshold, so "defa
 threshold), which is what a trained model with easy steps gets at most. Before its runs each server answers every
 prompt of `PROMPTS` once, untimed, so the runs meet known prompt lengths; `--fresh-prompts` gives every timed request a
 length the server has not met instead (a new length costs its first-call work: RESULTS.md 2026-12-03).
+`--profile PATH` adds a cache mode per settings profile (`dicache calibrate`'s JSON, named by its file name): its
+requests carry the profile's settings (a fitted predictor's file named by its absolute path), as a server started with
+`--profile PATH` runs them. `--fitted-mask 0,1,3,6` adds a timing stand-in of the fitted output predictor on that
+Turbo mask (`cached_step_method=fitted`; its weights reuse the newest computed output, so its images say nothing about
+quality, but a cached step costs what any fitted predictor costs: no forward). A mode fitted for one step count runs
+only with the variant of that count. Each row says the steps the requests computed and their compute fraction (the
+answers' `cache_stats`).
 
     python benchmarks/bench_serving.py --results benchmarks/RESULTS.md            # H200: ~6 min
     python benchmarks/bench_serving.py --tiny --device cpu --servers none          # logic check on a CPU (minutes)
+    python benchmarks/bench_serving.py --servers fp8-te --variants turbo --caches recommended --profile turbo-fp8.json
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -37,14 +46,21 @@ import sys
 import tempfile
 import threading
 import time
+import typing
+
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from publish import command_line, markdown_table, publish  # noqa: E402
 
+from dicache.engine.cached_step import FittedWeights, feature_width, load_weights  # noqa: E402
+from dicache.errors import ConfigError  # noqa: E402
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT  # noqa: E402
 from dicache.server.memory import COMPONENTS  # noqa: E402
+from dicache.settings.profiles import check_profile  # noqa: E402
+from dicache.tuning.predictor import predictor_overrides  # noqa: E402
 
 SGLANG_PUBLISHED = {"turbo_c1_latency_s": 1.56, "turbo_c20_req_per_s": 0.64, "peak_GB": 37.5}
 """SGLang's Krea-2 Turbo serving figures from the seed docs (H200, 1024², default cache)."""
@@ -89,6 +105,8 @@ CACHE_MODES = {
     "recommended": {"enable_cache": True, "cache_dit_params": TURBO_RECOMMENDED},
 }
 VARIANTS = {"turbo": (8, 1.0), "raw": (50, 4.5)}
+MODE_STEPS: dict[str, int] = {}
+"""The step count a cache mode's fitted predictor is for (`--profile`, `--fitted-mask`): other variants skip it."""
 SERVERS = {
     "none": [],
     "fp8": ["--quantization", "fp8"],
@@ -244,9 +262,18 @@ PROMPTS = [
 ]
 
 
-def one_request(url: str, body: dict, client=None) -> tuple[float, str, dict]:
-    """(seconds, the image's sha256 fingerprint, the answer's `timings`) of one generation, sent with `client` (an
-    `httpx.Client`; None: a new one for this request alone)."""
+class Answer(typing.NamedTuple):
+    """One generation as the client saw it: `seconds` end to end, the image's `sha256` fingerprint, the answer's
+    `timings` and its `cache_stats` (None when caching was off)."""
+
+    seconds: float
+    sha256: str
+    timings: dict
+    cache_stats: dict | None = None
+
+
+def one_request(url: str, body: dict, client=None) -> Answer:
+    """One generation, sent with `client` (an `httpx.Client`; None: a new one for this request alone)."""
     import httpx
 
     post = client.post if client is not None else httpx.post
@@ -259,23 +286,105 @@ def one_request(url: str, body: dict, client=None) -> tuple[float, str, dict]:
     image = answer["data"][0]
     if not image.get("b64_json"):
         raise RuntimeError("response without an image")
-    return seconds, image["sha256"], answer.get("timings") or {}
+    return Answer(seconds, image["sha256"], answer.get("timings") or {}, answer.get("cache_stats"))
 
 
-def where_time_goes(answers: list[tuple[float, str, dict]]) -> dict:
+def where_time_goes(answers: list[Answer]) -> dict:
     """Mean seconds per request: each phase (the answer's `timings.phases`), the wait for a worker, the wait for a
     phase busy with another request (`generate_s` minus the phases), and the rest: HTTP, the event loop, the client."""
-    phases = [t.get("phases") or {} for _, _, t in answers]
+    timings = [a.timings for a in answers]
+    phases = [t.get("phases") or {} for t in timings]
     names = list(dict.fromkeys(name for p in phases for name in p))
     mean = {f"{name}_s": round(statistics.mean(p.get(name, 0.0) for p in phases), 4) for name in names}
-    mean["queued_s"] = round(statistics.mean(t.get("queued_s", 0.0) for _, _, t in answers), 4)
+    mean["queued_s"] = round(statistics.mean(t.get("queued_s", 0.0) for t in timings), 4)
     mean["phase_wait_s"] = round(
-        statistics.mean(t.get("generate_s", 0.0) - sum((t.get("phases") or {}).values()) for _, _, t in answers), 4
+        statistics.mean(t.get("generate_s", 0.0) - sum((t.get("phases") or {}).values()) for t in timings), 4
     )
     mean["outside_s"] = round(
-        statistics.mean(s - t.get("queued_s", 0.0) - t.get("generate_s", 0.0) for s, _, t in answers), 4
+        statistics.mean(a.seconds - a.timings.get("queued_s", 0.0) - a.timings.get("generate_s", 0.0) for a in answers),
+        4,
     )
     return mean
+
+
+def computed_work(answers: list[Answer]) -> dict:
+    """The steps the requests computed (their cond branch's `computed_steps`, e.g. `0,1,3,6`; `all` with caching
+    off; the distinct patterns joined by ` / ` when they differ) and their mean compute fraction (blocks run / an
+    uncached run's; 1.0 with caching off)."""
+    patterns, fractions = [], []
+    for a in answers:
+        stats = a.cache_stats
+        if not stats or not stats.get("enabled", True):
+            patterns.append("all")
+            fractions.append(1.0)
+            continue
+        computed = (stats.get("branches") or {}).get("cond", {}).get("computed_steps", [])
+        patterns.append(",".join(str(s) for s in computed))
+        fractions.append(stats["compute_fraction"])
+    return {"computed_steps": " / ".join(dict.fromkeys(patterns)), "compute": round(statistics.mean(fractions), 3)}
+
+
+def profile_summary(path: str) -> str:
+    """`path` and what its calibration record says it was measured on: model, size, quantization, steps, the target
+    and what the chosen settings achieved there (the parts the record holds)."""
+    record = json.loads(pathlib.Path(path).read_text()).get("calibration") or {}
+    source = record.get("model_source") or record.get("model")
+    quantization = (record.get("quantization") or {}).get("method") or record.get("dtype")
+    achieved = record.get("achieved") or {}
+    shown = {"psnr_mean_db": "PSNR mean", "psnr_min_db": "worst", "compute_fraction": "compute"}
+    parts = [
+        source and f"calibrated on {pathlib.PurePath(source).name}",
+        record.get("width") and f"{record['width']}x{record.get('height')} px",
+        quantization,
+        record.get("steps") and f"{record['steps']} steps",
+        record.get("target_psnr_db") and f"target {record.get('criterion', '')} PSNR >= {record['target_psnr_db']} dB",
+        ", ".join(f"{label} {achieved[k]}" for k, label in shown.items() if k in achieved),
+    ]
+    said = "; ".join(str(part) for part in parts if part)
+    return f"{path} ({said or 'no calibration record'})"
+
+
+def profile_mode(path: str) -> tuple[str, dict, int | None]:
+    """The cache mode of a settings profile: its name (the file name without `.json`), the request fields that run
+    its settings (`cache_dit_params`: every setting of the profile, a predictor file's path made absolute) and the
+    step count its predictor is for (None without one)."""
+    settings = check_profile(path)
+    name = pathlib.Path(path).stem
+    if name in CACHE_MODES or not re.fullmatch(r"[\w.-]+", name):
+        raise ValueError(f"--profile {path!r}: its name {name!r} is taken or not a plain name; rename the file")
+    params = {k: v for k, v in settings.items() if k != "enable_cache"}
+    predictor = params.get("fitted_predictor")
+    steps = load_weights(predictor).num_steps if predictor else None
+    return name, {"enable_cache": True, "cache_dit_params": params}, steps
+
+
+def parse_fitted_mask(text: str, num_steps: int = VARIANTS["turbo"][0]) -> tuple[int, ...]:
+    """`--fitted-mask`: the computed steps, e.g. `0,1,3,6`, as `num_steps` flags (1 = computed); ValueError unless
+    they are distinct steps in [0, num_steps), step 0 among them, and at least one step is left to predict."""
+    try:
+        steps = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        steps = []
+    if not steps or steps[0] != 0 or steps[-1] >= num_steps or len(steps) == num_steps:
+        raise ValueError(
+            f"--fitted-mask {text!r} is invalid: expected the computed steps of the {num_steps}-step Turbo schedule, "
+            "comma-separated, step 0 among them and at least one step cached (e.g. 0,1,3,6)"
+        )
+    return tuple(int(i in steps) for i in range(num_steps))
+
+
+def stand_in_mode(mask: tuple[int, ...], folder: pathlib.Path, channels: int) -> tuple[str, dict]:
+    """The timing stand-in of the fitted predictor on `mask`: its name (`fitted-stand-in <steps>`) and request fields;
+    its predictor file (in `folder`) maps each cached step to the newest computed output of `channels` channels."""
+    cached = [i for i, flag in enumerate(mask) if not flag]
+    reuse = {}
+    for step in cached:
+        weight = torch.zeros(feature_width(channels), channels)
+        weight[:channels] = torch.eye(channels)
+        reuse[(step, "cond")] = weight
+    path = FittedWeights(len(mask), mask, reuse).save(folder / f"stand-in-{''.join(map(str, mask))}.safetensors")
+    name = "fitted-stand-in " + ",".join(str(i) for i, flag in enumerate(mask) if flag)
+    return name, {"enable_cache": True, "cache_dit_params": predictor_overrides(mask, str(path))}
 
 
 def fresh_prompt(base: str, count: int) -> str:
@@ -388,9 +497,9 @@ def load(
         answers = list(pool.map(lambda b: one_request(url, b, clients.of_this_thread()), bodies))
     wall = time.perf_counter() - start
     gc_after = server_gc(url)
-    latencies = sorted(seconds for seconds, _, _ in answers)
+    latencies = sorted(a.seconds for a in answers)
     same = None
-    for body, (_, digest, _) in zip(bodies, answers):
+    for body, (_, digest, _, _) in zip(bodies, answers):
         key = (variant, cache, body["seed"], body["prompt"])
         if key in seen:
             same = (same is not False) and seen[key] == digest
@@ -402,6 +511,7 @@ def load(
         "latency_median_s": round(statistics.median(latencies), 3),
         "latency_p99_s": round(p99, 3),
         "throughput_req_s": round(requests / wall, 3),
+        **computed_work(answers),
         "same_bytes": same,
         "time_goes": {
             **where_time_goes(answers),
@@ -426,6 +536,8 @@ def plan(args) -> list[tuple[str, str, int, int]]:
     runs = []
     for variant in args.variants:
         for cache in args.caches:
+            if MODE_STEPS.get(cache, VARIANTS[variant][0]) != VARIANTS[variant][0]:
+                continue  # a predictor for another step count
             runs.append((variant, cache, 1, args.requests_c1 if variant == "turbo" else args.raw_requests))
             if variant == "turbo" and args.requests_c20:
                 runs.append((variant, cache, 20, args.requests_c20))
@@ -458,6 +570,12 @@ def run(args) -> dict:
     work = pathlib.Path(tempfile.mkdtemp(prefix="dicache-serving-"))
     model_dir = write_model_folder(work / "krea2-config", args.tiny)
     size = 1024 if not args.tiny else 128
+    channels = json.loads((model_dir / "transformer" / "config.json").read_text())["in_channels"]
+    for mask in args.fitted_mask:
+        name, mode = stand_in_mode(mask, work, channels)
+        CACHE_MODES[name], MODE_STEPS[name] = mode, len(mask)
+        args.caches = [*args.caches, name]
+        results.setdefault("stand_ins", []).append(name)
     out_dir = pathlib.Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
     with GpuMemoryPoller(args.device.startswith("cuda")) as memory:
@@ -524,8 +642,26 @@ def markdown(results: dict, args, command: str) -> str:
             for s in results["servers"].values()
         )
         + "  ",
-        f"SGLang published (seed docs, Turbo, default cache): {json.dumps(SGLANG_PUBLISHED)}\n",
+        f"SGLang published (seed docs, Turbo, default cache): {json.dumps(SGLANG_PUBLISHED)}"
+        + ("  " if results.get("profiles") else "\n"),
     ]
+    if results.get("profiles"):
+        lines.append(
+            "Profiles (cache modes whose requests carry a profile's settings): "
+            + "; ".join(f"`{name}`: {summary}" for name, summary in results["profiles"].items())
+            + (
+                ". On random weights the time is what counts: a profile's quality is measured where it was "
+                "calibrated (`benchmarks/sweep_substep.py --profile`)\n"
+                if not args.tiny
+                else "\n"
+            )
+        )
+    if results.get("stand_ins"):
+        lines.append(
+            f"Timing stand-ins ({', '.join(f'`{n}`' for n in results['stand_ins'])}): the fitted output predictor "
+            "on that mask with weights that reuse the newest computed output; a cached step costs what any fitted "
+            "predictor costs (no forward), the images say nothing about quality.\n"
+        )
     rows = [{k: v for k, v in r.items() if k != "time_goes"} for r in results["runs"]]
     if rows:
         lines += markdown_table(rows)
@@ -570,6 +706,22 @@ def main(argv=None) -> int:
     p.add_argument(
         "--recommended-params", type=json.loads, default=None, help="JSON cache_dit_params of the 'recommended' mode"
     )
+    p.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a settings profile (dicache calibrate's JSON): one more cache mode, named by the file name, whose "
+        "requests carry the profile's settings (repeatable)",
+    )
+    p.add_argument(
+        "--fitted-mask",
+        action="append",
+        default=[],
+        metavar="STEPS",
+        help="the computed steps of a Turbo mask, e.g. 0,1,3,6: one more cache mode, a timing stand-in of the fitted "
+        "output predictor on it (its images say nothing about quality; repeatable)",
+    )
     p.add_argument("--requests-c1", type=int, default=3)
     p.add_argument("--requests-c20", type=int, default=20)
     p.add_argument("--raw-requests", type=int, default=1)
@@ -587,7 +739,22 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.recommended_params is not None:
         CACHE_MODES["recommended"]["cache_dit_params"] = args.recommended_params
+    profiles = {}
+    for path in args.profile:
+        try:
+            name, mode, steps = profile_mode(path)
+        except (ValueError, ConfigError) as exc:
+            p.error(str(exc))
+        CACHE_MODES[name], profiles[name] = mode, profile_summary(path)
+        if steps is not None:
+            MODE_STEPS[name] = steps
+        args.caches = [*args.caches, name]
+    try:
+        args.fitted_mask = [parse_fitted_mask(text) for text in args.fitted_mask]
+    except ValueError as exc:
+        p.error(str(exc))
     results = run(args)
+    results["profiles"] = profiles
     command = command_line("bench_serving.py", argv)
     publish(markdown(results, args, command), args.results)
     return 0

@@ -21,7 +21,7 @@ rate against the disk's, and GPU memory as nvidia-smi sees it: the peak while st
 `--burst` requests at concurrency 8), per process (compile workers included). Ends with `publish(...)`.
 
     python benchmarks/bench_startup.py --results benchmarks/RESULTS.md            # H200: about 8 min
-    python benchmarks/bench_startup.py --tiny --device cpu --server-args "" --runs cold artifact   # CPU logic check
+    python benchmarks/bench_startup.py --tiny --device cpu --size 128 --server-args "" --runs cold artifact  # CPU check
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def serve_run(
             row["ready_s"] = startup.get("ready_s")
             memory.phase = "first"
             body = request_body(PROMPT, "turbo", "off", args.size, 0)
-            first, _, _ = one_request(url, body)
+            first = one_request(url, body).seconds
             answered = time.time()
             row["first_request_s"] = round(first, 3)
             row["first_answer_s"] = round(answered - startup.get("process_start_unix", launched), 1)

@@ -27,3 +27,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_family_folders(tmp_path_factory):
+    """Tiny Flux.1 and PixArt-Σ diffusers pipeline folders with text encoders (`family_folders`), built once."""
+    pytest.importorskip("diffusers")
+    import family_folders
+
+    root = tmp_path_factory.mktemp("families")
+    return {"flux": family_folders.flux_folder(root), "pixart": family_folders.pixart_folder(root)}

@@ -46,3 +46,20 @@ def pixart_folder(root: Path) -> Path:
     folder = root / "pixart-tiny-random"
     flux_script.save_pipeline(pipe, folder, {"dicache.json": extras})
     return folder
+
+
+def wan_folder(root: Path) -> Path:
+    """Wan 2.1 (a video family) at 16 px, 9 frames, CFG 5.0 in two calls a step, 4 steps; a random frozen T5 encoder
+    stands in for its UMT5 (the same call)."""
+    pipe, _ = tiny_families.wan()
+    tokenizer = flux_script.build_tokenizer(PROMPTS, 16)
+    _, t5 = flux_script.build_text_encoders(len(tokenizer), {"clip": CLIP, "t5": T5}, seed=3)
+    pipe.register_modules(text_encoder=t5, tokenizer=tokenizer)
+    extras = {
+        "default_size": [16, 16],
+        "sampling": {"steps": 4, "guidance": 5.0},
+        "call": {"max_sequence_length": 16, "num_frames": 9},
+    }
+    folder = root / "wan-tiny-random"
+    flux_script.save_pipeline(pipe, folder, {"dicache.json": extras})
+    return folder

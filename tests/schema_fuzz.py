@@ -44,6 +44,15 @@ generation.deterministic = true
 """A run configuration (schemathesis.toml): the generation endpoint gets schema-invalid requests only (each
 schema-valid one is an image; a run that has sent them elsewhere need not pay for them twice)."""
 
+RAY_FUZZ_COVERAGE = """
+[[operations]]
+include-path = "/v1/images/generations"
+phases.coverage.generation.mode = "negative"
+phases.coverage.generation.deterministic = true
+"""
+"""The Ray fuzz's configuration: the generation endpoint's coverage phase sends schema-invalid requests only (its
+schema-valid ones, 200-odd images, go through the single-process fuzz, tests/test_schema_fuzz.py)."""
+
 
 @dataclass
 class FuzzRun:

@@ -23,11 +23,8 @@ FAST = [{"residual_diff_threshold": 0.3, "max_warmup_steps": 1}, {"scm_preset": 
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    import family_folders
-
-    root = tmp_path_factory.mktemp("families")
-    return {"flux": family_folders.flux_folder(root), "pixart": family_folders.pixart_folder(root)}
+def folders(tiny_family_folders):
+    return tiny_family_folders
 
 
 @pytest.fixture
@@ -36,6 +33,51 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def test_generate_on_a_video_family_writes_each_finite_video_as_an_animated_image(tmp_path, capsys, one_thread):
+    """Wan 2.1: `--num-images` reaches the pipeline as `num_videos_per_prompt`, each video is one animated PNG of
+    all its frames; a video whose frames hold NaN is not written (an older file at its path removed) and the command
+    exits 1 naming it."""
+    import family_folders
+    from PIL import Image
+
+    folder = family_folders.wan_folder(tmp_path)
+    argv = ["generate", "red apple", "--model", str(folder), "--num-images", "2", "--cache", "on"]
+    assert main([*argv, "--out", str(tmp_path / "v.png")]) == 0
+    assert "WanPipeline (Wan 2.1 / 2.2)" in capsys.readouterr().out
+    for i in range(2):
+        with Image.open(tmp_path / f"v-{i}.png") as video:
+            assert video.is_animated and video.n_frames == 9 and video.size == (16, 16)
+
+    import dicache.commands.generate as generate_command
+
+    real = generate_command.write_finite_videos
+
+    def spoil_second(frames, paths, fps):
+        frames = frames.clone()
+        frames[1, 4] = float("nan")  # one frame of the second video
+        return real(frames, paths, fps)
+
+    generate_command.write_finite_videos = spoil_second
+    try:
+        assert main([*argv, "--out", str(tmp_path / "v.png")]) == 1
+    finally:
+        generate_command.write_finite_videos = real
+    err = capsys.readouterr().err
+    assert "image 2 of 2: decoded frames" in err and "not written: " + str(tmp_path / "v-1.png") in err
+    assert (tmp_path / "v-0.png").is_file() and not (tmp_path / "v-1.png").exists()
+
+
+def test_a_count_a_pipeline_cannot_take_is_refused_naming_it(folders, tmp_path, capsys, monkeypatch):
+    import dicache.commands.generate as generate_command
+
+    monkeypatch.setattr(generate_command, "call_parameters", lambda pipe: {})  # a pipeline with no count parameter
+    argv = ["generate", "red apple", "--model", str(folders["flux"]), "--num-images", "3"]
+    assert main([*argv, "--out", str(tmp_path / "x.png")]) == 2
+    assert "--num-images=3 is refused for FluxPipeline (Flux.1): its pipeline makes one output per prompt" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("family", ["flux", "pixart"])
@@ -161,7 +203,7 @@ def test_settings_a_family_cannot_take_are_refused_before_any_run_naming_setting
     flux = str(folders["flux"])
     assert main(["sweep", "--model", flux, "--prompt", "x", "--baselines", "heun", "--out", str(tmp_path)]) == 2
     assert "baselines heun are refused for" in capsys.readouterr().err
-    assert main(["generate", "x", "--model", flux, "--embedded-guidance", "3.5", "--out", str(tmp_path / "a")]) == 2
+    assert main(["generate", "x", "--model", flux, "--embedded-guidance", "3.5", "--out", str(tmp_path / "a.png")]) == 2
     assert "embedded_guidance=3.5 is refused for FluxPipeline (Flux.1)" in capsys.readouterr().err
     assert main(["generate", "x", "--model", flux, "--variant", "turbo", "--out", str(tmp_path / "b.png")]) == 2
     assert "--variant='turbo' is refused for FluxPipeline" in capsys.readouterr().err

@@ -17,6 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 
 import bench_family_speed  # noqa: E402
 
+from dicache.engine.policies import step_mask  # noqa: E402
 from dicache.errors import ConfigError  # noqa: E402
 from dicache.settings.cache_config import CacheConfig  # noqa: E402
 from dicache.settings.profiles import write_profile  # noqa: E402
@@ -90,6 +91,27 @@ def test_counterpart_resets_inert_forecaster_settings_silently_and_refuses_other
     assert bench_family_speed.cache_dit_counterpart(on)[1] == {"taylorseer_damping": 1.0, "taylorseer_distance": "step"}
     with pytest.raises(ConfigError, match="policy='teacache'"):
         bench_family_speed.cache_dit_counterpart(CacheConfig.defaults().merged({"policy": "teacache"}))
+
+
+def test_a_fitted_profile_is_timed_against_cache_dit_on_the_same_mask_with_its_cached_residual(tmp_path):
+    predictor = tmp_path / "w.safetensors"
+    predictor.write_bytes(b"")
+    fitted = CacheConfig.defaults().merged(
+        {
+            "scm_compute_bins": [5, 1, 1, 1, 1, 1, 1],
+            "scm_cache_bins": [2, 2, 2, 3, 4, 4],
+            "scm_policy": "static",
+            "max_warmup_steps": 0,
+            "Fn_compute_blocks": 0,
+            "Bn_compute_blocks": 0,
+            "enable_taylorseer": False,
+            "cached_step_method": "fitted",
+            "fitted_predictor": str(predictor),
+        }
+    )
+    counterpart, changes = bench_family_speed.cache_dit_counterpart(fitted)
+    assert changes == {"Fn_compute_blocks": 1, "cached_step_method": "forecast", "fitted_predictor": None}
+    assert step_mask(counterpart, 28) == step_mask(fitted, 28) and sum(step_mask(fitted, 28)) == 11
 
 
 def test_a_mask_that_does_not_fit_28_steps_is_refused_before_the_model_is_built(tmp_path, capsys):

@@ -5,6 +5,7 @@ Krea-2 pipeline."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ from dicache.settings.cache_config import PROFILE_ENV
 
 MASK = (1, 1, 0, 1, 0)  # steps 2 and 4 predicted
 DIM = 8
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster on a busy CPU
 
 
 def fitted_config(**extra) -> CacheConfig:
@@ -252,6 +255,16 @@ def test_the_file_round_trips_and_bad_files_name_the_setting(tmp_path):
         load_weights(tmp_path / "plain.safetensors")
 
 
+def test_a_weight_is_copied_to_a_device_once_per_fit():
+    fit = FittedWeights(5, MASK, {(2, "cond"): W2.double()})
+    assert fit.weight(2, "cond", "cpu") is fit.weights[(2, "cond")]  # already there: no copy
+    on_meta = fit.weight(2, "cond", torch.device("meta"))
+    assert on_meta.device.type == "meta" and on_meta.dtype == torch.float32 and on_meta.shape == W2.shape
+    assert fit.weight(2, "cond", "meta") is on_meta and len(fit.device_copies) == 1
+    with pytest.raises(ConfigError, match="no weights for step 3"):
+        fit.weight(3, "cond", "meta")
+
+
 def test_settings_rules_name_both_settings():
     with pytest.raises(ConfigError, match="static step mask"):
         CacheConfig.from_env({}, cached_step_method="fitted")
@@ -315,6 +328,56 @@ def test_the_fit_steers_each_cached_step_back_to_the_uncached_trajectory(turbo_r
     assert errors["fitted"] < 0.5 * errors["reuse"], errors
 
 
+def test_a_sweep_fits_a_quantized_models_predictor_toward_the_unquantized_run(turbo_runner, tmp_path):
+    """`ours-int8` (the quantization axis; FP8 needs a GPU, INT8 runs here) fits its predictor on the quantized model,
+    steering to the unquantized model's uncached run: the run its samples are measured against, and what `dicache
+    calibrate --quantization` fits to. `ours` fits on and to the unquantized model."""
+    from dicache.sweep.fitting import BatchRun, Trajectory, fit_predictor, fit_samples
+    from dicache.sweep.run import Sweep
+    from dicache.sweep.runners import NativeRunner
+    from dicache.sweep.spec import Schedule, SweepSpec, expand_grid
+    from dicache.tuning.predictor import predictor_overrides
+
+    schedule, mask = Schedule(4, 1.0, "turbo"), (1, 0, 1, 0)
+    int8 = NativeRunner.load(str(turbo_runner.pipe.source), quantization="int8")
+    cells = expand_grid([{k: [v] for k, v in predictor_overrides(mask).items()}])
+    spec = SweepSpec(
+        samples=[("dog face", 3)],
+        schedules=[schedule],
+        cells=cells,
+        methods=("ours", "ours-int8"),
+        height=32,
+        width=32,
+        baselines=(),
+        reference_steps=None,
+        fit_prompts=FIT_SAMPLES[:1],
+        fit_seeds=1,
+    )
+    sweep = Sweep(spec, tmp_path, turbo_runner, quantized={"ours-int8": int8}, progress=False, log=lambda _: None)
+    records = {r["method"]: r for r in sweep.run()["records"] if r.get("settings")}
+    assert records["ours-int8"]["pipeline"] == "ours-int8" and records["ours-int8"]["psnr"] < 99
+    fits = fit_samples(FIT_SAMPLES[:1], 1)
+
+    def fit(model, steered_to):
+        trajectory = Trajectory.record(BatchRun(steered_to, schedule, 32, 32), fits)
+        return fit_predictor(BatchRun(model, schedule, 32, 32), fits, predictor_overrides(mask), trajectory)
+
+    def saved(method, steered_to=None):
+        return load_weights(tmp_path / "predictors" / f"{sweep.predictor_key(method, schedule, cells[0], steered_to)}"
+                            ".safetensors")  # fmt: skip
+
+    expected = {
+        "ours": (saved("ours"), fit(turbo_runner, turbo_runner)),
+        "ours-int8": (saved("ours-int8", "native"), fit(int8, turbo_runner)),
+    }
+    for method, (got, want) in expected.items():
+        assert set(got.weights) == set(want.weights) == {(1, "cond"), (3, "cond")}
+        for key in want.weights:
+            torch.testing.assert_close(got.weights[key], want.weights[key], msg=f"{method} {key}")
+    own = fit(int8, int8)  # steered to the quantized model's own run: another predictor
+    assert not torch.allclose(own.weights[(3, "cond")], expected["ours-int8"][0].weights[(3, "cond")])
+
+
 def blocks_of_width(channels: int) -> torch.Tensor:
     """The reuse map: the newest computed output, unchanged."""
     w = torch.zeros(feature_width(channels), channels)
@@ -322,34 +385,52 @@ def blocks_of_width(channels: int) -> torch.Tensor:
     return w
 
 
-def test_calibrate_fits_a_predictor_per_mask_and_the_profile_reproduces_the_choice(turbo_runner, tmp_path):
+def test_calibrate_scores_each_prompt_with_a_fit_that_never_saw_it_and_the_profile_names_the_final_fit(
+    turbo_runner, tmp_path
+):
+    """Each calibration sample is scored with the predictor fitted on the other fold's prompts (its file's
+    `fitted_on` holds no sample of its prompt); the chosen candidate's profile names a fit on every prompt, and the
+    profile reproduces that run."""
     from dicache.commands.calibrate import _keep_chosen_predictor, predictor_folder
+    from dicache.engine.cached_step.weights import load_weights
     from dicache.settings.profiles import write_profile
-    from dicache.sweep.fitting import fit_samples
     from dicache.tuning import PipelineRunner, calibrate, profile_settings
     from dicache.tuning.predictor import PredictorSearch
 
     runner = PipelineRunner(turbo_runner.pipe, 4, 1.0, "turbo", 32, 32)
-    samples = [("dog face", 3)]
+    samples = [("dog face", 3), ("red apple", 5)]
     out = tmp_path / "turbo.json"
-    search = PredictorSearch(runner, fit_samples(samples, 2), predictor_folder(str(out)))
-    result = calibrate(runner, samples, [], target_psnr=10.0, criterion="mean", progress=False, predictor=search)
-    fitted = [c for c in result.candidates if c.config.cached_step_method == "fitted"]
+    search = PredictorSearch(runner, samples, 1, predictor_folder(str(out)))
+    result = calibrate(
+        runner, samples, [], target_psnr=10.0, criterion="mean", progress=False, step_masks=False, predictor=search
+    )
+    fitted = [c for c in result.candidates if c.fitted_mask is not None]
     assert search.fits == len(fitted) >= 3 and all(c.status == "complete" for c in fitted)
-    assert {c.config.fitted_predictor for c in fitted} <= {str(p) for p in predictor_folder(str(out)).iterdir()}
+    for candidate in fitted:
+        for i, (prompt, _) in enumerate(samples):
+            fit = load_weights(candidate.sample_configs[i].fitted_predictor)
+            seen = {row["prompt"] for row in fit.fitted_on}
+            assert prompt not in seen and seen, (candidate.label, prompt, seen)  # scored on a prompt it never saw
     chosen = result.chosen
     assert chosen in fitted and chosen.compute_fraction == 0.5  # the beam goes down to 2 computed steps of 4
+    final = load_weights(chosen.config.fitted_predictor)
+    assert {row["prompt"] for row in final.fitted_on} == {p for p, _ in samples}  # the file to use saw them all
     settings = profile_settings(chosen)
     _keep_chosen_predictor(settings, str(out))
-    assert settings["fitted_predictor"] == f"turbo.predictors/{chosen.config.fitted_predictor.rsplit('/', 1)[1]}"
     assert [p.name for p in predictor_folder(str(out)).iterdir()] == [settings["fitted_predictor"].split("/")[1]]
     write_profile(out, settings, {})
     config = CacheConfig.from_env({PROFILE_ENV: str(out)})
     again = runner.run(*samples[0], config)
-    reference = runner.run(*samples[0], None)
-    from dicache.sweep.metrics import psnr
+    direct = runner.run(*samples[0], chosen.config)
+    assert torch.equal(again.image, direct.image)  # the profile runs the final fit
 
-    assert psnr(again.image, reference.image)[0] == pytest.approx(chosen.psnr[0], abs=1e-6)
+
+def test_the_predictor_search_refuses_one_prompt_naming_why():
+    from dicache.tuning import CalibrationError
+    from dicache.tuning.predictor import PredictorSearch
+
+    with pytest.raises(CalibrationError, match=r"at least 2 calibration prompts \(got 1\)"):
+        PredictorSearch(None, [("dog face", 3)], 2, "unused")
 
 
 def test_long_schedules_climb_from_the_best_curved_mask_cheapest_budget_first():
@@ -383,19 +464,22 @@ def test_long_schedules_climb_from_the_best_curved_mask_cheapest_budget_first():
 
 def test_calibrate_on_a_long_schedule_fits_the_curved_masks_then_climbs(turbo_runner, tmp_path):
     from dicache.engine.policies import step_mask
-    from dicache.sweep.fitting import fit_samples
     from dicache.tuning import PipelineRunner, calibrate
     from dicache.tuning.predictor import PredictorSearch, long_schedule_masks
 
     runner = PipelineRunner(turbo_runner.pipe, 13, 1.0, "turbo", 32, 32)
-    samples = [("dog face", 3)]
-    search = PredictorSearch(runner, fit_samples(samples, 1), tmp_path / "p", budgets=(0.2,), climb=2)
+    samples = [("dog face", 3), ("red apple", 5)]
+    search = PredictorSearch(runner, samples, 1, tmp_path / "p", budgets=(0.2,), climb=2)
     result = calibrate(runner, samples, [], target_psnr=99.0, criterion="mean", progress=False, predictor=search)
     masks = [tuple(step_mask(c.config, 13)) for c in result.candidates]
     curved = long_schedule_masks(13, (0.2,))
-    assert masks[: len(curved)] == curved and len(masks) == len(curved) + 2 == search.fits  # 2 climbing fits
+    assert masks[: len(curved)] == curved and len(masks) == len(curved) + 2 == search.fits  # 2 climbing masks
     assert {sum(m) for m in masks} == {3} and len(set(masks)) == len(masks)  # one budget, each mask once
     assert all(c.status == "complete" and c.config.cached_step_method == "fitted" for c in result.candidates)
+    # a climbed mask is scored like every fitted one: each prompt by the fit made without its fold
+    for candidate in result.candidates[len(curved) :]:
+        files = {i: Path(c.fitted_predictor).name for i, c in candidate.sample_configs.items()}
+        assert files == {i: f"mask-{''.join(map(str, candidate.fitted_mask))}-without-{i}.safetensors" for i in (0, 1)}
 
 
 # ------------------------------------------------------------------------------------------------------ tokens

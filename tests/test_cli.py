@@ -104,6 +104,28 @@ def test_generate_without_cache_and_with_bad_model(tiny_dir, tmp_path, capsys):
     assert code == 2 and "missing" in capsys.readouterr().err
 
 
+def test_a_device_or_output_this_machine_cannot_use_is_refused_before_loading(tmp_path, capsys):
+    import pytest
+    import torch
+
+    from dicache.errors import ConfigError
+    from dicache.settings.devices import resolve_device
+
+    assert resolve_device("cpu:0") == torch.device("cpu:0") and resolve_device(None).type in ("cpu", "cuda")
+    with pytest.raises(ConfigError, match=r"--device='gpu' is invalid: not a torch device; allowed: cpu"):
+        resolve_device("gpu")
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ConfigError, match=rf"device='{missing}' is invalid: .*allowed here: cpu"):
+        resolve_device(missing, "device")
+    for command in (["generate", "a"], ["calibrate", "--prompts", "2"], ["sweep", "--dry-run"]):
+        assert main([*command, "--out", str(tmp_path / "x.png"), "--device", missing]) == 2
+        assert f"--device='{missing}' is invalid" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "a", "--out", str(tmp_path / "no-suffix")])
+    err = capsys.readouterr().err
+    assert "--out=" in err and "no-suffix" in err and ".png" in err and ".webp" in err
+
+
 def test_base_install_commands_do_not_need_the_extras(tmp_path):
     """`dicache --help` and `generate` work without fastapi/matplotlib/diffusers; `serve` says what to install."""
     blocked = [

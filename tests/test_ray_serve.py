@@ -38,8 +38,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from schema_fuzz import KEY as FUZZ_KEY
+from schema_fuzz import RAY_FUZZ_COVERAGE, answered, generations, schemathesis_run, server_counts
 from schema_fuzz import SERVE_FLAGS as FUZZ_FLAGS
-from schema_fuzz import answered, generations, schemathesis_run, server_counts
 from server_helpers import pipeline_source, wait_until
 
 # Ray reads its authentication mode once, when imported; a driver joining a cluster by address must say "token"
@@ -325,14 +325,6 @@ def test_ulysses_group_replica_gives_the_single_process_bytes(ray_url, single_ur
         serve.delete("dicache-sp")
 
 
-RAY_FUZZ_COVERAGE = """
-[[operations]]
-include-path = "/v1/images/generations"
-phases.coverage.generation.mode = "negative"
-phases.coverage.generation.deterministic = true
-"""
-"""The Ray fuzz's configuration: the generation endpoint's coverage phase sends schema-invalid requests only (its
-schema-valid ones, 200-odd images, go through the single-process fuzz, tests/test_schema_fuzz.py)."""
 RAY_FUZZ_CASES = 1000
 """Requests the Ray Serve fuzz generates, at least (two derandomised runs: with the API key and without)."""
 

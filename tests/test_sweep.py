@@ -190,6 +190,8 @@ def test_cache_dit_mapping_uses_our_step_mask():
     plain, order = cache_dit_settings(make_cell({"RDT": 0.12}).config, Schedule(8))
     assert "steps_computation_mask" not in plain and plain["enable_separate_cfg"] is False and order is None
     assert "sigmas" in unsupported_reason(make_cell({"TS": 1, "taylorseer_distance": "sigma"}).config)
+    tokens = make_cell({"SCM": "fast", "SCM_POLICY": "static", "W": 0, "cached_step_method": "tokens"}).config
+    assert "cached_step_method='tokens'" in unsupported_reason(tokens)
 
 
 def test_store_survives_a_cut_line(tmp_path):

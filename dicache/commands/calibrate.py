@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from .. import __version__
+from ..engine.cached_step import DEFAULT_RIDGE
 from ..models.families import is_family_model, pipeline_class
 from ..models.krea2 import Krea2Pipeline
 from ..models.krea2.checkpoints import heldout_prompts_file, resolve_model
@@ -25,9 +26,10 @@ from ..models.krea2.presets import PRESETS, resolve_variant
 from ..models.options import DeviceOptions, QuantizationOptions
 from ..quantization import check_fp8_support, parse_quantization
 from ..settings.cache_config import SETTINGS, CacheConfig
+from ..settings.devices import resolve_device
 from ..settings.options import FlagOptions, option
 from ..settings.profiles import write_profile
-from ..sweep.fitting import DEFAULT_FIT_SEEDS, fit_samples
+from ..sweep.fitting import DEFAULT_FIT_SEEDS
 from ..sweep.prompts import FALLBACK_PROMPTS, make_samples, read_prompts
 from ..sweep.runners import FamilyRunner
 from ..sweep.settings import RECOMMENDED_BUDGETS
@@ -120,6 +122,20 @@ class CalibrateOptions(FlagOptions):
         "of --budgets, at most this many more fits hill-climbing from the best of them (one computed step moved by "
         "±1/±2 at a time; cheapest budget first, until one meets the target); 0: the curved masks only",
     )
+    fit_ridge: float = option(
+        DEFAULT_RIDGE,
+        flag="--fit-ridge",
+        gt=0.0,
+        help="the fitted predictor's ridge λ, relative to the mean diagonal of the features' Gram matrix (smaller: "
+        "closer fit; choose it on training prompts, e.g. leaving one out)",
+    )
+    fit_leave_prompt_out: bool = option(
+        False,
+        flag="--fit-leave-prompt-out",
+        help="score each fitted predictor's mask on every prompt with a fit made without that prompt alone (one fit "
+        "per prompt and mask) instead of the default two folds of the prompts (two fits per mask); either way each "
+        "prompt is scored by a fit that never saw it, and the chosen candidate gets the fit on all prompts",
+    )
     no_early_stop: bool = option(
         False, flag="--no-early-stop", help="run every candidate on every prompt (fuller table, slower)"
     )
@@ -197,6 +213,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     candidates = load_candidates(args.candidates) if args.candidates else list(CANDIDATES)
     samples = resolve_samples(args.prompts, args.model, getattr(args, "prompt_split", "heldout"))
+    prompts = len({p for p, _ in samples})
+    if getattr(args, "fit_leave_prompt_out", False) and prompts < 2:
+        raise CalibrationError(
+            f"--fit-leave-prompt-out needs 2 or more distinct prompts (--prompts {args.prompts!r} gives {prompts}): "
+            "each is scored by a fit on the others"
+        )
 
     previous_threads = torch.get_num_threads()
     if args.threads:
@@ -238,17 +260,25 @@ def run(args: argparse.Namespace) -> int:
         meta["measured_on"] = measured_on
         where = "decoded images" if measured_on == "image" else "final latents (the decoded images are flat)"
         print(f"fidelity measured on the {where}")
+    kept: set[Path] = set()  # predictor files the grid names
     if getattr(args, "grid_out", None):
         grid, lines = budget_grid(result, args.budgets or list(RECOMMENDED_BUDGETS), CACHEDIT_GRID)
         path = Path(args.grid_out)
+        kept = _grid_predictors_relative(grid, path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(grid, indent=2) + "\n")
         print("\n".join(lines))
         print(f"wrote {path}: dicache sweep --grid {path} measures these settings (on other prompts)")
     if result.chosen is None:
-        _keep_chosen_predictor({}, args.out)  # nothing is written: no predictor file either
+        _keep_chosen_predictor({}, args.out, kept)  # no profile is written: only the grid's predictor files stay
         raise TargetNotMet(result.failure_message())
 
+    if getattr(args, "fit_seeds", 0) and not args.no_step_masks:  # how the fitted predictors were fitted and scored
+        meta["predictor_fit"] = {
+            "seeds": args.fit_seeds,
+            "ridge": getattr(args, "fit_ridge", DEFAULT_RIDGE),
+            "leave_prompt_out": getattr(args, "fit_leave_prompt_out", False),
+        }
     record = calibration_record(
         result,
         **meta,
@@ -258,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         torch_version=torch.__version__,
     )
     settings = profile_settings(result.chosen)
-    _keep_chosen_predictor(settings, args.out)
+    _keep_chosen_predictor(settings, args.out, kept)
     path = write_profile(args.out, settings, record)
     print(f"wrote {path}: use it with --profile {path} (dicache generate / serve / config) or SGLANG_CACHE_DIT_PROFILE")
     if result.chosen.compute_fraction >= 1.0:
@@ -283,23 +313,61 @@ def _predictor_search(
 ) -> Any:
     if args.fit_seeds == 0 or args.no_step_masks:
         return None
-    fits = fit_samples(samples, args.fit_seeds)
-    budgets = args.budgets or RECOMMENDED_BUDGETS
+    refusal = runner.fitted_refusal()
+    if refusal is not None:  # e.g. a family whose scheduler is not a flow-matching Euler one
+        print(f"skipping the fitted predictor's masks: {refusal}", file=sys.stderr)
+        return None
+    if len({prompt for prompt, _ in samples}) < 2:
+        print(
+            "note: the fitted predictor is not searched: it needs at least 2 calibration prompts (each is scored "
+            "with a fit made on the others)",
+            file=sys.stderr,
+        )
+        return None
+    ridge = getattr(args, "fit_ridge", DEFAULT_RIDGE)  # absent from a namespace built without CalibrateOptions
+    leave_out = getattr(args, "fit_leave_prompt_out", False)
+    budgets = getattr(args, "budgets", None) or RECOMMENDED_BUDGETS
+    climb = getattr(args, "mask_climb", CLIMB_FITS)
     folder = predictor_folder(args.out)
-    return PredictorSearch(runner, fits, folder, reference=reference, budgets=budgets, climb=args.mask_climb)
+    return PredictorSearch(
+        runner,
+        samples,
+        args.fit_seeds,
+        folder,
+        ridge=ridge,
+        reference=reference,
+        leave_prompt_out=leave_out,
+        budgets=budgets,
+        climb=climb,
+    )
 
 
-def _keep_chosen_predictor(settings: dict[str, Any], out: str) -> None:
+def _grid_predictors_relative(grid: dict[str, Any], path: Path) -> set[Path]:
+    """The predictor files `grid`'s cells name, each rewritten relative to the grid file at `path` (how
+    `dicache sweep --grid` reads it, as a profile names its own); returns them resolved."""
+    named = set()
+    for cell in grid.get("grid", []):
+        files = cell.get("fitted_predictor") or []
+        named.update(Path(f).resolve() for f in files)
+        cell_files = [os.path.relpath(Path(f).resolve(), path.resolve().parent) for f in files]
+        if cell_files:
+            cell["fitted_predictor"] = cell_files
+    return named
+
+
+def _keep_chosen_predictor(settings: dict[str, Any], out: str, keep: set[Path] = frozenset()) -> None:
     """The chosen profile's predictor file, named relative to the profile (as the profile reads it); the other
-    fits' files are removed."""
+    fits' files are removed, but for those in `keep` (resolved paths: the ones a `--grid-out` grid names)."""
     folder = predictor_folder(out)
     chosen = settings.get("fitted_predictor")
+    kept = set(keep)
     if chosen is not None:
         chosen_path = Path(chosen).resolve()
+        kept.add(chosen_path)
         settings["fitted_predictor"] = os.path.relpath(chosen_path, Path(out).resolve().parent)
     if folder.is_dir():
         for file in folder.glob("mask-*.safetensors"):
-            if chosen is None or file.resolve() != chosen_path:
+            if file.resolve() not in kept:
                 file.unlink()
         if not any(folder.iterdir()):
             folder.rmdir()
@@ -344,7 +412,7 @@ def _load_family_runner(args: argparse.Namespace, device: str, dtype: Any) -> tu
 def _load_runner(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """The pipeline runner at the resolved schedule and size, the reference runner (the unquantized model when
     `--quantization` is given, else None: the runner itself) and what to record about them."""
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(args.device))
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if is_family_model(args.model):
         return _load_family_runner(args, device, dtype)

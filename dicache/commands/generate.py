@@ -13,18 +13,20 @@ import sys
 import time
 from typing import Literal
 
+import numpy as np
 import torch
 
 from .. import api
 from ..errors import ConfigError, NonFiniteOutputError
 from ..models.compile_artifact import load_artifact, save_artifact
-from ..models.families import call_kwargs, is_family_model, load_family_model, pipeline_class
+from ..models.families import call_kwargs, call_parameters, is_family_model, load_family_model, pipeline_class
 from ..models.krea2.checkpoints import resolve_model
 from ..models.krea2.latents import FINITE_PLACES, check_finite, finite_per_image, pil_images
 from ..models.krea2.pipeline import Krea2Pipeline
 from ..models.options import DeviceOptions, ModelChoice, SamplingOptions
 from ..offload.settings import OffloadLimits
 from ..parallel import parallelize_pipeline, setup_from_args
+from ..settings.devices import resolve_device
 from ..settings.options import FlagOptions, option
 from ..settings.profiles import cache_config, describe_profile, profile_source
 from .fields import add_options
@@ -38,6 +40,8 @@ from .speed import (
     text_encoder_quantization,
 )
 
+VIDEO_FPS = 16.0
+"""Frames per second of a video written by `generate` unless its checkpoint's dicache.json says `fps`."""
 HELP = (
     "generate images with Krea-2 (default: the embedded checkpoint) or a diffusers pipeline of a registered family "
     "(--model), and print the cache statistics"
@@ -54,7 +58,12 @@ class GenerateOptions(FlagOptions):
     height: int | None = option(None, flag="--height", ge=1, default_text="the checkpoint's", help="image height, px")
     width: int | None = option(None, flag="--width", ge=1, default_text="the checkpoint's", help="image width, px")
     num_images: int = option(1, flag="--num-images", ge=1, help="images per prompt")
-    out: str = option("dicache.png", flag="--out", help="output PNG (several images: name-<i>.png)")
+    out: str = option(
+        "dicache.png",
+        flag="--out",
+        read=lambda text: image_file(text),  # resolved when parsing: image_file is defined below
+        help="output image, its format by suffix (several images: name-<i>.png)",
+    )
     cache: Literal["env", "on", "off"] = option(
         "env",
         flag="--cache",
@@ -66,6 +75,25 @@ class GenerateOptions(FlagOptions):
         metavar="PATH",
         help="also write the cache statistics as JSON here (with the settings used and where each came from)",
     )
+
+
+def image_file(path: str) -> str:
+    """`path` when its suffix names an image format Pillow writes, else a `ValueError` listing them (checked while
+    parsing, so that nothing generated is lost at the end)."""
+    allowed = image_suffixes()
+    if pathlib.Path(path).suffix.lower() not in allowed:
+        raise ValueError(
+            f"--out={path!r} is invalid: name an image file whose suffix Pillow writes: {', '.join(allowed)}"
+        )
+    return path
+
+
+def image_suffixes() -> list[str]:
+    """File suffixes Pillow can write (lower case, sorted), e.g. `.png`, `.jpg`, `.webp`."""
+    from PIL import Image  # Pillow loads its plugins on first use: only a parsed --out needs them
+
+    Image.init()
+    return sorted(ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.SAVE)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *variant_aliases: str) -> None:
@@ -141,10 +169,40 @@ def write_finite_images(
     return failure
 
 
-def write_and_say(latents: torch.Tensor | None, images: torch.Tensor, paths: list[pathlib.Path], what: str) -> bool:
-    """`write_finite_images`, then "wrote <paths> <what>" for those written and, on stderr, the error naming those
-    that were not. Returns whether every image was written."""
-    failure = write_finite_images(latents, images, paths)
+def write_finite_videos(frames: torch.Tensor, paths: list[pathlib.Path], fps: float) -> NonFiniteOutputError | None:
+    """Write each video of `frames` (`(B, F, H, W, 3)` floats in [0, 1], a video pipeline's "np" output) whose
+    frames are all finite to its path as an animated image at `fps` frames per second (the format Pillow reads from
+    the suffix: animated PNG for `.png`, also `.gif`, `.webp`); a video with NaN or inf is not written (nor an earlier
+    file at its path left in place). Returns the `NonFiniteOutputError` naming those, or None."""
+    try:
+        check_finite(finite_per_image(frames), ("decoded frames",))
+        failure = None
+    except NonFiniteOutputError as exc:
+        failure = exc
+    for index, path in enumerate(paths):
+        if failure is not None and index in failure.images:
+            path.unlink(missing_ok=True)
+            continue
+        first, *rest = pil_images(frames[index].cpu().numpy())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        first.save(path, save_all=True, append_images=rest, duration=round(1000 / fps), loop=0)
+    return failure
+
+
+def write_and_say(
+    latents: torch.Tensor | None,
+    images: torch.Tensor,
+    paths: list[pathlib.Path],
+    what: str,
+    video_fps: float | None = None,
+) -> bool:
+    """`write_finite_images` (or, with `video_fps`, `write_finite_videos` of `images` as `(B, F, H, W, 3)`), then
+    "wrote <paths> <what>" for those written and, on stderr, the error naming those that were not. Returns whether
+    every one was written."""
+    if video_fps is None:
+        failure = write_finite_images(latents, images, paths)
+    else:
+        failure = write_finite_videos(images, paths, video_fps)
     written = [str(p) for i, p in enumerate(paths) if failure is None or i not in failure.images]
     if written:
         print(f"wrote {', '.join(written)} {what}")
@@ -158,8 +216,7 @@ def run(args: argparse.Namespace) -> int:
     config = cache_config(args.profile)  # defaults < profile (--profile wins over the variable) < environment
     speed_spec(args)  # a bad --quantization-exclude stops here, before loading
     use_cache = config.enable_cache if args.cache == "env" else args.cache == "on"
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = str(resolve_device(args.device))  # a device this machine lacks stops here, before loading
     if is_family_model(args.model):
         return _generate_family(args, config, use_cache)
     ctx = setup_from_args(args)  # single process unless launched with torchrun and --tp-size / --ulysses-degree
@@ -214,25 +271,28 @@ def _generate_family(args: argparse.Namespace, config, use_cache: bool) -> int:
     )
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
-    if use_cache:
-        api.enable(model.pipe, config)
-    start = time.perf_counter()
     pipe = model.pipe
     video = not hasattr(pipe, "image_processor")  # a video pipeline has a video processor instead
-    with torch.no_grad():
-        out = pipe(
-            list(args.prompt), num_images_per_prompt=args.num_images, output_type="pil" if video else "pt", **kwargs
+    count = next((p for p in ("num_images_per_prompt", "num_videos_per_prompt") if p in call_parameters(pipe)), None)
+    if count is not None:
+        kwargs[count] = args.num_images
+    elif args.num_images != 1:
+        raise ConfigError(
+            f"--num-images={args.num_images} is refused for {model.name}: its pipeline makes one output per prompt"
         )
+    if use_cache:
+        api.enable(pipe, config)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = pipe(list(args.prompt), output_type="np" if video else "pt", **kwargs)
     seconds = time.perf_counter() - start
     what = f"in {seconds:.2f} s (model: {model.name} from {args.model}; {steps} steps, guidance {guidance:g})"
-    if video:  # frames as PIL images; their pixels are not checked
-        frames = out.frames
-        paths = output_paths(args.out, len(frames))
-        for image, path in zip(frames, paths):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            image.save(path)
-        print(f"wrote {', '.join(str(p) for p in paths)} {what}")
-        return _report(args, config, use_cache, model.pipe)
+    if video:  # "np": (B, F, H, W, 3) in [0, 1], each video written as an animated image
+        frames = torch.as_tensor(np.asarray(out.frames, dtype=np.float32))
+        fps = float(model.extras.get("fps", VIDEO_FPS))
+        if not write_and_say(None, frames, output_paths(args.out, len(frames)), what, video_fps=fps):
+            return 1
+        return _report(args, config, use_cache, pipe)
     paths = output_paths(args.out, len(out.images))
     if not write_and_say(None, out.images.float(), paths, what):  # "pt": (B, 3, H, W) in [0, 1]
         return 1

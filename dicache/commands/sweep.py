@@ -21,6 +21,7 @@ from ..errors import DicacheError
 from ..models.families import checkpoint_schedule, is_family_model
 from ..models.krea2.checkpoints import default_checkpoint, heldout_prompts_file
 from ..models.options import ModelChoice
+from ..settings.devices import resolve_device
 from ..settings.options import FlagOptions, option
 from ..sweep import spec as S
 from ..sweep.cachedit import INSTALL_HINT, cache_dit_available
@@ -279,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {report}")
         return 0
     spec = build_spec(args)
+    if args.device is not None:
+        resolve_device(args.device)  # a device this machine lacks stops here, before any model is built
     if args.dry_run:
         print(f"model: {spec.model or 'embedded krea2-tiny'}; methods: {', '.join(spec.methods)} + fewer steps")
         print(

@@ -272,7 +272,7 @@ class BlockStackRunner:
         features = calls.features(x)
         weights = request.fitted_weights()
         if weights is not None:
-            weight = weights.weight(ctx.step, branch.name)
+            weight = weights.weight(ctx.step, branch.name, features.device)
         else:
             fitter = FITTER.get()
             if fitter is None:

@@ -15,7 +15,7 @@ takes it: `true_cfg_scale` with an empty negative prompt when the pipeline has o
 `guidance_scale` is then the guidance embedding's value, `embedded_guidance`), else `guidance_scale` (diffusers'
 classic CFG, the same convention: SD3, PixArt, Wan, …). Seeds go through the call's `generator` (a CPU generator,
 as diffusers' own tests draw noise). Settings a family cannot take are refused before any run (`guidance_refusal`,
-`step_mask_refusal`), naming the setting and the family.
+`step_mask_refusal`, `fitted_refusal`), naming the setting and the family.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..blocks.families import find_family
+from ..blocks.families import BATCHED, find_family
 from ..errors import ConfigError, UnsupportedModelError
 from .krea2.checkpoints import EMBEDDED_CHECKPOINT, read_dicache_json
 from .loading import CheckpointError, hidden_packages, read_json, resolve_component_dir
@@ -271,3 +271,39 @@ def call_kwargs(
     elif parameter == "guidance_scale":
         kwargs["guidance_scale"] = guidance
     return kwargs
+
+
+FITTED = "cached_step_method='fitted'"
+
+
+def fitted_refusal(model: FamilyModel, steps: int, guidance: float = 1.0) -> str | None:
+    """Why the fitted output predictor (`cached_step_method=fitted`) cannot be fitted for or run on `model` at `steps`
+    steps and CFG scale `guidance`, or None. It needs a step mask (`step_mask_refusal`); a flow-matching Euler
+    scheduler, deterministic (its step is `x + (σ(i+1) − σ(i))·v`, which the fit steers by); with CFG, the branches
+    called apart (the fit reads each branch's calls); one transformer; and the pipeline's step-end callback (the fit
+    reads the latents there)."""
+    reason = step_mask_refusal(model, steps)
+    if reason is not None:
+        return reason.replace("a step mask is refused", f"{FITTED} (a step mask) is refused", 1)
+    pipe, name = model.pipe, model.name
+    scheduler = getattr(pipe, "scheduler", None)
+    kind = type(scheduler).__name__
+    euler = any(c.__name__ == "FlowMatchEulerDiscreteScheduler" for c in type(scheduler).__mro__)
+    config = getattr(scheduler, "config", {})
+    if not euler or (hasattr(config, "get") and config.get("stochastic_sampling", False)):
+        return (
+            f"{FITTED} is refused for {name}: its scheduler {kind} does not take the deterministic Euler step "
+            "x + (σ(i+1) − σ(i))·v the predictor is fitted for (FlowMatchEulerDiscreteScheduler does)"
+        )
+    family = find_family(pipe.transformer)
+    if family is not None and family.cfg == BATCHED and guidance > 1.0:
+        return (
+            f"{FITTED} is refused for {name} with CFG (guidance {guidance:g}): its pipeline calls the two branches "
+            "as one batched call; the predictor is fitted per branch call"
+        )
+    others = [a for a in (family.transformers if family else ()) if a != "transformer" and getattr(pipe, a, None)]
+    if others:
+        return f"{FITTED} is refused for {name}: it holds more than one transformer ({', '.join(others)})"
+    if "callback_on_step_end" not in call_parameters(pipe):
+        return f"{FITTED} is refused for {name}: its pipeline takes no callback_on_step_end (the fit reads the latents)"
+    return None

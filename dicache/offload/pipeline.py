@@ -22,9 +22,9 @@ from torch import nn
 
 from .. import api
 from .. import quantization as quant
-from ..errors import ConfigError
 from ..quantization import QuantizationSpec
 from ..settings.cache_config import CacheConfig
+from ..settings.devices import resolve_device
 from .components import ComponentOffloader
 from .layerwise import LayerwiseOffloader, move_all_but
 from .plan import BUDGET_FLAG, GiB, MemoryNeeds, MemoryPlan, plan_memory
@@ -139,10 +139,7 @@ def default_reserve_bytes(device: torch.device, budget_bytes: int | None) -> int
 
 def compute_device(device: torch.device | str | None) -> torch.device:
     """Where offloaded parts run: `device`, else CUDA if available; a CUDA device without CUDA is a ConfigError."""
-    device = torch.device(device) if device is not None else _default_device()
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={str(device)!r} is invalid: CUDA is not available on this machine")
-    return device
+    return resolve_device(device, "device")
 
 
 def active_cache_config(pipe: Any) -> CacheConfig:
@@ -246,10 +243,6 @@ def quantize_block_by_block(
             transformer, QuantizationSpec(spec.method, include=tuple(outside), exclude=())
         )
     return sorted(done)
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _budget(settings: OffloadSettings, device: torch.device) -> tuple[int | None, str]:

@@ -62,6 +62,7 @@ from ..models.krea2.latents import check_finite, finite_per_image
 from ..models.krea2.presets import PRESETS, resolve_variant
 from ..offload.settings import OffloadLimits, OffloadSettings
 from ..settings.cache_config import CacheConfig
+from ..settings.devices import resolve_device
 from ..settings.profiles import cache_config as read_cache_config
 from ..sweep.flops import request_flops
 from . import png
@@ -544,7 +545,7 @@ def load_backend(
     if cache_config is None:
         cache_config = read_cache_config(profile)
     config = cache_config
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(device, "device"))
 
     pipe = Krea2Pipeline.from_pretrained(
         resolve_model(model, variant),

@@ -31,7 +31,12 @@ INSTALL_HINT = (
 )
 
 
-NO_EQUIVALENT = ("taylorseer_damping", "cached_step_blocks", "forecaster")
+NO_EQUIVALENT = (
+    "taylorseer_damping",
+    "cached_step_blocks",
+    "forecaster",
+    "cached_step_method",
+)
 """dicache settings cache-dit has no counterpart of (a cell that changes one is not run on cache-dit)."""
 
 

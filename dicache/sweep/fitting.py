@@ -1,5 +1,6 @@
-"""Fitting the output predictor (`cached_step_method=fitted`, `engine/cached_step/fitted.py`) on the native pipeline,
-for `dicache calibrate` (`tuning.PredictorSearch`) and for sweep cells that name no predictor file.
+"""Fitting the output predictor (`cached_step_method=fitted`, `engine/cached_step/fitted.py`) through a sweep runner
+(our Krea-2's `NativeRunner`, or a family's `FamilyRunner`: its pipeline's own `__call__`), for `dicache calibrate`
+(`tuning.PredictorSearch`) and for sweep cells that name no predictor file.
 
 `Trajectory.record` runs the fit samples uncached as one batch and keeps the latents entering each step (the
 transformer's input) and the final ones, and the schedule's step sizes. `fit_predictor` then runs the same batch with a
@@ -32,6 +33,7 @@ from ..engine.cached_step import (
     steering_target,
 )
 from ..engine.policies import step_mask
+from ..errors import ConfigError
 from ..settings.cache_config import CacheConfig
 from .spec import Schedule
 
@@ -68,9 +70,9 @@ class Trajectory:
 
     @classmethod
     def record(cls, run: BatchRun, samples: Sequence[tuple[str, int]]) -> Trajectory:
-        """Run `samples` uncached as one batch (`run`) and record it."""
+        """Run `samples` uncached as one batch (`run`) and record it (the step sizes after the run: a family's
+        runner reads them from its scheduler's sigmas of that run)."""
         runner = run.runner
-        trajectory = cls(dt=runner.step_sizes(run.schedule, run.height, run.width))
         per_step = 2 if run.schedule.cfg else 1
         inputs = []
 
@@ -82,10 +84,22 @@ class Trajectory:
             final = run(samples, None)
         finally:
             handle.remove()
+        trajectory = cls(dt=runner.step_sizes(run.schedule, run.height, run.width))
+        if len(inputs) != per_step * len(trajectory.dt) or inputs[0].shape != final.shape:
+            raise ConfigError(
+                f"cached_step_method='fitted' cannot be fitted on {type(runner.pipe).__name__}: its transformer took "
+                f"{len(inputs)} calls for {len(trajectory.dt)} steps ({per_step} a step expected) and hidden_states "
+                f"{tuple(inputs[0].shape)}, and the loop ended with latents {tuple(final.shape)} (the same expected)"
+            )
         for index in range(0, len(inputs), per_step):  # the branches of a step share its latents
             trajectory.x[index // per_step] = inputs[index]
         trajectory.x[len(trajectory.dt)] = final.to(inputs[0].device)
         return trajectory
+
+    def subset(self, rows: Sequence[int]) -> Trajectory:
+        """The trajectory of the batch rows `rows` (in that order)."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        return Trajectory(x={step: x[index.to(x.device)] for step, x in self.x.items()}, dt=list(self.dt))
 
     def target(self, step: int, x: torch.Tensor) -> torch.Tensor:
         """The velocity (guided, with CFG) that takes `x` to the uncached run's next latents in one Euler step."""

@@ -6,6 +6,8 @@ the high-accuracy reference's steps), so that a rerun finds exactly the records 
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 from .spec import Cell, Schedule, fitted_here, stable_hash
@@ -53,6 +55,8 @@ class SweepKeys:
         parts: dict[str, Any] = {}
         if fitted_here(cell.config):
             parts["fit"] = {"prompts": [list(p) for p in self.spec.fit_prompts or []], "seeds": self.spec.fit_seeds}
+        elif cell.config.cached_step_method == "fitted":  # a file: its content, so a refit is measured again
+            parts["predictor"] = file_digest(cell.config.fitted_predictor)
         return self._measured_key(
             kind="cell",
             method=method,
@@ -62,9 +66,12 @@ class SweepKeys:
             **parts,
         )
 
-    def predictor_key(self, method: str, schedule: Schedule, cell: Cell) -> str:
-        """The fitted predictor a sweep fits for a cell (its file `predictors/<key>.safetensors`)."""
+    def predictor_key(self, method: str, schedule: Schedule, cell: Cell, steered_to: str | None = None) -> str:
+        """The fitted predictor a sweep fits for a cell (its file `predictors/<key>.safetensors`); `steered_to`: the
+        pipeline whose uncached run the fit steers to when it is not the method's own."""
         fit = {"prompts": [list(p) for p in self.spec.fit_prompts or []], "seeds": self.spec.fit_seeds}
+        if steered_to is not None:
+            fit["steered_to"] = steered_to
         return self._key(kind="predictor", method=method, schedule=schedule.to_dict(), config=cell.canonical(), fit=fit)
 
     def baseline_key(self, schedule: Schedule, steps: int) -> str:
@@ -74,3 +81,11 @@ class SweepKeys:
         return self._measured_key(
             kind="solver", solver=kind, schedule=schedule.to_dict(), count=count, samples=self._samples_id()
         )
+
+
+def file_digest(path: str) -> str:
+    """SHA-256 of a file's bytes (hex), or "missing" when it cannot be read."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return "missing"

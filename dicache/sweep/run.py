@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..engine.cached_step import load_weights
 from ..engine.policies import step_mask
 from ..errors import ConfigError
 from . import solvers
@@ -95,6 +96,7 @@ class Sweep(SweepKeys):
                 except ConfigError as exc:
                     raise SweepSpecError(f"schedule {schedule.name!r}: {exc}") from None
         refusal = getattr(native, "mask_refusal", None)
+        fitted_refusal = getattr(native, "fitted_refusal", None)
         for cell in dict.fromkeys(c for m in spec.methods for c in spec.method_cells(m)):
             try:
                 cell.config.check_block_split(native.num_blocks)
@@ -103,6 +105,26 @@ class Sweep(SweepKeys):
             for schedule in spec.schedules if refusal is not None else ():
                 if step_mask(cell.config, schedule.steps) is not None and refusal(schedule.steps):
                     raise SweepSpecError(f"grid cell {cell.label!r}: {refusal(schedule.steps)}")
+            if cell.config.cached_step_method == "fitted":
+                for schedule in spec.schedules if fitted_refusal is not None else ():
+                    if fitted_refusal(schedule):
+                        raise SweepSpecError(f"grid cell {cell.label!r}: {fitted_refusal(schedule)}")
+                self._check_predictor_file(cell)
+
+    def _check_predictor_file(self, cell: Cell) -> None:
+        """A cell naming a predictor file: the file loads, and none of the prompts it was fitted on is judged."""
+        if cell.config.fitted_predictor is None:
+            return
+        try:
+            fitted_on = load_weights(cell.config.fitted_predictor).fitted_on
+        except ConfigError as exc:
+            raise SweepSpecError(f"grid cell {cell.label!r}: {exc}") from None
+        judged = {p for p, _ in self.spec.samples} & {s.get("prompt") for s in fitted_on if isinstance(s, dict)}
+        if judged:
+            raise SweepSpecError(
+                f"grid cell {cell.label!r}: its fitted_predictor was fitted on {sorted(judged)[:3]}, which this sweep "
+                "judges; a fitted predictor is judged on prompts it was not fitted on"
+            )
 
     # ------------------------------------------------------------------ planning
     def planned_generations(self) -> int:
@@ -332,19 +354,24 @@ class Sweep(SweepKeys):
 
     def _cell_config(self, method: str, pipeline: str, schedule: Schedule, cell: Cell) -> Any:
         """The cell's settings as run: a fitted-predictor cell that names no file gets the predictor fitted on the
-        spec's `fit_prompts` (each with `fit_seeds` other seeds) on its own pipeline, kept in `predictors/`."""
+        spec's `fit_prompts` (each with `fit_seeds` other seeds) on its own pipeline, kept in `predictors/`. The fit
+        steers to the uncached run of the pipeline the cell is measured against: a quantized model's (`ours-fp8`) to
+        the unquantized model's, as `dicache calibrate --quantization` fits the model it will serve."""
         config = cell.config
         if not fitted_here(config):
             return config
-        path = self.root / "predictors" / f"{self.predictor_key(method, schedule, cell)}.safetensors"
+        reference = "native" if pipeline in QUANTIZED_METHODS.values() else pipeline
+        key = self.predictor_key(method, schedule, cell, steered_to=None if reference == pipeline else reference)
+        path = self.root / "predictors" / f"{key}.safetensors"
         if not path.is_file():
             self.log(f"fitting the predictor of {cell.label} on {len(self.spec.fit_prompts)} training prompt(s)")
             run = BatchRun(self._runner(pipeline), schedule, self.height, self.width)
             samples = fit_samples(self.spec.fit_prompts, self.spec.fit_seeds)
-            key = (pipeline, schedule)
-            if key not in self._trajectories:  # the fit samples' uncached run, shared by the schedule's cells
-                self._trajectories[key] = Trajectory.record(run, samples)
-            fit_predictor(run, samples, cell.overrides, self._trajectories[key]).save(path)
+            steered = (reference, schedule)
+            if steered not in self._trajectories:  # the fit samples' uncached run, shared by the schedule's cells
+                steer = BatchRun(self._runner(reference), schedule, self.height, self.width)
+                self._trajectories[steered] = Trajectory.record(steer, samples)
+            fit_predictor(run, samples, cell.overrides, self._trajectories[steered]).save(path)
         return config.merged({"fitted_predictor": str(path)})
 
     def _baseline(self, schedule: Schedule, steps: int, refs: list[dict[str, Any]]) -> dict[str, Any]:

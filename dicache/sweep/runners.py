@@ -26,6 +26,7 @@ from ..errors import ConfigError
 from ..models.families import (
     FamilyModel,
     call_kwargs,
+    fitted_refusal,
     guidance_refusal,
     load_family_model,
     step_mask_refusal,
@@ -352,6 +353,7 @@ class FamilyRunner(NativeRunner):
         self.measured_on: str | None = None
         self.exclusive: Any = None
         self._takes_callback = "callback_on_step_end" in inspect.signature(type(self.pipe).__call__).parameters
+        self._sigmas: dict[tuple[int, int, int], list[float]] = {}
 
     @classmethod
     def load(
@@ -390,6 +392,11 @@ class FamilyRunner(NativeRunner):
         """Why a step mask cannot apply at `steps` steps (the scheduler's step count), or None."""
         return step_mask_refusal(self.model, steps)
 
+    def fitted_refusal(self, schedule: Schedule) -> str | None:
+        """Why the fitted output predictor (`cached_step_method=fitted`) cannot be fitted or run at `schedule`
+        (`dicache.models.families.fitted_refusal`), or None."""
+        return fitted_refusal(self.model, schedule.steps, schedule.guidance_scale)
+
     def configure(self, cache: CacheConfig | None) -> None:
         if self.exclusive is not None:
             self.exclusive.close()
@@ -425,6 +432,59 @@ class FamilyRunner(NativeRunner):
         return (latent_view(latents) if self.measured_on == "latents" else image), latents
 
     _call = call
+
+    def generate_batch(
+        self, samples: list[tuple[str, int]], schedule: Schedule, height: int, width: int, cache: CacheConfig | None
+    ) -> torch.Tensor:
+        """All `samples` (prompt, seed) as one batch through the pipeline's `__call__`, a generator per row seeded
+        as `generate` seeds it (so each row starts from its seed's noise), uncached or cached with `cache`; the
+        final latents as the denoising loop holds them (read at the last step's callback: Flux's packed
+        `(B, N, C)`, what the transformer takes). The scheduler's sigmas of the run are kept for `step_sizes`."""
+        reason = self.fitted_refusal(schedule)
+        if reason is not None:
+            raise ConfigError(reason)
+        kwargs = call_kwargs(
+            self.model,
+            steps=schedule.steps,
+            guidance=schedule.guidance_scale,
+            embedded_guidance=schedule.embedded_guidance,
+            height=height,
+            width=width,
+            seed=0,
+        )
+        kwargs["generator"] = [torch.Generator("cpu").manual_seed(int(seed)) for _, seed in samples]
+        if isinstance(kwargs.get("negative_prompt"), str):
+            kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * len(samples)
+        final: dict[str, torch.Tensor] = {}
+
+        def keep_latents(pipe: Any, i: int, t: Any, tensors: dict) -> dict:
+            final["latents"] = tensors["latents"]
+            return {}
+
+        self.configure(cache)
+        with torch.no_grad():
+            self.pipe(
+                [prompt for prompt, _ in samples],
+                output_type="latent",
+                callback_on_step_end=keep_latents,
+                callback_on_step_end_tensor_inputs=["latents"],
+                **kwargs,
+            )
+        sigmas = getattr(self.pipe.scheduler, "sigmas", None)
+        if isinstance(sigmas, torch.Tensor) and len(sigmas) == schedule.steps + 1:
+            self._sigmas[(schedule.steps, height, width)] = [float(s) for s in sigmas]
+        return final["latents"]
+
+    def step_sizes(self, schedule: Schedule, height: int, width: int) -> list[float]:
+        """`σ(i + 1) − σ(i)` of each step, from the scheduler's sigmas of the last `generate_batch` at this step
+        count and size (they depend on the image size through the schedule's shift: read, not recomputed)."""
+        sigmas = self._sigmas.get((schedule.steps, height, width))
+        if sigmas is None:
+            raise RuntimeError(
+                f"step_sizes of {self.model.name} at {schedule.steps} steps, {width}x{height} px: run generate_batch "
+                "there first (the step sizes are read from the scheduler's sigmas of that run)"
+            )
+        return [b - a for a, b in zip(sigmas, sigmas[1:])]
 
     def _full_calls(self, rec: CallRecorder, schedule: Schedule, steps: int) -> int:
         """The calls an uncached run of the schedule makes: this run's calls (cached calls call the transformer

@@ -394,11 +394,38 @@ def parse_reference_steps(value: Any) -> int | None:
 
 
 def read_grid_file(path: str | Path) -> dict[str, Any]:
-    """A YAML (.yaml/.yml) or JSON grid file as a mapping; top-level keys are checked against `FILE_KEYS`."""
+    """A YAML (.yaml/.yml) or JSON grid file as a mapping; top-level keys are checked against `FILE_KEYS`. A
+    relative `fitted_predictor` of its `grid` is relative to the file's folder (as in a profile: `dicache calibrate
+    --grid-out` writes it so)."""
     data = read_data_file(path, "grid file", SweepSpecError)
     if not isinstance(data, Mapping):
         raise SweepSpecError(f"grid file {str(path)!r} must hold a mapping with keys among {', '.join(FILE_KEYS)}")
     unknown = sorted(set(data) - set(FILE_KEYS))
     if unknown:
         raise SweepSpecError(f"grid file {str(path)!r}: unknown key(s) {unknown}; allowed: {', '.join(FILE_KEYS)}")
-    return dict(data)
+    data = dict(data)
+    if "grid" in data:
+        data["grid"] = _grid_paths_from(data["grid"], Path(path).parent)
+    return data
+
+
+def _grid_paths_from(grid: Any, folder: Path) -> Any:
+    """`grid` with each relative `fitted_predictor` value (or list of them) made relative to `folder`."""
+    names = {short for short, key in ALIASES.items() if key == "fitted_predictor"} | {"fitted_predictor"}
+
+    def resolve(value: Any) -> Any:
+        empty = not isinstance(value, str) or value.strip().lower() in ("", "none", "unset")
+        return value if empty or Path(value).is_absolute() else str(folder / value)
+
+    def group_of(group: Any) -> Any:
+        if not isinstance(group, Mapping):
+            return group
+        group = dict(group)
+        for key in names & set(group):
+            values = group[key]
+            group[key] = [resolve(v) for v in values] if isinstance(values, list) else resolve(values)
+        return group
+
+    if isinstance(grid, Mapping):
+        return group_of(grid)
+    return [group_of(g) for g in grid] if isinstance(grid, list) else grid

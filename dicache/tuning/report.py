@@ -122,7 +122,8 @@ def budget_grid(
     """A `dicache sweep --grid` file's content: `grid`, one cell per budget's best candidate (`best_per_budget`; a
     value that is itself a list is wrapped so the grid does not expand it), `compute_targets` the budgets and, when
     given, `cachedit_grid` (cache-dit cannot run most calibrated settings: whole-step reuse, sigma distances); and
-    one line per budget saying what was chosen."""
+    one line per budget saying what was chosen. A fitted-predictor candidate is finalized first (`Calibration.
+    finalize`: its predictor fitted on every calibration prompt)."""
     cells, lines = [], []
     for budget, best in best_per_budget(calibration, budgets):
         if best is None:
@@ -132,6 +133,7 @@ def budget_grid(
             f"budget {budget:g}: #{best.index} {best.label} (compute {best.compute_fraction:.3f}, "
             f"{calibration.criterion} PSNR {best.score(calibration.criterion):.2f} dB)"
         )
+        calibration.finalize(best)  # a fitted predictor's cell names its fit on every calibration prompt
         cell = {key: [value] for key, value in dict(best.overrides).items()}
         if cell not in cells:
             cells.append(cell)

@@ -31,6 +31,12 @@ class Runner(Protocol):
     num_blocks: int
     steps: int
 
+    def fitted_refusal(self) -> str | None:
+        """Why the fitted output predictor cannot be fitted on this model at this schedule, or None (Krea-2 takes
+        it; a family's pipeline: `FamilyRunner.fitted_refusal`)."""
+        refusal = getattr(self.native, "fitted_refusal", None)
+        return None if refusal is None else refusal(self.schedule)
+
     def run(self, prompt: str, seed: int, config: CacheConfig | None) -> Measurement: ...
 
 
@@ -63,6 +69,12 @@ class PipelineRunner:
         """Why this model cannot take a step mask at this schedule (its scheduler's step count), or None."""
         refusal = getattr(self.native, "mask_refusal", None)
         return None if refusal is None else refusal(self.steps)
+
+    def fitted_refusal(self) -> str | None:
+        """Why the fitted output predictor cannot be fitted on this model at this schedule, or None (Krea-2 takes
+        it; a family's pipeline: `FamilyRunner.fitted_refusal`)."""
+        refusal = getattr(self.native, "fitted_refusal", None)
+        return None if refusal is None else refusal(self.schedule)
 
     def run(self, prompt: str, seed: int, config: CacheConfig | None) -> Measurement:
         s = self.native.generate(prompt, seed, self.schedule, self.steps, self.height, self.width, config)

@@ -40,6 +40,10 @@ class CandidateResult:
     blocks_total: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     meets_target: bool = False
+    sample_configs: dict[int, CacheConfig] = field(default_factory=dict)
+    """Per sample index, the config it runs with instead of `config` (a fitted predictor's held-out fits)."""
+    fitted_mask: tuple[int, ...] | None = None
+    """The step mask of a fitted-predictor candidate (`Calibration.finalize` fits its final file)."""
 
     @property
     def label(self) -> str:
@@ -101,6 +105,17 @@ class Calibration:
     reference_seconds: float
     candidates: list[CandidateResult]
     chosen: CandidateResult | None
+    predictor: PredictorSearch | None = None
+
+    def finalize(self, candidate: CandidateResult) -> CandidateResult:
+        """A fitted-predictor candidate made ready to use: its predictor fitted on every calibration prompt (it was
+        scored with fits made without each sample's prompt), its settings naming that file. Others: unchanged."""
+        if candidate.fitted_mask is None or self.predictor is None:
+            return candidate
+        path = self.predictor.fit(candidate.fitted_mask)
+        candidate.overrides = predictor_overrides(candidate.fitted_mask, str(path))
+        candidate.config = candidate.config.merged({"fitted_predictor": str(path)})
+        return candidate
 
     def best(self) -> CandidateResult | None:
         """The candidate with the highest criterion PSNR over the samples it ran (complete ones first)."""
@@ -216,7 +231,7 @@ def calibrate(
             refuses the setting (ConfigError is a ValueError: not fatal)."""
             prompt, seed = samples[i]
             try:
-                run = runner.run(prompt, seed, result.config)
+                run = runner.run(prompt, seed, result.sample_configs.get(i, result.config))
             except ValueError as exc:
                 result.status, result.error = "invalid", str(exc)
                 if on_reject is not None:
@@ -237,9 +252,17 @@ def calibrate(
             bar.total -= n - len(result.psnr)  # the generations an early stop saved
             bar.refresh()
 
-        def score_overrides(overrides: dict[str, Any], what: str) -> float | None:
+        def score_overrides(
+            overrides: dict[str, Any],
+            what: str,
+            per_sample: dict[int, dict[str, Any]] | None = None,
+            fitted_mask: Mask | None = None,
+        ) -> float | None:
             result = CandidateResult(len(results), overrides)
             result.config = check_candidate(result.overrides, runner.num_blocks, runner.steps)
+            for i, sample_overrides in (per_sample or {}).items():
+                result.sample_configs[i] = check_candidate(sample_overrides, runner.num_blocks, runner.steps)
+            result.fitted_mask = None if fitted_mask is None else tuple(fitted_mask)
             results.append(result)
             bar.set_postfix_str(what)
             for i in range(n):
@@ -260,8 +283,9 @@ def calibrate(
 
             def score_predicted(mask: Mask) -> float | None:
                 bar.set_postfix_str(f"fitting {computed_steps(mask)}")
-                path = predictor.fit(mask)
-                return score_overrides(predictor_overrides(mask, str(path)), f"fitted {computed_steps(mask)}")
+                held_out = predictor.held_out_paths(mask)  # each sample scored by a fit without its prompt
+                per_sample = {i: predictor_overrides(mask, str(path)) for i, path in held_out.items()}
+                return score_overrides(per_sample[0], f"fitted {computed_steps(mask)}", per_sample, mask)
 
             if runner.steps <= MAX_MASK_STEPS:
                 scored = beam_search(runner.steps, score_predicted, target=target_psnr)
@@ -290,4 +314,9 @@ def calibrate(
             finish(result)
     qualified = [r for r in results if r.meets_target]
     chosen = min(qualified, key=lambda r: (r.compute_fraction, -r.score(criterion), r.index)) if qualified else None
-    return Calibration(samples, target_psnr, criterion, reference_blocks, reference_seconds, results, chosen)
+    calibration = Calibration(
+        samples, target_psnr, criterion, reference_blocks, reference_seconds, results, chosen, predictor
+    )
+    if chosen is not None:
+        calibration.finalize(chosen)
+    return calibration

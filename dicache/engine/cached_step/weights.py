@@ -35,9 +35,22 @@ class FittedWeights:
     ridge: float = 0.0
     fitted_on: list[Any] = field(default_factory=list)
     source: str = "<memory>"
+    device_copies: dict[tuple[int, str, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
+    """`W` float32 on each device it was asked for: copied once, so a cached call on a GPU never waits for a copy."""
 
-    def weight(self, step: int, branch: str) -> torch.Tensor:
-        """`W` of a cached call; a `ConfigError` naming the file when the fit has none for it."""
+    def weight(self, step: int, branch: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """`W` of a cached call (float32, on `device` when given: copied there once per fit and device); a
+        `ConfigError` naming the file when the fit has none for it."""
+        found = self._stored(step, branch)
+        if device is None or found.device == torch.device(device):
+            return found
+        key = (step, branch, torch.device(device))
+        copy = self.device_copies.get(key)
+        if copy is None:
+            copy = self.device_copies[key] = found.to(device=device, dtype=torch.float32)
+        return copy
+
+    def _stored(self, step: int, branch: str) -> torch.Tensor:
         found = self.weights.get((step, branch))
         if found is None:
             have = ", ".join(f"{s}/{b}" for s, b in sorted(self.weights)) or "none"
