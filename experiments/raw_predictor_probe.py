@@ -3,6 +3,8 @@ captions' own seeds (what calibrate scores on) and on the 16 held-out prompts.
 
     python experiments/raw_predictor_probe.py MASK [--fit-seeds 8] [--ridge 1e-3] [--steps 28] [--guidance 4.5]
         MASK: computed steps, e.g. 0,1,2,3,5,9,16,25
+    python experiments/raw_predictor_probe.py 0,1,2,3,5,9,15,24 --climb 16 --known build/logs/climb2.log --threads 2
+        the hill-climb on the training captions' own seeds (masks in --known logs not refitted), then the best judged
 
 Fit samples: the 6 training captions, seeds seed+1 … seed+k (their uncached batch cached under build/raw-probe/).
 Every run is one batch (`generate_batch`); the references are the uncached batch of the same samples, so a figure
@@ -113,8 +115,10 @@ def main() -> None:
     parser.add_argument("--weight-floor", default="0.05", help="sample_weights' floor; none: every sample alike")
     parser.add_argument("--label", default="")
     parser.add_argument("--climb", type=int, default=0, help="hill-climb the mask on the train score, this many fits")
+    parser.add_argument("--known", nargs="*", default=[], help="climb logs (JSON lines) whose masks are not refitted")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     probe = Probe(args.steps, args.guidance)
     mask = mask_of(args.mask, args.steps)
     floor = None if args.weight_floor == "none" else float(args.weight_floor)
@@ -136,8 +140,15 @@ def main() -> None:
             print(json.dumps(line), flush=True)
             return sum(values) / len(values)
 
-        climbed = hill_climb(mask, score, budget=args.climb)
-        best = max((m for m, v in climbed if v is not None), key=lambda m: dict(climbed)[m])
+        known = {}
+        for log in args.known:
+            for line in Path(log).read_text().splitlines():
+                if line.startswith('{"climb"'):
+                    entry = json.loads(line)
+                    known[mask_of(",".join(map(str, entry["climb"])), args.steps)] = entry["train"]["mean"]
+        climbed = hill_climb(mask, score, budget=args.climb, known=known)
+        scores = {**known, **dict(climbed)}
+        best = max((m for m, v in scores.items() if v is not None), key=lambda m: scores[m])
         mask = best
         print(json.dumps({"climbed": computed_steps(best), "fits": len(climbed)}), flush=True)
     fit = fit_predictor(probe.run, samples, predictor_overrides(mask), trajectory, args.ridge, floor)

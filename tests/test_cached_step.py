@@ -482,6 +482,28 @@ def test_calibrate_on_a_long_schedule_fits_the_curved_masks_then_climbs(turbo_ru
         assert files == {i: f"mask-{''.join(map(str, candidate.fitted_mask))}-without-{i}.safetensors" for i in (0, 1)}
 
 
+def test_fit_masks_replace_the_curved_masks_and_bad_ones_name_the_flag(turbo_runner, tmp_path, capsys):
+    from dicache.cli import main
+    from dicache.engine.policies import step_mask
+    from dicache.tuning import CalibrationError, PipelineRunner, calibrate
+    from dicache.tuning.predictor import PredictorSearch, parse_mask
+
+    assert parse_mask("0,2,5", 7) == (1, 0, 1, 0, 0, 1, 0)
+    for bad in ("1,2", "0,7", "0,x", ""):
+        with pytest.raises(CalibrationError, match=f"--fit-masks='{bad}' is invalid: .* 0 … 6, step 0 among them"):
+            parse_mask(bad, 7)
+    runner = PipelineRunner(turbo_runner.pipe, 13, 1.0, "turbo", 32, 32)
+    samples = [("dog face", 3), ("red apple", 5)]
+    start = parse_mask("0,1,3,7", 13)
+    search = PredictorSearch(runner, samples, 1, tmp_path / "p", starts=[start], climb=0)
+    result = calibrate(runner, samples, [], target_psnr=99.0, criterion="mean", progress=False, predictor=search)
+    assert [tuple(step_mask(c.config, 13)) for c in result.candidates] == [start] and search.fits == 1
+    # a short schedule searches every mask: --fit-masks is refused there, naming it
+    argv = ["calibrate", "--steps", "4", "--guidance", "1", "--size", "32", "--prompts", "2", "--device", "cpu"]
+    code = main([*argv, "--fit-masks", "0,1", "--out", str(tmp_path / "x.json"), "--no-progress"])
+    assert code == 2 and "--fit-masks=0,1 is refused at 4 steps" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------------------ tokens
 def plain_attention(q, k, v, key_mask=None):
     """softmax(q·kᵀ/√d)·v, `(B, H, S, D)`."""

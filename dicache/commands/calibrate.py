@@ -48,7 +48,7 @@ from ..tuning import (
     profile_settings,
 )
 from ..tuning.masks import MAX_MASK_STEPS
-from ..tuning.predictor import CLIMB_FITS, PredictorSearch
+from ..tuning.predictor import CLIMB_FITS, PredictorSearch, parse_mask
 from .fields import add_options
 from .generate import add_sampling_arguments
 from .shared import RunOptions
@@ -121,6 +121,14 @@ class CalibrateOptions(FlagOptions):
         help=f"on schedules of more than {MAX_MASK_STEPS} steps, the fitted predictor's masks: after the curved masks "
         "of --budgets, at most this many more fits hill-climbing from the best of them (one computed step moved by "
         "±1/±2 at a time; cheapest budget first, until one meets the target); 0: the curved masks only",
+    )
+    fit_masks: list[str] | None = option(
+        None,
+        flag="--fit-masks",
+        metavar="STEPS",
+        help=f"on schedules of more than {MAX_MASK_STEPS} steps, the fitted predictor's first masks instead of the "
+        "curved masks of --budgets, each the computed steps comma-separated (e.g. 0,1,2,3,5,9,16,25); the climb "
+        "starts from the best of them",
     )
     fit_ridge: float = option(
         DEFAULT_RIDGE,
@@ -328,6 +336,13 @@ def _predictor_search(
     leave_out = getattr(args, "fit_leave_prompt_out", False)
     budgets = getattr(args, "budgets", None) or RECOMMENDED_BUDGETS
     climb = getattr(args, "mask_climb", CLIMB_FITS)
+    fit_masks = getattr(args, "fit_masks", None) or []
+    if fit_masks and runner.steps <= MAX_MASK_STEPS:
+        raise CalibrationError(
+            f"--fit-masks={' '.join(fit_masks)} is refused at {runner.steps} steps: it gives the first masks on "
+            f"schedules of more than {MAX_MASK_STEPS} steps (shorter ones search every mask)"
+        )
+    starts = [parse_mask(text, runner.steps) for text in fit_masks]
     folder = predictor_folder(args.out)
     return PredictorSearch(
         runner,
@@ -339,6 +354,7 @@ def _predictor_search(
         leave_prompt_out=leave_out,
         budgets=budgets,
         climb=climb,
+        starts=starts,
     )
 
 

@@ -67,13 +67,15 @@ class PredictorSearch:
         leave_prompt_out: bool = False,
         budgets: Sequence[float] = RECOMMENDED_BUDGETS,
         climb: int = CLIMB_FITS,
+        starts: Sequence[Mask] = (),
     ) -> None:
         """`runner`: a `PipelineRunner` (its native runner, schedule and size make the batch run); `samples`: the
         calibration samples (at least 2 prompts); `fit_seeds`: seeds per prompt fitted on; `reference`: the runner
         whose uncached run the fit steers to (default `runner`; the unquantized model when `runner` is the
         quantized one that will be served); `leave_prompt_out`: one fold per prompt (each scored by a fit on all
         the others) instead of two. On long schedules: `budgets`, the compute fractions whose curved masks are
-        tried; `climb`, the masks the hill-climb from them may score (0: none)."""
+        tried (unless `starts` gives the first masks instead); `climb`, the masks the hill-climb from them may score
+        (0: none)."""
         prompts = list(dict.fromkeys(prompt for prompt, _ in samples))
         if len(prompts) < 2:
             raise CalibrationError(
@@ -86,13 +88,18 @@ class PredictorSearch:
         reference = reference or runner
         self.reference = BatchRun(reference.native, reference.schedule, reference.height, reference.width)
         self.samples, self.fit_seeds, self.folder, self.ridge = list(samples), fit_seeds, Path(folder), ridge
-        self.budgets, self.climb = tuple(budgets), climb
+        self.budgets, self.climb, self.starts = tuple(budgets), climb, [tuple(m) for m in starts]
         self.fit_rows = fit_samples(self.samples, fit_seeds)  # sample i's rows: i·fit_seeds … (i + 1)·fit_seeds − 1
         folds = len(prompts) if leave_prompt_out else 2
         self._folds = [prompts.index(prompt) % folds for prompt, _ in self.samples]  # a prompt's seeds share a fold
         self.trajectory: Trajectory | None = None
         self._paths: dict[tuple[Mask, int | None], Path] = {}
         self.fits = 0
+
+    def first_masks(self, num_steps: int) -> list[Mask]:
+        """The masks a schedule too long for the beam search tries before the climb: `starts` when given, else the
+        curved masks of `budgets` (`long_schedule_masks`)."""
+        return list(self.starts) or long_schedule_masks(num_steps, self.budgets)
 
     def fold(self, index: int) -> int:
         """The fold of calibration sample `index`: its prompt's position among the distinct prompts (modulo 2 unless
@@ -121,6 +128,21 @@ class PredictorSearch:
     def held_out_paths(self, mask: Mask) -> dict[int, Path]:
         """Per calibration sample index, the predictor of `mask` fitted without its fold's prompts."""
         return {i: self.fit(mask, without=self.fold(i)) for i in range(len(self.samples))}
+
+
+def parse_mask(text: str, num_steps: int, flag: str = "--fit-masks") -> Mask:
+    """The mask computing the steps `text` lists (comma-separated indices, e.g. `0,1,2,3,5,9,16,25`) of a
+    `num_steps` schedule; CalibrationError naming `flag` when it does not list step 0 or lists a step outside it."""
+    try:
+        steps = {int(part) for part in text.split(",")}
+    except ValueError:
+        steps = set()
+    if 0 not in steps or not all(0 <= s < num_steps for s in steps):
+        raise CalibrationError(
+            f"{flag}={text!r} is invalid: comma-separated computed steps in 0 … {num_steps - 1}, step 0 among them "
+            "(e.g. 0,1,2,3,5,9,16,25)"
+        )
+    return tuple(1 if i in steps else 0 for i in range(num_steps))
 
 
 def long_schedule_masks(num_steps: int, budgets: Sequence[float] = RECOMMENDED_BUDGETS) -> list[Mask]:

@@ -17,7 +17,7 @@ from ..sweep.settings import label
 from .candidates import CANDIDATES, check_candidate
 from .errors import CalibrationError
 from .masks import MAX_MASK_STEPS, Mask, beam_search, computed_steps, mask_overrides, max_scored
-from .predictor import PredictorSearch, climb_masks, long_schedule_masks, predictor_overrides
+from .predictor import PredictorSearch, climb_masks, predictor_overrides
 from .runner import Runner
 
 Criterion = Literal["min", "mean"]
@@ -166,7 +166,8 @@ def calibrate(
     every sample, no early stop); each mask scored becomes a candidate after the listed ones.
     `predictor`: also search masks whose cached steps the fitted output predictor answers (`cached_step_method=
     fitted`), each fitted by `predictor.fit` on its own samples (training prompts, never `samples`' seeds): the
-    beam search on short schedules; on longer ones `long_schedule_masks` at `predictor.budgets`, then `climb_masks`
+    beam search on short schedules; on longer ones `predictor.first_masks` (the curved masks of its budgets, or its
+    `starts`), then `climb_masks`
     (at most `predictor.climb` more fits); each becomes a candidate.
 
     `reference`: the runner the uncached references come from (default `runner`): the unquantized model when
@@ -204,7 +205,7 @@ def calibrate(
         if runner.steps <= MAX_MASK_STEPS:
             planned_predicted = max_scored(runner.steps)
         else:
-            long_masks = long_schedule_masks(runner.steps, predictor.budgets)
+            long_masks = predictor.first_masks(runner.steps)
             planned_predicted = len(long_masks) + predictor.climb
     with progress_bar(
         total=n * (1 + len(valid) + planned_masks + planned_predicted),
