@@ -5,6 +5,7 @@ Krea-2 pipeline."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from dicache.engine.cached_step import (
     FittedWeights,
     feature_width,
     load_weights,
+    sample_weights,
     solve_ridge,
     steering_target,
 )
@@ -111,6 +113,43 @@ def test_ridge_recovers_a_linear_map_and_the_steering_target_returns_to_the_refe
     torch.testing.assert_close(x + dt * steering_target(v_ref, x_ref, x, dt), x_ref + dt * v_ref)
     with pytest.raises(ValueError, match="dt"):
         steering_target(v_ref, x_ref, x, 0.0)
+
+
+def test_weighted_rows_and_the_sample_weights_by_hand():
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(5, 3), torch.randn(5, 3)
+    x = torch.randn(2, 40, 5)
+    y = torch.stack([x[0] @ w1, x[1] @ w2])  # sample 0 follows w1, sample 1 w2
+    only_first = solve_ridge([x], [y], 1e-12, [torch.tensor([[1.0], [0.0]])])  # (B, 1): per sample
+    assert torch.allclose(only_first, w1, atol=1e-5)
+    # a weight of 2 counts the rows twice
+    twice = solve_ridge([torch.cat([x[:1], x[:1], x[1:]])], [torch.cat([y[:1], y[:1], y[1:]])], 1e-3)
+    assert torch.allclose(solve_ridge([x], [y], 1e-3, [torch.tensor([[2.0], [1.0]])]), twice, atol=1e-5)
+    # 1 / (d + floor · mean d), mean 1: d = (1, 3), floor 1 -> 1/3 and 1/5 -> 1.25 and 0.75
+    assert sample_weights(torch.tensor([1.0, 3.0]), 1.0).tolist() == pytest.approx([1.25, 0.75])
+    assert sample_weights(torch.tensor([0.0, 0.0]), 0.25).tolist() == [1.0, 1.0]  # nothing has moved yet
+    assert sample_weights(torch.tensor([1.0, 3.0]), None).tolist() == [1.0, 1.0]
+
+
+def test_the_fitter_weighs_a_sample_off_the_trajectory_less():
+    from dicache.sweep.fitting import Trajectory, TrajectoryFitter
+
+    torch.manual_seed(1)
+    ref = {0: torch.randn(2, 30, 4), 1: torch.randn(2, 30, 4)}
+    x = ref[0].clone()
+    x[1] += 2.0  # sample 1 is 2 off in every entry: d = (0, 4)
+    calls = ComputedCalls()
+    calls.record(torch.randn(2, 30, 4), torch.randn(2, 30, 4))
+    features = calls.features(x)
+    trajectory = Trajectory(x=ref, dt=[-0.5])
+    target = (ref[1] - x) / -0.5
+    fitted = TrajectoryFitter(trajectory, ridge=1e-3, weight_floor=0.25).weights(0, "cond", x, features, {})
+    # 1 / (d + 0.25 · 2) = (2, 1/4.5) before the scaling to mean 1 (which changes nothing)
+    by_hand = solve_ridge([features], [target], 1e-3, [torch.tensor([[2.0], [1 / 4.5]])])
+    torch.testing.assert_close(fitted, by_hand)
+    alike = TrajectoryFitter(trajectory, ridge=1e-3, weight_floor=None).weights(0, "cond", x, features, {})
+    torch.testing.assert_close(alike, solve_ridge([features], [target], 1e-3))
+    assert not torch.allclose(alike, fitted, atol=1e-3)
 
 
 # ------------------------------------------------------------------------------------------------------ the hook
@@ -392,6 +431,77 @@ def test_the_predictor_search_refuses_one_prompt_naming_why():
 
     with pytest.raises(CalibrationError, match=r"at least 2 calibration prompts \(got 1\)"):
         PredictorSearch(None, [("dog face", 3)], 2, "unused")
+
+
+def test_long_schedules_climb_from_the_best_curved_mask_cheapest_budget_first():
+    from dicache.tuning.masks import computed_steps
+    from dicache.tuning.predictor import climb_masks
+
+    weights = (0, 1, 5, 2, 8, 3, 4, 0)  # a mask's score: the sum of its computed steps' weights
+    scored = []
+
+    def score(mask):
+        scored.append(mask)
+        return float(sum(w for w, f in zip(weights, mask) if f))
+
+    three, four = (1, 1, 0, 0, 0, 0, 1, 0), (1, 1, 1, 0, 0, 1, 0, 0)
+    noisy = (1, 0, 1, 0, 0, 0, 1, 0)  # scored 4 with the curved masks (9 if scored again): its score is kept
+    curved = {three: 5.0, noisy: 4.0, four: 9.0}
+    # 3 steps: from [0, 1, 6] (5), [0, 2, 6] kept at 4, by [0, 3, 6] (6), [0, 5, 6] (7: the scan goes on after the
+    # move taken), [0, 4, 5] (11) to [0, 4, 6] (12), a local best short of 13; then 4 steps: from [0, 1, 2, 5] (9)
+    # up to [0, 2, 4, 6] (17), climbing on past the target at that compute
+    found = climb_masks(curved, score, target=13.0, budget=100)
+    assert [m for m, _ in found] == scored and len(set(scored)) == len(scored) and not set(scored) & set(curved)
+    accepted = [[0, 3, 6], [0, 5, 6], [0, 4, 5]]
+    assert [computed_steps(m) for m, _ in found[:3]] == accepted and computed_steps(found[6][0]) == [0, 4, 6]
+    counts = [sum(m) for m, _ in found]
+    assert counts == sorted(counts) and counts.count(3) == 7  # cheapest first; [0, 4, 6]'s moves were all scored
+    assert max(v for m, v in found if sum(m) == 3) == 12 and max(v for m, v in found if sum(m) == 4) == 17
+    # a count that meets the target stops the climb after it; the budget bounds it
+    assert {sum(m) for m, _ in climb_masks(curved, score, target=5.0, budget=100)} == {3}
+    assert len(climb_masks(curved, score, target=13.0, budget=4)) == 4
+
+
+def test_calibrate_on_a_long_schedule_fits_the_curved_masks_then_climbs(turbo_runner, tmp_path):
+    from dicache.engine.policies import step_mask
+    from dicache.tuning import PipelineRunner, calibrate
+    from dicache.tuning.predictor import PredictorSearch, long_schedule_masks
+
+    runner = PipelineRunner(turbo_runner.pipe, 13, 1.0, "turbo", 32, 32)
+    samples = [("dog face", 3), ("red apple", 5)]
+    search = PredictorSearch(runner, samples, 1, tmp_path / "p", budgets=(0.2,), climb=2)
+    result = calibrate(runner, samples, [], target_psnr=99.0, criterion="mean", progress=False, predictor=search)
+    masks = [tuple(step_mask(c.config, 13)) for c in result.candidates]
+    curved = long_schedule_masks(13, (0.2,))
+    assert masks[: len(curved)] == curved and len(masks) == len(curved) + 2 == search.fits  # 2 climbing masks
+    assert {sum(m) for m in masks} == {3} and len(set(masks)) == len(masks)  # one budget, each mask once
+    assert all(c.status == "complete" and c.config.cached_step_method == "fitted" for c in result.candidates)
+    # a climbed mask is scored like every fitted one: each prompt by the fit made without its fold
+    for candidate in result.candidates[len(curved) :]:
+        files = {i: Path(c.fitted_predictor).name for i, c in candidate.sample_configs.items()}
+        assert files == {i: f"mask-{''.join(map(str, candidate.fitted_mask))}-without-{i}.safetensors" for i in (0, 1)}
+
+
+def test_fit_masks_replace_the_curved_masks_and_bad_ones_name_the_flag(turbo_runner, tmp_path, capsys):
+    from dicache.cli import main
+    from dicache.engine.policies import step_mask
+    from dicache.tuning import CalibrationError, PipelineRunner, calibrate
+    from dicache.tuning.predictor import PredictorSearch, parse_mask
+
+    assert parse_mask("0,2,5", 7) == (1, 0, 1, 0, 0, 1, 0)
+    for bad in ("1,2", "0,7", "0,x", ""):
+        with pytest.raises(CalibrationError, match=f"--fit-masks='{bad}' is invalid: .* 0 … 6, step 0 among them"):
+            parse_mask(bad, 7)
+    runner = PipelineRunner(turbo_runner.pipe, 13, 1.0, "turbo", 32, 32)
+    samples = [("dog face", 3), ("red apple", 5)]
+    start = parse_mask("0,1,3,7", 13)
+    search = PredictorSearch(runner, samples, 1, tmp_path / "p", starts=[start], climb=0)
+    result = calibrate(runner, samples, [], target_psnr=99.0, criterion="mean", progress=False, predictor=search)
+    assert [tuple(step_mask(c.config, 13)) for c in result.candidates] == [start] and search.fits == 1
+    # a short schedule searches every mask: --fit-masks is refused there, naming it
+    argv = ["calibrate", "--steps", "4", "--guidance", "1", "--size", "32", "--prompts", "2", "--device", "cpu"]
+    code = main([*argv, "--fit-masks", "0,1", "--out", str(tmp_path / "x.json"), "--no-progress"])
+    assert code == 2 and "--fit-masks=0,1 is refused at 4 steps" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------------ tokens

@@ -30,7 +30,7 @@ from dicache.tuning import (
     format_table,
     profile_settings,
 )
-from dicache.tuning.masks import beam_search, computed_steps, mask_bins, mask_overrides
+from dicache.tuning.masks import beam_search, computed_steps, hill_climb, mask_bins, mask_overrides, moved
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -167,6 +167,35 @@ def test_mask_bins_and_the_beam_search_on_a_scored_profile():
     assert computed_steps(best[7][0]) == [0, 2, 3, 4, 5, 6, 7] and best[5][1] == 9 + 8 + 7 + 5 + 4
     # stops after the first round in which no mask kept meets the target (33 with 5 steps, 29 with 4)
     assert min(best) == 4 and best[4][1] == 9 + 8 + 7 + 5
+
+
+def test_moves_and_the_hill_climb_on_a_scored_profile():
+    # step 0 stays; each other computed step moves by -1, +1, -2, +2 onto a cached step inside the schedule
+    assert moved((1, 1, 0, 1, 0)) == [(1, 0, 1, 1, 0), (1, 1, 1, 0, 0), (1, 1, 0, 0, 1)]
+    # a step's worth as in the beam search; the climb ends on a local best: [0, 4, 6] (12), while [0, 2, 4] (13)
+    # is two moves away through worse masks. After [0, 2, 6] (9) the scan goes on from the next move: [0, 3, 6]
+    # (6), then [0, 4, 6]; from there the scan starts at [0, 4, 5]
+    weights = (0, 1, 5, 2, 8, 3, 4, 0)
+    scored = []
+
+    def score(mask):
+        scored.append(mask)
+        return float(sum(w for w, f in zip(weights, mask) if f))
+
+    start = (1, 1, 0, 0, 0, 0, 1, 0)  # 1 + 4
+    found = hill_climb(start, score, budget=50)
+    assert len(scored) == len(set(scored)) == len(found) and found[0] == (start, 5.0)
+    best = max(found, key=lambda f: f[1])
+    assert computed_steps(best[0]) == [0, 4, 6] and best[1] == 12 and found[-1][1] < 12  # then no move gains
+    assert all(sum(m) == 3 and m[0] == 1 for m, _ in found)  # the compute never changes
+    # first improvement: 1 -> 2 (+4) is taken before any later move is scored
+    assert found[1] == ((1, 0, 1, 0, 0, 0, 1, 0), 9.0) and len(hill_climb(start, score, budget=3)) == 3
+    assert [computed_steps(m) for m, _ in found[2:5]] == [[0, 3, 6], [0, 4, 6], [0, 4, 5]]
+    # from the top (its score given), every neighbour is scored once, then it stops
+    top = hill_climb(best[0], score, known={best[0]: 12.0}, budget=50)
+    assert len(top) == len(moved(best[0])) == 5 and max(v for _, v in top) < 12
+    # a gain within min_gain is no gain
+    assert len(hill_climb(start, score, known={start: 5.0}, budget=50, min_gain=4.5)) == len(moved(start))
 
 
 def test_calibrate_searches_step_masks_and_picks_one_on_the_tiny_model(tmp_path, capsys):

@@ -48,7 +48,7 @@ from ..tuning import (
     profile_settings,
 )
 from ..tuning.masks import MAX_MASK_STEPS
-from ..tuning.predictor import PredictorSearch
+from ..tuning.predictor import CLIMB_FITS, PredictorSearch, parse_mask
 from .fields import add_options
 from .generate import add_sampling_arguments
 from .shared import RunOptions
@@ -114,6 +114,22 @@ class CalibrateOptions(FlagOptions):
         "(cached_step_method=fitted), fitted on each prompt with this many other seeds (seed+1...); 0: off. The "
         "predictor files go next to OUT (<out>.predictors/); the chosen one stays",
     )
+    mask_climb: int = option(
+        CLIMB_FITS,
+        flag="--mask-climb",
+        ge=0,
+        help=f"on schedules of more than {MAX_MASK_STEPS} steps, the fitted predictor's masks: after the curved masks "
+        "of --budgets, at most this many more fits hill-climbing from the best of them (one computed step moved by "
+        "±1/±2 at a time; cheapest budget first, until one meets the target); 0: the curved masks only",
+    )
+    fit_masks: list[str] | None = option(
+        None,
+        flag="--fit-masks",
+        metavar="STEPS",
+        help=f"on schedules of more than {MAX_MASK_STEPS} steps, the fitted predictor's first masks instead of the "
+        "curved masks of --budgets, each the computed steps comma-separated (e.g. 0,1,2,3,5,9,16,25); the climb "
+        "starts from the best of them",
+    )
     fit_ridge: float = option(
         DEFAULT_RIDGE,
         flag="--fit-ridge",
@@ -150,7 +166,8 @@ class CalibrateOptions(FlagOptions):
         flag="--budgets",
         metavar="F",
         default_text="0.3 0.4 ... 0.8",
-        help="compute bins of --grid-out (each f: compute in [f - 0.05, f + 0.05))",
+        help="compute bins of --grid-out (each f: compute in [f - 0.05, f + 0.05)), and on schedules of more than "
+        f"{MAX_MASK_STEPS} steps the budgets whose curved masks the fitted predictor tries",
     )
 
 
@@ -317,9 +334,27 @@ def _predictor_search(
         return None
     ridge = getattr(args, "fit_ridge", DEFAULT_RIDGE)  # absent from a namespace built without CalibrateOptions
     leave_out = getattr(args, "fit_leave_prompt_out", False)
+    budgets = getattr(args, "budgets", None) or RECOMMENDED_BUDGETS
+    climb = getattr(args, "mask_climb", CLIMB_FITS)
+    fit_masks = getattr(args, "fit_masks", None) or []
+    if fit_masks and runner.steps <= MAX_MASK_STEPS:
+        raise CalibrationError(
+            f"--fit-masks={' '.join(fit_masks)} is refused at {runner.steps} steps: it gives the first masks on "
+            f"schedules of more than {MAX_MASK_STEPS} steps (shorter ones search every mask)"
+        )
+    starts = [parse_mask(text, runner.steps) for text in fit_masks]
     folder = predictor_folder(args.out)
     return PredictorSearch(
-        runner, samples, args.fit_seeds, folder, ridge=ridge, reference=reference, leave_prompt_out=leave_out
+        runner,
+        samples,
+        args.fit_seeds,
+        folder,
+        ridge=ridge,
+        reference=reference,
+        leave_prompt_out=leave_out,
+        budgets=budgets,
+        climb=climb,
+        starts=starts,
     )
 
 

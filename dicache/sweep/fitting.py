@@ -24,9 +24,11 @@ import torch
 
 from ..engine.cached_step import (
     DEFAULT_RIDGE,
+    DEFAULT_WEIGHT_FLOOR,
     FITTER,
     ComputedCalls,
     FittedWeights,
+    sample_weights,
     solve_ridge,
     steering_target,
 )
@@ -103,10 +105,15 @@ class Trajectory:
         """The velocity (guided, with CFG) that takes `x` to the uncached run's next latents in one Euler step."""
         return steering_target(torch.zeros_like(x, dtype=torch.float32), self.x[step + 1], x, self.dt[step])
 
+    def deviation(self, step: int, x: torch.Tensor) -> torch.Tensor:
+        """Each sample's mean squared distance `(B,)` of `x` `(B, N, C)` from the uncached run's latents at `step`."""
+        return (x.float() - self.x[step].to(x.device).float()).pow(2).mean(dim=tuple(range(1, x.ndim)))
+
 
 class TrajectoryFitter:
     """The `PredictorFitter` of one fit: each cached call's weights solved on the batch against the steering target
-    of the recorded uncached `trajectory` (`Trajectory.target`); the weights are kept in `fitted`.
+    of the recorded uncached `trajectory` (`Trajectory.target`), each sample weighed by `sample_weights` (1 / its
+    distance from the trajectory, `weight_floor`; None: all alike); the weights are kept in `fitted`.
 
     With CFG (`guidance` s > 1, the pipeline's `cond + (s − 1)(cond − uncond)`) the two branches are fitted together at
     the cond call, on the guided velocity: `[s·f_cond, −(s − 1)·f_uncond] @ [W_cond; W_uncond] ≈ target`, the uncond
@@ -114,8 +121,14 @@ class TrajectoryFitter:
     their errors independent, and the guided velocity multiplies them by s and s − 1: on Raw (28 steps, CFG 4.5) that
     lost 10 dB to TaylorSeer, while the same masks without CFG gained 5 dB (RESULTS.md, issue 43)."""
 
-    def __init__(self, trajectory: Trajectory, ridge: float = DEFAULT_RIDGE, guidance: float = 1.0) -> None:
-        self.trajectory, self.ridge, self.guidance = trajectory, ridge, guidance
+    def __init__(
+        self,
+        trajectory: Trajectory,
+        ridge: float = DEFAULT_RIDGE,
+        guidance: float = 1.0,
+        weight_floor: float | None = DEFAULT_WEIGHT_FLOOR,
+    ) -> None:
+        self.trajectory, self.ridge, self.guidance, self.weight_floor = trajectory, ridge, guidance, weight_floor
         self.fitted: dict[tuple[int, str], torch.Tensor] = {}
         self.pending: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -125,14 +138,15 @@ class TrajectoryFitter:
         weight = self.pending.pop((step, branch), None)
         if weight is None:
             target = self.trajectory.target(step, x)
+            rows = [sample_weights(self.trajectory.deviation(step, x), self.weight_floor).to(x.device)[:, None]]
             other = calls.get("uncond")
             if self.guidance > 1 and branch == "cond" and other is not None and other.ready:
                 s, width = self.guidance, features.shape[-1]
                 joint = torch.cat([s * features, (1 - s) * other.features(x)], dim=-1)
-                both = solve_ridge([joint], [target], self.ridge)
+                both = solve_ridge([joint], [target], self.ridge, rows)
                 weight, self.pending[(step, "uncond")] = both[:width], both[width:]
             else:
-                weight = solve_ridge([features], [target], self.ridge)
+                weight = solve_ridge([features], [target], self.ridge, rows)
         self.fitted[(step, branch)] = weight
         return weight
 
@@ -143,11 +157,13 @@ def fit_predictor(
     overrides: dict[str, Any],
     trajectory: Trajectory | None = None,
     ridge: float = DEFAULT_RIDGE,
+    weight_floor: float | None = DEFAULT_WEIGHT_FLOOR,
 ) -> FittedWeights:
     """The predictor of the step mask `overrides` set (`cached_step_method=fitted`, no `fitted_predictor`) fitted on
-    `samples` (one batched run; `trajectory`: their uncached run, recorded here when None)."""
+    `samples` (one batched run; `trajectory`: their uncached run, recorded here when None; `ridge`, `weight_floor`:
+    `TrajectoryFitter`'s)."""
     trajectory = trajectory if trajectory is not None else Trajectory.record(run, samples)
-    fitter = TrajectoryFitter(trajectory, ridge, run.schedule.guidance_scale)
+    fitter = TrajectoryFitter(trajectory, ridge, run.schedule.guidance_scale, weight_floor)
     config = CacheConfig.defaults().merged({**overrides, "enable_cache": True})
     if config.cached_step_method != "fitted" or config.fitted_predictor is not None:
         raise ValueError("fit_predictor fits a cached_step_method='fitted' setting that names no fitted_predictor")

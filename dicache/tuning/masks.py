@@ -15,7 +15,7 @@ Pure: the scoring (generating the samples) is the caller's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 Mask = tuple[int, ...]
@@ -100,6 +100,63 @@ def beam_search(
         if not any(seen[m] >= target for m in frontier):
             break
     return scored
+
+
+MOVES = (-1, 1, -2, 2)
+"""How far `hill_climb` moves a computed step, in the order tried."""
+
+
+def moved(mask: Mask, moves: Sequence[int] = MOVES) -> list[Mask]:
+    """The masks with one computed step of `mask` (never step 0) moved by one of `moves` onto a cached step of the
+    schedule, computed steps in order and each move in `moves`' order."""
+    found: list[Mask] = []
+    for i in computed_steps(mask)[1:]:
+        for move in moves:
+            j = i + move
+            if 0 < j < len(mask) and not mask[j]:
+                child = list(mask)
+                child[i], child[j] = 0, 1
+                found.append(tuple(child))
+    return found
+
+
+def hill_climb(
+    start: Mask,
+    score: Callable[[Mask], float | None],
+    *,
+    budget: int,
+    known: Mapping[Mask, float | None] | None = None,
+    min_gain: float = 0.05,
+    moves: Sequence[int] = MOVES,
+) -> list[tuple[Mask, float | None]]:
+    """The masks scored while climbing from `start`, in the order scored, at most `budget` of them (see the module
+    docstring). `known`: scores already measured (`start`'s among them, else it is scored first), used without
+    scoring again."""
+    scored: dict[Mask, float | None] = dict(known or {})
+    order: list[tuple[Mask, float | None]] = []
+
+    def measure(mask: Mask) -> float | None:
+        if mask not in scored:
+            scored[mask] = score(mask)
+            order.append((mask, scored[mask]))
+        return scored[mask]
+
+    if start not in scored and budget < 1:
+        return order
+    current, best = start, measure(start)
+    climbing, resume = best is not None, 0
+    while climbing:
+        climbing = False
+        children = moved(current, moves)
+        resume %= max(len(children), 1)
+        for index, child in enumerate(children[resume:] + children[:resume]):
+            if child not in scored and len(order) >= budget:
+                return order
+            value = measure(child)
+            if value is not None and value > best + min_gain:
+                current, best, climbing, resume = child, value, True, resume + index + 1
+                break
+    return order
 
 
 def max_scored(num_steps: int, beam: int = BEAM, min_computed: int = 2) -> int:

@@ -2,14 +2,15 @@
 calibration prompts with other seeds (`sweep.fitting`) and scored on prompts its fit did not see, written next to
 the profile.
 
-`predictor_overrides(mask, path)` is the candidate; `PredictorSearch` fits and writes them; the masks tried
-are the beam search's on short schedules (`masks.beam_search`, as the whole-step masks) and `long_schedule_masks` on
-longer ones.
+`predictor_overrides(mask, path)` is the candidate; `PredictorSearch` fits and writes them; the masks tried are
+the beam search's on short schedules (`masks.beam_search`, as the whole-step masks) and, on longer ones,
+`long_schedule_masks` (curved masks) and then `climb_masks` (a hill-climb from the best of them, cheapest budget
+first, until one meets the target), each scored on held-out folds like every predictor candidate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,10 @@ from ..engine.policies import curved_mask
 from ..sweep.fitting import BatchRun, Trajectory, fit_predictor, fit_samples
 from ..sweep.settings import RECOMMENDED_BUDGETS
 from .errors import CalibrationError
-from .masks import Mask, mask_bins
+from .masks import Mask, hill_climb, mask_bins
+
+CLIMB_FITS = 24
+"""Masks `climb_masks` may score by default (`dicache calibrate --mask-climb`)."""
 
 
 def predictor_overrides(mask: Sequence[int], path: str | None = None) -> dict[str, Any]:
@@ -61,12 +65,17 @@ class PredictorSearch:
         ridge: float = DEFAULT_RIDGE,
         reference: Any = None,
         leave_prompt_out: bool = False,
+        budgets: Sequence[float] = RECOMMENDED_BUDGETS,
+        climb: int = CLIMB_FITS,
+        starts: Sequence[Mask] = (),
     ) -> None:
         """`runner`: a `PipelineRunner` (its native runner, schedule and size make the batch run); `samples`: the
         calibration samples (at least 2 prompts); `fit_seeds`: seeds per prompt fitted on; `reference`: the runner
         whose uncached run the fit steers to (default `runner`; the unquantized model when `runner` is the
         quantized one that will be served); `leave_prompt_out`: one fold per prompt (each scored by a fit on all
-        the others) instead of two."""
+        the others) instead of two. On long schedules: `budgets`, the compute fractions whose curved masks are
+        tried (unless `starts` gives the first masks instead); `climb`, the masks the hill-climb from them may score
+        (0: none)."""
         prompts = list(dict.fromkeys(prompt for prompt, _ in samples))
         if len(prompts) < 2:
             raise CalibrationError(
@@ -79,12 +88,18 @@ class PredictorSearch:
         reference = reference or runner
         self.reference = BatchRun(reference.native, reference.schedule, reference.height, reference.width)
         self.samples, self.fit_seeds, self.folder, self.ridge = list(samples), fit_seeds, Path(folder), ridge
+        self.budgets, self.climb, self.starts = tuple(budgets), climb, [tuple(m) for m in starts]
         self.fit_rows = fit_samples(self.samples, fit_seeds)  # sample i's rows: i·fit_seeds … (i + 1)·fit_seeds − 1
         folds = len(prompts) if leave_prompt_out else 2
         self._folds = [prompts.index(prompt) % folds for prompt, _ in self.samples]  # a prompt's seeds share a fold
         self.trajectory: Trajectory | None = None
         self._paths: dict[tuple[Mask, int | None], Path] = {}
         self.fits = 0
+
+    def first_masks(self, num_steps: int) -> list[Mask]:
+        """The masks a schedule too long for the beam search tries before the climb: `starts` when given, else the
+        curved masks of `budgets` (`long_schedule_masks`)."""
+        return list(self.starts) or long_schedule_masks(num_steps, self.budgets)
 
     def fold(self, index: int) -> int:
         """The fold of calibration sample `index`: its prompt's position among the distinct prompts (modulo 2 unless
@@ -115,11 +130,51 @@ class PredictorSearch:
         return {i: self.fit(mask, without=self.fold(i)) for i in range(len(self.samples))}
 
 
-def long_schedule_masks(num_steps: int) -> list[Mask]:
-    """The masks a schedule too long for the beam search (`masks.MAX_MASK_STEPS`) tries with the predictor: the
-    curved masks of `RECOMMENDED_BUDGETS` at curves 1.5, 2.0, 2.5 and 3.0, each once."""
+def parse_mask(text: str, num_steps: int, flag: str = "--fit-masks") -> Mask:
+    """The mask computing the steps `text` lists (comma-separated indices, e.g. `0,1,2,3,5,9,16,25`) of a
+    `num_steps` schedule; CalibrationError naming `flag` when it does not list step 0 or lists a step outside it."""
+    try:
+        steps = {int(part) for part in text.split(",")}
+    except ValueError:
+        steps = set()
+    if 0 not in steps or not all(0 <= s < num_steps for s in steps):
+        raise CalibrationError(
+            f"{flag}={text!r} is invalid: comma-separated computed steps in 0 … {num_steps - 1}, step 0 among them "
+            "(e.g. 0,1,2,3,5,9,16,25)"
+        )
+    return tuple(1 if i in steps else 0 for i in range(num_steps))
+
+
+def long_schedule_masks(num_steps: int, budgets: Sequence[float] = RECOMMENDED_BUDGETS) -> list[Mask]:
+    """The masks a schedule too long for the beam search (`masks.MAX_MASK_STEPS`) tries with the predictor first: the
+    curved masks of `budgets` at curves 1.5, 2.0, 2.5 and 3.0, each once."""
     found: dict[Mask, None] = {}
-    for fraction in RECOMMENDED_BUDGETS:
+    for fraction in budgets:
         for curve in (1.5, 2.0, 2.5, 3.0):
             found[tuple(curved_mask(num_steps, fraction, curve))] = None
     return [m for m in found if 0 in m]
+
+
+def climb_masks(
+    scored: Mapping[Mask, float | None],
+    score: Callable[[Mask], float | None],
+    *,
+    target: float,
+    budget: int,
+) -> list[tuple[Mask, float | None]]:
+    """After the curved masks (`scored`: mask -> criterion PSNR, None where it could not run): per computed-step
+    count, cheapest first, a `masks.hill_climb` from that count's best mask, until a count has a mask meeting `target`
+    (a costlier one would not be chosen) or `budget` scores are spent. Returns the masks scored here, in order."""
+    found: list[tuple[Mask, float | None]] = []
+    known = dict(scored)
+    counts = sorted({sum(m) for m, v in scored.items() if v is not None})
+    for count in counts:
+        if len(found) >= budget:
+            break
+        start = max((m for m, v in scored.items() if v is not None and sum(m) == count), key=lambda m: scored[m])
+        climbed = hill_climb(start, score, known=known, budget=budget - len(found))
+        known.update(climbed)
+        found += climbed
+        if max([scored[start], *(v for _, v in climbed if v is not None)]) >= target:
+            break
+    return found

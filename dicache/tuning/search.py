@@ -17,7 +17,7 @@ from ..sweep.settings import label
 from .candidates import CANDIDATES, check_candidate
 from .errors import CalibrationError
 from .masks import MAX_MASK_STEPS, Mask, beam_search, computed_steps, mask_overrides, max_scored
-from .predictor import PredictorSearch, long_schedule_masks, predictor_overrides
+from .predictor import PredictorSearch, climb_masks, predictor_overrides
 from .runner import Runner
 
 Criterion = Literal["min", "mean"]
@@ -166,7 +166,9 @@ def calibrate(
     every sample, no early stop); each mask scored becomes a candidate after the listed ones.
     `predictor`: also search masks whose cached steps the fitted output predictor answers (`cached_step_method=
     fitted`), each fitted by `predictor.fit` on its own samples (training prompts, never `samples`' seeds): the
-    beam search on short schedules, `long_schedule_masks` on longer ones; each becomes a candidate.
+    beam search on short schedules; on longer ones `predictor.first_masks` (the curved masks of its budgets, or its
+    `starts`), then `climb_masks`
+    (at most `predictor.climb` more fits); each becomes a candidate.
 
     `reference`: the runner the uncached references come from (default `runner`): the unquantized model when
     `runner` runs the quantized one that will be served, so that the PSNR counts both errors.
@@ -197,10 +199,14 @@ def calibrate(
     n = len(samples)
     searching = step_masks and runner.steps <= MAX_MASK_STEPS and refusal is None
     planned_masks = max_scored(runner.steps) if searching else 0  # an upper bound: the total never grows
-    long_masks = long_schedule_masks(runner.steps) if runner.steps > MAX_MASK_STEPS else []
+    long_masks = []
     planned_predicted = 0
     if predictor is not None and refusal is None:
-        planned_predicted = max_scored(runner.steps) if runner.steps <= MAX_MASK_STEPS else len(long_masks)
+        if runner.steps <= MAX_MASK_STEPS:
+            planned_predicted = max_scored(runner.steps)
+        else:
+            long_masks = predictor.first_masks(runner.steps)
+            planned_predicted = len(long_masks) + predictor.climb
     with progress_bar(
         total=n * (1 + len(valid) + planned_masks + planned_predicted),
         desc="calibrate",
@@ -287,8 +293,10 @@ def calibrate(
                 bar.total -= n * (planned_predicted - len(scored))
                 bar.refresh()
             else:
-                for mask in long_masks:
-                    score_predicted(mask)
+                curved = {mask: score_predicted(mask) for mask in long_masks}
+                climbed = climb_masks(curved, score_predicted, target=target_psnr, budget=predictor.climb)
+                bar.total -= n * (predictor.climb - len(climbed))
+                bar.refresh()
         for result in valid:
             order = sorted(range(n), key=lambda i: (hardest.get(i, math.inf), i)) if early_stop else range(n)
             bar.set_postfix_str(f"#{result.index} {result.label}"[:60])

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from .fitted import (
     DEFAULT_RIDGE,
+    DEFAULT_WEIGHT_FLOOR,
     FEATURES,
     FITTER,
     ComputedCalls,
     PredictorFitter,
     feature_width,
     predict,
+    sample_weights,
     solve_ridge,
     steering_target,
 )
@@ -20,6 +22,7 @@ from .weights import PREDICTOR_FORMAT, FittedWeights, load_weights
 
 __all__ = [
     "DEFAULT_RIDGE",
+    "DEFAULT_WEIGHT_FLOOR",
     "FEATURES",
     "FITTER",
     "PREDICTOR_FORMAT",
@@ -29,6 +32,7 @@ __all__ = [
     "feature_width",
     "load_weights",
     "predict",
+    "sample_weights",
     "select_rows",
     "solve_ridge",
     "steering_target",

@@ -13,7 +13,8 @@ fitted for the earlier cached steps, the target of a branch is the output that p
 uncached trajectory: `v_ref,b(i) + (x_ref(i) − x(i)) / dt_i`, with `v_ref,b` the branch's output on the uncached run,
 `x_ref` its latents and `dt_i = σ(i+1) − σ(i)` (an Euler step `x + dt · v`; with CFG both branches get the same shift,
 so the guided velocity is steered and the branches' difference kept). Ridge least squares over every token of every
-sample: `W = (XᵀX + λ·mean(diag XᵀX)·I)⁻¹ XᵀY`, in float64.
+sample, each sample's rows weighed by `sample_weights` (`D`: 1 / how far the sample is off the uncached latents,
+with a floor): `W = (XᵀDX + λ·mean(diag XᵀDX)·I)⁻¹ XᵀDY`, in float64.
 
 Measured on the embedded Turbo student (8 steps; 48 samples of the 6 training captions; RESULTS.md, issue 43): the
 steering target beats the greedy one (the exact output at the step's input) by 1–2 dB; `vp` (the previous call's
@@ -37,6 +38,8 @@ HISTORY = 3
 """Computed calls a branch keeps (v0, v1, v2)."""
 DEFAULT_RIDGE = 1e-3
 """λ of the fit, relative to the mean diagonal of XᵀX (chosen on training captions' other seeds)."""
+DEFAULT_WEIGHT_FLOOR = 0.05
+"""`sample_weights`' floor in the fit (chosen on Raw 28's training captions' own seeds, RESULTS.md issue 43)."""
 
 
 def feature_width(channels: int) -> int:
@@ -94,12 +97,22 @@ def steering_target(
     return reference_output.float() + (reference_input.float() - x.float()) / dt
 
 
-def solve_ridge(features: Iterable[torch.Tensor], targets: Iterable[torch.Tensor], ridge: float) -> torch.Tensor:
+def solve_ridge(
+    features: Iterable[torch.Tensor],
+    targets: Iterable[torch.Tensor],
+    ridge: float,
+    weights: Iterable[torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Ridge least squares `W` `(F, C')` float32 with `rows(features) @ W ≈ rows(targets)`; each input's leading
     axes are flattened into rows (`(..., F)` / `(..., C')`), accumulated in float64. `ridge` is relative to the mean
-    of `diag(XᵀX)`."""
+    of `diag(XᵀX)`. `weights`: per pair, each row's weight in the squared error (a tensor that broadcasts to the
+    leading axes, e.g. `(B, 1)` per sample of `(B, N, F)` features); None: all 1."""
     gram = rhs = None
-    for x, y in zip(features, targets, strict=True):
+    rows = zip(features, targets, strict=True) if weights is None else zip(features, targets, weights, strict=True)
+    for x, y, *weight in rows:
+        if weight:
+            root = weight[0].to(torch.float64).sqrt().expand(x.shape[:-1]).unsqueeze(-1)
+            x, y = x.to(torch.float64) * root, y.to(torch.float64) * root
         xs = x.reshape(-1, x.shape[-1]).to(torch.float64)
         ys = y.reshape(-1, y.shape[-1]).to(torch.float64)
         gram = xs.T @ xs if gram is None else gram + xs.T @ xs
@@ -109,6 +122,20 @@ def solve_ridge(features: Iterable[torch.Tensor], targets: Iterable[torch.Tensor
     scale = gram.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
     gram = gram + ridge * scale * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     return torch.linalg.solve(gram, rhs).to(torch.float32)
+
+
+def sample_weights(deviation: torch.Tensor, floor: float | None) -> torch.Tensor:
+    """Each fit sample's weight `(B,)` float32 at a cached step: `1 / (d_b + floor · mean(d))`, scaled to mean 1, with
+    `d` `(B,)` the samples' mean squared distance from the uncached latents at this step; all 1 when `floor` is None
+    or no sample has left the trajectory (the first cached step). The mean PSNR in dB over the samples moves with
+    `Δmse_b / mse_b`, so weighing each sample by 1 / its error follows it to first order (an unweighted fit spends
+    itself on the samples furthest off); the floor keeps a sample still near the trajectory from taking all the
+    weight."""
+    d = deviation.detach().float().flatten()
+    if floor is None or not bool(d.mean() > 0):
+        return torch.ones_like(d)
+    weights = 1.0 / (d + floor * d.mean())
+    return weights / weights.mean()
 
 
 class PredictorFitter(Protocol):
