@@ -34,32 +34,23 @@ def flux_folder(root: Path) -> Path:
 
 def pixart_folder(root: Path) -> Path:
     """PixArt-Σ at 16 px (×2 VAE), CFG 4.5 through `guidance_scale` (one batched call a step), 8 steps."""
-    pipe, _ = tiny_families.pixart()
-    tokenizer = flux_script.build_tokenizer(PROMPTS, 8)
-    _, t5 = flux_script.build_text_encoders(len(tokenizer), {"clip": CLIP, "t5": T5}, seed=2)
-    pipe.register_modules(text_encoder=t5, tokenizer=tokenizer)
-    extras = {
-        "default_size": [16, 16],
-        "sampling": {"steps": 8, "guidance": 4.5},
-        "call": {"max_sequence_length": 8, "clean_caption": False, "use_resolution_binning": False},
-    }
-    folder = root / "pixart-tiny-random"
-    flux_script.save_pipeline(pipe, folder, {"dicache.json": extras})
-    return folder
+    call = {"max_sequence_length": 8, "clean_caption": False, "use_resolution_binning": False}
+    return _t5_folder(tiny_families.pixart()[0], root / "pixart-tiny-random", {"steps": 8, "guidance": 4.5}, call, 2)
 
 
 def wan_folder(root: Path) -> Path:
     """Wan 2.1 (a video family) at 16 px, 9 frames, CFG 5.0 in two calls a step, 4 steps; a random frozen T5 encoder
     stands in for its UMT5 (the same call)."""
-    pipe, _ = tiny_families.wan()
-    tokenizer = flux_script.build_tokenizer(PROMPTS, 16)
-    _, t5 = flux_script.build_text_encoders(len(tokenizer), {"clip": CLIP, "t5": T5}, seed=3)
+    call = {"max_sequence_length": 16, "num_frames": 9}
+    return _t5_folder(tiny_families.wan()[0], root / "wan-tiny-random", {"steps": 4, "guidance": 5.0}, call, 3)
+
+
+def _t5_folder(pipe, folder: Path, sampling: dict, call: dict, seed: int) -> Path:
+    """`pipe` with a random frozen T5 encoder and a word-level tokenizer of `call["max_sequence_length"]` tokens,
+    saved to `folder` with its dicache.json (16 px, `sampling`, `call`)."""
+    tokenizer = flux_script.build_tokenizer(PROMPTS, call["max_sequence_length"])
+    _, t5 = flux_script.build_text_encoders(len(tokenizer), {"clip": CLIP, "t5": T5}, seed=seed)
     pipe.register_modules(text_encoder=t5, tokenizer=tokenizer)
-    extras = {
-        "default_size": [16, 16],
-        "sampling": {"steps": 4, "guidance": 5.0},
-        "call": {"max_sequence_length": 16, "num_frames": 9},
-    }
-    folder = root / "wan-tiny-random"
+    extras = {"default_size": [16, 16], "sampling": sampling, "call": call}
     flux_script.save_pipeline(pipe, folder, {"dicache.json": extras})
     return folder

@@ -48,7 +48,7 @@ from ..tuning import (
     profile_settings,
 )
 from ..tuning.masks import MAX_MASK_STEPS
-from ..tuning.predictor import CLIMB_FITS, PredictorSearch, parse_mask
+from ..tuning.predictor import CLIMB_FITS, PredictorSearch, parse_mask, prompt_shortage
 from .fields import add_options
 from .generate import add_sampling_arguments
 from .shared import RunOptions
@@ -325,12 +325,9 @@ def _predictor_search(
     if refusal is not None:  # e.g. a family whose scheduler is not a flow-matching Euler one
         print(f"skipping the fitted predictor's masks: {refusal}", file=sys.stderr)
         return None
-    if len({prompt for prompt, _ in samples}) < 2:
-        print(
-            "note: the fitted predictor is not searched: it needs at least 2 calibration prompts (each is scored "
-            "with a fit made on the others)",
-            file=sys.stderr,
-        )
+    shortage = prompt_shortage(samples)
+    if shortage is not None:
+        print(f"note: the fitted predictor is not searched: {shortage}", file=sys.stderr)
         return None
     ridge = getattr(args, "fit_ridge", DEFAULT_RIDGE)  # absent from a namespace built without CalibrateOptions
     leave_out = getattr(args, "fit_leave_prompt_out", False)
@@ -343,12 +340,11 @@ def _predictor_search(
             f"schedules of more than {MAX_MASK_STEPS} steps (shorter ones search every mask)"
         )
     starts = [parse_mask(text, runner.steps) for text in fit_masks]
-    folder = predictor_folder(args.out)
     return PredictorSearch(
         runner,
         samples,
         args.fit_seeds,
-        folder,
+        predictor_folder(args.out),
         ridge=ridge,
         reference=reference,
         leave_prompt_out=leave_out,

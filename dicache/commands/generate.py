@@ -48,35 +48,6 @@ HELP = (
 )
 
 
-class GenerateOptions(FlagOptions):
-    """What `dicache generate` makes and where it writes it (the model, sampling, device, memory and speed options
-    are the shared declarations: `add_arguments`)."""
-
-    prompt: list[str] = option(..., flag="prompt", help="one or more prompts")
-    negative_prompt: str | None = option(None, flag="--negative-prompt", help="what the images should not show (CFG)")
-    seed: int = option(0, flag="--seed", ge=0, help="seed of the initial noise (one generator for every image)")
-    height: int | None = option(None, flag="--height", ge=1, default_text="the checkpoint's", help="image height, px")
-    width: int | None = option(None, flag="--width", ge=1, default_text="the checkpoint's", help="image width, px")
-    num_images: int = option(1, flag="--num-images", ge=1, help="images per prompt")
-    out: str = option(
-        "dicache.png",
-        flag="--out",
-        read=lambda text: image_file(text),  # resolved when parsing: image_file is defined below
-        help="output image, its format by suffix (several images: name-<i>.png)",
-    )
-    cache: Literal["env", "on", "off"] = option(
-        "env",
-        flag="--cache",
-        help="env: SGLANG_CACHE_DIT_ENABLED (or the profile's enable_cache) decides; on/off force it",
-    )
-    stats_json: str | None = option(
-        None,
-        flag="--stats-json",
-        metavar="PATH",
-        help="also write the cache statistics as JSON here (with the settings used and where each came from)",
-    )
-
-
 def image_file(path: str) -> str:
     """`path` when its suffix names an image format Pillow writes, else a `ValueError` listing them (checked while
     parsing, so that nothing generated is lost at the end)."""
@@ -94,6 +65,35 @@ def image_suffixes() -> list[str]:
 
     Image.init()
     return sorted(ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.SAVE)
+
+
+class GenerateOptions(FlagOptions):
+    """What `dicache generate` makes and where it writes it (the model, sampling, device, memory and speed options
+    are the shared declarations: `add_arguments`)."""
+
+    prompt: list[str] = option(..., flag="prompt", help="one or more prompts")
+    negative_prompt: str | None = option(None, flag="--negative-prompt", help="what the images should not show (CFG)")
+    seed: int = option(0, flag="--seed", ge=0, help="seed of the initial noise (one generator for every image)")
+    height: int | None = option(None, flag="--height", ge=1, default_text="the checkpoint's", help="image height, px")
+    width: int | None = option(None, flag="--width", ge=1, default_text="the checkpoint's", help="image width, px")
+    num_images: int = option(1, flag="--num-images", ge=1, help="images per prompt")
+    out: str = option(
+        "dicache.png",
+        flag="--out",
+        read=image_file,
+        help="output image, its format by suffix (several images: name-<i>.png)",
+    )
+    cache: Literal["env", "on", "off"] = option(
+        "env",
+        flag="--cache",
+        help="env: SGLANG_CACHE_DIT_ENABLED (or the profile's enable_cache) decides; on/off force it",
+    )
+    stats_json: str | None = option(
+        None,
+        flag="--stats-json",
+        metavar="PATH",
+        help="also write the cache statistics as JSON here (with the settings used and where each came from)",
+    )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *variant_aliases: str) -> None:

@@ -138,15 +138,15 @@ class TrajectoryFitter:
         weight = self.pending.pop((step, branch), None)
         if weight is None:
             target = self.trajectory.target(step, x)
-            rows = [sample_weights(self.trajectory.deviation(step, x), self.weight_floor).to(x.device)[:, None]]
+            per_sample = [sample_weights(self.trajectory.deviation(step, x), self.weight_floor).to(x.device)[:, None]]
             other = calls.get("uncond")
             if self.guidance > 1 and branch == "cond" and other is not None and other.ready:
                 s, width = self.guidance, features.shape[-1]
                 joint = torch.cat([s * features, (1 - s) * other.features(x)], dim=-1)
-                both = solve_ridge([joint], [target], self.ridge, rows)
+                both = solve_ridge([joint], [target], self.ridge, per_sample)
                 weight, self.pending[(step, "uncond")] = both[:width], both[width:]
             else:
-                weight = solve_ridge([features], [target], self.ridge, rows)
+                weight = solve_ridge([features], [target], self.ridge, per_sample)
         self.fitted[(step, branch)] = weight
         return weight
 

@@ -76,12 +76,10 @@ class PredictorSearch:
         the others) instead of two. On long schedules: `budgets`, the compute fractions whose curved masks are
         tried (unless `starts` gives the first masks instead); `climb`, the masks the hill-climb from them may score
         (0: none)."""
+        shortage = prompt_shortage(samples)
+        if shortage is not None:
+            raise CalibrationError(shortage)
         prompts = list(dict.fromkeys(prompt for prompt, _ in samples))
-        if len(prompts) < 2:
-            raise CalibrationError(
-                f"the fitted predictor needs at least 2 calibration prompts (got {len(prompts)}): each is scored "
-                "with a fit made on the others"
-            )
         if fit_seeds < 1:
             raise CalibrationError(f"fit_seeds={fit_seeds} is invalid: must be >= 1")
         self.run = BatchRun(runner.native, runner.schedule, runner.height, runner.width)
@@ -128,6 +126,18 @@ class PredictorSearch:
     def held_out_paths(self, mask: Mask) -> dict[int, Path]:
         """Per calibration sample index, the predictor of `mask` fitted without its fold's prompts."""
         return {i: self.fit(mask, without=self.fold(i)) for i in range(len(self.samples))}
+
+
+def prompt_shortage(samples: Sequence[tuple[str, int]]) -> str | None:
+    """Why the fitted predictor cannot be searched on `samples` (fewer than 2 distinct prompts: each prompt is scored
+    with a fit made on the others), or None."""
+    count = len({prompt for prompt, _ in samples})
+    if count >= 2:
+        return None
+    return (
+        f"the fitted predictor needs at least 2 calibration prompts (got {count}): each is scored with a fit made on "
+        "the others"
+    )
 
 
 def parse_mask(text: str, num_steps: int, flag: str = "--fit-masks") -> Mask:
