@@ -9,8 +9,12 @@ temporary folder and home, the page cache dropped (`echo 3 > /proc/sys/vm/drop_c
 
 - `cold`: no compile artifact yet; the server compiles from scratch and saves its artifact after the warm-up;
 - `artifact`: the same with the artifact `cold` saved (another fresh process, empty caches);
-- `artifact-nolengths`: the same without `--prepare-text-lengths` (a prompt of a new length then pays its
+- `artifact-nolengths`: the same with `--prepare-text-lengths off` (a prompt of a new length then pays its
   attention set-up in its request);
+- `artifact-before`: the same as the start-up of 2026-12-05 was (`--prepare-text-lengths before-ready
+  --artifact-weights false --prefetch-weights false`: the prompt lengths before ready, the bf16 checkpoint read and
+  quantised, nothing read while importing), for the side-by-side comparison with `artifact` (the defaults: the
+  quantised weights from the artifact folder, which `cold` saved, read while importing, the lengths after ready);
 - `generate`: `dicache generate --compile` for one image, without and then with its own artifact.
 
 Per serve run it reports the server's own phases (`/v1/server_info` "startup": imports, weights, quantization,
@@ -53,7 +57,14 @@ FAST_PATH = "--compile --quantization fp8 --text-encoder-quantization fp8"
 SHARD_BYTES = 5_000_000_000
 """diffusers' and transformers' default largest shard (5 GB)."""
 PROMPT = "a red apple on a wooden table"
-RUNS = ("cold", "artifact", "artifact-nolengths", "generate")
+RUNS = ("cold", "artifact", "artifact-nolengths", "artifact-before", "generate")
+RUN_FLAGS = {
+    "artifact-nolengths": ["--prepare-text-lengths", "off"],
+    "artifact-before": [
+        "--prepare-text-lengths", "before-ready", "--artifact-weights", "false", "--prefetch-weights", "false",
+    ],
+}  # fmt: skip
+"""Server flags of a run beside `--server-args` (the others: the defaults)."""
 
 
 # ----------------------------------------------------------------------------------------------------- checkpoint
@@ -123,6 +134,11 @@ def save_sharded(state: dict, folder: pathlib.Path, stem: str) -> None:
 
 def weight_files(path: pathlib.Path) -> list[pathlib.Path]:
     return sorted(path.glob("*/*.safetensors"))
+
+
+def snapshot_files(store: pathlib.Path) -> list[pathlib.Path]:
+    """The quantised weights kept in an artifact store (`--artifact-weights`)."""
+    return sorted(store.glob("weights-*/*.safetensors"))
 
 
 # ----------------------------------------------------------------------------------------------------- the disk
@@ -248,11 +264,10 @@ def serve_run(
     env = fresh_env(root)
     port = free_port()
     flags = args.server_args.split() + ["--compile-artifact", str(store)]
-    if name == "artifact-nolengths":
-        flags += ["--prepare-text-lengths", "false"]
+    flags += RUN_FLAGS.get(name, [])
     cmd = [sys.executable, "-m", "dicache.cli", "serve", "--model", str(checkpoint), "--device", args.device]
     cmd += ["--port", str(port), "--max-queue", "64", "--timeout", "1800", "--log-level", "info", *flags]
-    dropped = drop_page_cache(weight_files(checkpoint)) if args.drop_caches else "kept"
+    dropped = drop_page_cache(weight_files(checkpoint) + snapshot_files(store)) if args.drop_caches else "kept"
     row: dict = {"run": name, "page_cache": dropped}
     log_path = args.out / f"serve-{name}.log"
     with GpuProcessMemory(args.device.startswith("cuda")) as memory:
@@ -272,6 +287,7 @@ def serve_run(
             row["launch_to_process_s"] = round(startup.get("process_start_unix", launched) - launched, 2)
             row.update({f"{k}_s": v for k, v in (startup.get("phases_s") or {}).items()})
             row["ready_s"] = startup.get("ready_s")
+            row["text_lengths"] = startup.get("text_lengths")  # in the background: how far at the first request
             memory.phase = "first"
             body = request_body(PROMPT, "turbo", "off", args.size, 0)
             first = one_request(url, body).seconds
@@ -315,7 +331,7 @@ def generate_runs(args, checkpoint: pathlib.Path, work: pathlib.Path, budget: fl
         cmd = [sys.executable, "-m", "dicache.cli", "generate", PROMPT, "--model", str(checkpoint)]
         cmd += ["--device", args.device, "--variant", "turbo", "--height", str(args.size), "--width", str(args.size)]
         cmd += [*args.server_args.split(), "--compile-artifact", str(store), "--out", str(root / "image.png")]
-        dropped = drop_page_cache(weight_files(checkpoint)) if args.drop_caches else "kept"
+        dropped = drop_page_cache(weight_files(checkpoint) + snapshot_files(store)) if args.drop_caches else "kept"
         start = time.perf_counter()
         try:
             result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget)
@@ -354,6 +370,7 @@ SERVE_COLUMNS = (
     "warm_up_s",
     "text_lengths_s",
     "artifact_save_s",
+    "snapshot_save_s",
     "first_request_s",
     "steady_s",
     "first_vs_steady",
@@ -399,6 +416,12 @@ def markdown(results: dict, args, command: str) -> str:
                     f"- {row['run']}: warm-up compile caches {json.dumps(warm.get('compile_caches'))}; compiled frames "
                     f"{json.dumps(warm.get('compiles'))}"
                 )
+            startup = row.get("startup") or {}
+            snapshots, prefetched = json.dumps(startup.get("weight_snapshots")), json.dumps(startup.get("prefetch"))
+            lines.append(
+                f"- {row['run']}: quantised weights {snapshots}; read while importing {prefetched}; prompt lengths "
+                f"when ready {json.dumps(row.get('text_lengths'))}"
+            )
             lines.append(
                 f"- {row['run']}: GPU memory per process while starting (GB, nvidia-smi): "
                 f"{json.dumps(row.get('gpu_processes_start_GB'))}; torch/NVML per phase "

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from .errors import DicacheError
+from .models.prefetch import start_prefetch
 
 SUBCOMMANDS = ("generate", "serve", "warmup", "sweep", "calibrate", "config")
 """Module names under `dicache.commands`, in the order `--help` lists them."""
@@ -30,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    start_prefetch(argv)  # before the commands' modules import torch: the disk works while the process imports
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:

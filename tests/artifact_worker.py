@@ -2,7 +2,8 @@
 (on the CPU, or on CUDA with FP8), one forward at one shape, with a compile artifact
 (`dicache.models.compile_artifact`).
 
-    python tests/artifact_worker.py STORE OUT.json [--device cuda --quantization fp8] [--key-field NAME=VALUE]
+    python tests/artifact_worker.py STORE OUT.json [--device cuda --quantization fp8 [--weight-store DIR]]
+        [--key-field NAME=VALUE]
 
 Loads the artifact of its key from STORE before compiling (one log line whatever happens), runs the forward, saves
 the artifact when none was loaded, and writes OUT.json: the load and save outcomes, torch.compile's counters over the
@@ -19,8 +20,11 @@ import time
 import torch
 
 from dicache.models.compile_artifact import compile_counters, load_artifact, save_artifact
+from dicache.models.krea2.checkpoints import load_transformer
 from dicache.models.krea2.pipeline import EMBEDDED_CHECKPOINT, Krea2Pipeline
 from dicache.models.krea2.transformer import Krea2Transformer
+from dicache.models.loading import default_dtype
+from dicache.quantization import parse_quantization
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,12 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key-field", action="append", default=[])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantization", default=None, help="fp8 (CUDA) or int8")
+    parser.add_argument("--weight-store", default=None, help="with --quantization: keep / find the quantised weights")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     torch.manual_seed(0)
-    transformer = Krea2Transformer.from_pretrained(EMBEDDED_CHECKPOINT, device=args.device)
+    snapshots = {}
+    if args.weight_store:  # quantised as read, or read from its snapshot (`weight_snapshot`)
+        device = torch.device(args.device)
+        spec = parse_quantization(args.quantization)
+        transformer = load_transformer(
+            EMBEDDED_CHECKPOINT, spec, args.weight_store, dtype=default_dtype(device), device=device, outcomes=snapshots
+        )
+    else:
+        transformer = Krea2Transformer.from_pretrained(EMBEDDED_CHECKPOINT, device=args.device)
     pipe = Krea2Pipeline(transformer)  # the transformer alone: no text encoder to import and load
-    if args.quantization:
+    if args.quantization and not args.weight_store:
         pipe.quantize(args.quantization)
     transformer.compile_blocks()
     pipe.compile_options = {"blocks": True}
@@ -57,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     saved = save_artifact(args.store, key) if loaded.status != "loaded" else None
     record = {
         "loaded": loaded.to_dict(),
+        "weight_snapshots": snapshots,
         "saved": saved.to_dict() if saved is not None else None,
         "counters": {name: after[name] - before[name] for name in after},
         "forward_s": round(seconds, 2),

@@ -101,7 +101,13 @@ def test_the_replica_options_are_the_serve_commands_declarations():
         parse_serve_argv(["--torch-threads", "0"])
 
 
-def test_prepare_text_lengths_is_on_by_default_and_can_be_turned_off():
-    assert parse_serve_argv([]).prepare_text_lengths is True
-    assert parse_serve_argv(["--prepare-text-lengths", "false"]).prepare_text_lengths is False
-    assert ReplicaOptions(prepare_text_lengths=False).prepare_text_lengths is False
+def test_prepare_text_lengths_runs_in_the_background_by_default_and_takes_the_earlier_switch_words():
+    assert parse_serve_argv([]).prepare_text_lengths == "background"
+    for words, mode in ((["before-ready"], "before-ready"), (["true"], "before-ready"), (["false"], "off")):
+        assert parse_serve_argv(["--prepare-text-lengths", *words]).prepare_text_lengths == mode
+    assert ReplicaOptions(prepare_text_lengths=False).prepare_text_lengths == "off"  # a builder's boolean
+    assert ReplicaOptions(prepare_text_lengths=True).prepare_text_lengths == "before-ready"
+    with pytest.raises(ConfigError, match=r"--prepare-text-lengths='soon' is invalid: must be one of 'background'"):
+        ReplicaOptions(prepare_text_lengths="soon")
+    with pytest.raises(ConfigError, match=r"argument --prepare-text-lengths: invalid choice: 'soon'"):
+        parse_serve_argv(["--prepare-text-lengths", "soon"])

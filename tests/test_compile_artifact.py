@@ -226,7 +226,7 @@ class _Backend:
         (self.inductor / "compiled.py").write_text("kernel = 1\n")
         return {"seconds": 1.0}
 
-    def prepare_text_lengths(self):
+    def prepare_text_lengths(self, background=False, **preparation):
         return {}
 
 
@@ -235,7 +235,7 @@ def _start(store, inductor, caplog):
 
     backend, lines = _Backend(inductor), []
     caplog.clear()
-    ready_to_serve(backend, warm_up=True, prepare_text_lengths=False, report=lines.append, compile_artifact=store)
+    ready_to_serve(backend, warm_up=True, prepare_text_lengths="off", report=lines.append, compile_artifact=store)
     return backend, [r for r in _records(caplog) if r.levelno >= logging.WARNING]
 
 
@@ -321,14 +321,18 @@ def test_a_second_process_with_the_artifact_compiles_nothing(tmp_path):
 
 @pytest.mark.gpu
 def test_the_fp8_path_round_trips_on_the_gpu(tmp_path):
-    """The same round trip with FP8 blocks (torchao's tensor subclasses) compiled on CUDA: the second process
-    compiles from cache hits only (Triton kernels and autotuning results came with the artifact)."""
+    """The same round trip with FP8 blocks (torchao's tensor subclasses) compiled on CUDA: the second process, its
+    FP8 weights read from the weight snapshot the first one saved, compiles from cache hits only (Triton kernels and
+    autotuning results came with the artifact) and gives the same output."""
     pytest.importorskip("torchao")
     store = tmp_path / "store"
-    first = _fresh_process(tmp_path, "first", store, "--device", "cuda", "--quantization", "fp8")
+    fp8 = ("--device", "cuda", "--quantization", "fp8", "--weight-store", str(store))
+    first = _fresh_process(tmp_path, "first", store, *fp8)
     assert first["saved"]["status"] == "saved" and first["counters"]["fx_graph_cache_miss"] >= 1
-    second = _fresh_process(tmp_path, "second", store, "--device", "cuda", "--quantization", "fp8")
+    assert first["weight_snapshots"]["transformer_saved"]["status"] == "saved"
+    second = _fresh_process(tmp_path, "second", store, *fp8)  # its FP8 weights read from the snapshot
     counters = second["counters"]
+    assert second["weight_snapshots"]["transformer"]["status"] == "loaded", second["weight_snapshots"]
     assert second["loaded"]["status"] == "loaded", second["log"]
     assert counters["fx_graph_cache_miss"] == 0 and counters["fx_graph_cache_hit"] >= 1, counters
     assert counters["aot_autograd_cache_miss"] == 0, counters

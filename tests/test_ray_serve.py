@@ -263,21 +263,28 @@ def test_a_client_that_goes_away_stops_its_generation(ray_url):
 def test_a_replica_killed_mid_load_fails_only_its_requests_and_comes_back(ray_url):
     replicas = _replica_ids(ray_url)
     assert len(replicas) == 2
-    victim = sorted(replicas)[0]
     # 80 uncached transformer calls each (seconds on one CPU thread), so the victim still holds work when killed
     long = dict(BODIES["turbo"], num_inference_steps=40, guidance_scale=4.5, enable_cache=False)
     bodies = [dict(long, seed=200 + i) for i in range(8)]
+    seen: list[dict[str, tuple[float, float]]] = []  # (running, queued) per replica, each scrape
 
-    def victim_holds_two() -> bool:
-        """Two long requests in flight, more work than the metrics lag behind: with --workers 2 (the default) both
-        generating, with 1 one generating and one queued."""
-        running = _replica_samples(ray_url, "dicache_generations_running").get(victim, 0)
-        return running >= 1 and running + _replica_samples(ray_url, "dicache_queue_depth").get(victim, 0) >= 2
+    def holding_two() -> str | None:
+        """The replica seen with two long requests in flight, more work than the metrics lag behind: with --workers 2
+        (the default) both generating, with 1 one generating and one queued. Whichever replica it is: the router
+        need not split 8 requests evenly."""
+        running = _replica_samples(ray_url, "dicache_generations_running")
+        queued = _replica_samples(ray_url, "dicache_queue_depth")
+        seen.append({r: (running.get(r, 0), queued.get(r, 0)) for r in replicas})
+        return next((r for r, (run, wait) in seen[-1].items() if run >= 1 and run + wait >= 2), None)
 
     started = time.monotonic()
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(_post, ray_url, body, 90.0) for body in bodies]
-        wait_until(victim_holds_two, timeout=60, what=f"replica {victim} to hold a generation and a queued one")
+        deadline, victim = time.monotonic() + 60, None
+        while victim is None:
+            assert time.monotonic() < deadline, f"no replica held two requests; (running, queued) seen: {seen[-5:]}"
+            time.sleep(0.25)  # a scrape goes through the proxy: polling it hard slows the replicas on 2 cores
+            victim = holding_two()
         assert not all(f.done() for f in futures)
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#{victim}", namespace="serve"))
         answers = [f.result(timeout=120) for f in futures]  # nothing hangs: every request is answered

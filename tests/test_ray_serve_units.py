@@ -692,21 +692,30 @@ def test_replica_applies_speed_options_in_order_then_starts_up_as_dicache_serve(
             calls.append(("warm_up",))
             return {}
 
-        def prepare_text_lengths(self):
-            calls.append(("prepare_text_lengths",))
+        def prepare_text_lengths(self, background=False, **preparation):
+            calls.append(("prepare_text_lengths", "background" if background else "now"))
             return {}
 
-    ReplicaSpec(quantization="q", compile=True).apply_speed(Backend())
+    ReplicaSpec(quantization="q", compile=True, prepare_text_lengths="before-ready").apply_speed(Backend())
     assert calls == [
         ("quantize", "q"),
         ("compile",),
         ("warm_up",),
-        ("prepare_text_lengths",),
+        ("prepare_text_lengths", "now"),
         ("release", "cpu"),  # what quantisation and the warm-up left reserved, as `dicache serve` does
         ("freeze",),
     ]
     calls.clear()
-    ReplicaSpec(prepare_text_lengths=False).apply_speed(Backend())
+    ReplicaSpec(compile=True).apply_speed(Backend())  # the default: the lengths follow once the replica is ready
+    assert calls == [
+        ("compile",),
+        ("warm_up",),
+        ("release", "cpu"),
+        ("freeze",),
+        ("prepare_text_lengths", "background"),
+    ]
+    calls.clear()
+    ReplicaSpec(prepare_text_lengths="off").apply_speed(Backend())
     assert calls == [("release", "cpu"), ("freeze",)]
 
 

@@ -9,16 +9,19 @@
 # Wheels: those of benchmarks/gpu/fast_path.sh's header (torchao, fastapi, uvicorn, pydantic...) plus nvidia-ml-py
 # (the GPU health metrics; pure Python): add `nvidia-ml-py==13.615.71` to its `pip download` line, carry [".whl"].
 #
-#   serve     bench_startup.py --runs cold artifact artifact-nolengths: a full-size random checkpoint written to local
+#   serve     bench_startup.py --runs cold artifact artifact-before: a full-size random checkpoint written to local
 #             disk (about 34 GB, ~1 min), the disk's read rate with the page cache dropped, then fresh `dicache serve`
-#             processes (empty caches, tmp, home; page cache dropped): `cold` (no artifact: compiles, saves it; target
-#             ready <= 150 s), `artifact` (target: first answer <= 30 s after the process starts), `artifact-nolengths`
-#             (the same without --prepare-text-lengths), each with its phases, first request vs steady state (target
+#             processes (empty caches, tmp, home; page cache dropped): `cold` (no artifact: compiles, saves it and the
+#             FP8 transformer; target ready <= 150 s), `artifact` (the defaults: FP8 weights from the artifact folder,
+#             read while importing, prompt lengths after ready; target: first answer <= 30 s after the process
+#             starts), `artifact-before` (the 2026-12-05 start-up: bf16 read and quantised, prompt lengths before
+#             ready), each with its phases, first request vs steady state (target
 #             within 5 %), the checkpoint's read rate vs the disk's (target >= 80 %), start-up vs serving GPU peak as
 #             nvidia-smi sees it (target <= +1 GB) and per process. Runs that would overrun --deadline are skipped and
 #             say so.                                                                                  (~8.5 min)
-#   tests     the GPU tests of the compile artifact (the FP8 path's round trip: a second fresh process compiles from
-#             cache hits only) and of the GPU health metrics (NVML through pynvml)                       (~2 min)
+#   tests     the GPU tests of the compile artifact (the FP8 path's round trip: a second fresh process, its FP8
+#             weights read from the snapshot, compiles from cache hits only), of the FP8 weight snapshot, of the
+#             prompt lengths on the denoise thread and of the GPU health metrics (NVML through pynvml)   (~3 min)
 #   generate  bench_startup.py --runs generate: `dicache generate --compile` for one 1024² image from a fresh
 #             process without and then with its artifact (wall time of each)                             (~6 min)
 #   artifact  on a machine still warm from `serve` (checkpoint and artifact kept): the artifact runs again (~3 min)
@@ -45,12 +48,13 @@ wheels() {
 }
 
 serve() {
-  timeout 540 python3 benchmarks/bench_startup.py --runs cold artifact artifact-nolengths --deadline 500 \
+  timeout 540 python3 benchmarks/bench_startup.py --runs cold artifact artifact-before --deadline 500 \
     --checkpoint "$checkpoint" --out "$out" --results "$results" 2>&1 | tee "$out/bench-serve.log" | tail -n 60
 }
 
 tests() {
-  timeout 240 python3 -m pytest -m gpu tests/test_compile_artifact.py tests/test_gpu_health.py -p no:cacheprovider \
+  timeout 240 python3 -m pytest -m gpu tests/test_compile_artifact.py tests/test_gpu_health.py tests/test_weight_snapshot.py \
+    tests/test_text_lengths.py tests/test_server_stages.py -p no:cacheprovider \
     -q -s 2>&1 | tee "$out/gpu-tests.log" | tail -n 40
 }
 

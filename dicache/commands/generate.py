@@ -38,6 +38,7 @@ from .speed import (
     compile_artifact_store,
     speed_spec,
     text_encoder_quantization,
+    weight_store,
 )
 
 VIDEO_FPS = 16.0
@@ -342,6 +343,7 @@ def _generate(args: argparse.Namespace, ctx, config, use_cache: bool) -> int:
         offload_settings=offload,
         offload_limits=limits,
         cache_config=config,
+        weight_store=weight_store(args, at_load and not offload.any),
     )
     check_size(pipe, args)
     if describe(pipe):

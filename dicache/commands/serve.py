@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, DicacheError
+from ..models import prefetch
 from ..offload.settings import OffloadLimits
 from ..parallel import lockstep, parallelize_pipeline, setup_from_args
 from ..settings.profiles import cache_config as read_cache_config
@@ -17,7 +18,7 @@ from ..settings.profiles import describe_profile
 from .memory import describe, offload_settings
 from .serve_args import add_server_arguments, limits_from_args, settings_from_args
 from .serve_ray import add_ray_arguments, run_ray
-from .speed import apply_speed_options, compile_artifact_store, speed_spec, text_encoder_quantization
+from .speed import apply_speed_options, compile_artifact_store, speed_spec, text_encoder_quantization, weight_store
 
 HELP = (
     "serve Krea-2 over an OpenAI-compatible HTTP API (POST /v1/images/generations, GET /v1/models, /health, "
@@ -132,10 +133,15 @@ def start_backend(args: argparse.Namespace, ctx: Any, cache_config: Any, workers
         quantization=speed_spec(args) if at_load else None,
         text_encoder_quantization=text_encoder_quantization(args) if at_load else None,
         compile=args.compile and offload.any,
+        weight_store=weight_store(args, at_load and not offload.any),
     )
     for name, seconds in getattr(backend.pipe, "load_timings", {}).items():
         timeline.add(name, seconds)
     timeline.details["reads"] = read_rates(getattr(backend.pipe, "load_reads", {}))
+    if getattr(backend.pipe, "weight_snapshots", None):
+        timeline.details["weight_snapshots"] = backend.pipe.weight_snapshots
+    if prefetch.current() is not None:  # where the reading in the background stood when loading ended
+        timeline.details["prefetch"] = prefetch.current().report()
     if describe(backend.pipe):
         print(describe(backend.pipe), flush=True)
     parallelize_pipeline(backend.pipe, ctx)

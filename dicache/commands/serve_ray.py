@@ -53,6 +53,7 @@ def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> Repli
         quantization=speed_spec(args),
         compile=args.compile,
         compile_artifact=args.compile_artifact,
+        artifact_weights=args.artifact_weights,
         prepare_text_lengths=args.prepare_text_lengths,
         settings=settings_from_args(args),
         model=args.model,

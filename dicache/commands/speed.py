@@ -59,3 +59,12 @@ def compile_artifact_store(args: argparse.Namespace) -> Any:
     if not getattr(args, "compile", False):
         return None
     return artifact_store(getattr(args, "compile_artifact", None))
+
+
+def weight_store(args: argparse.Namespace, at_load: bool = True) -> Any:
+    """Where loading keeps and finds the quantised transformer (`weight_snapshot`): the compile-artifact store, with
+    `--compile`, `--artifact-weights` (on by default) and a quantization applied while loading (`at_load`), else
+    None."""
+    if not at_load or not getattr(args, "artifact_weights", True) or speed_spec(args) is None:
+        return None
+    return compile_artifact_store(args)

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     timeline.imports_done()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.compile = True
-    args.prepare_text_lengths = False  # per-thread attention plans: nothing of them goes into the artifact
+    args.prepare_text_lengths = "off"  # per-thread attention plans: nothing of them goes into the artifact
     store = compile_artifact_store(args)
     if store is None:
         raise ConfigError(

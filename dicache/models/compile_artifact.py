@@ -238,7 +238,7 @@ def save_artifact(
             "notes": dict(notes or {}),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
-        _replace_folder(staging, folder)
+        replace_folder(staging, folder)
         staging = None
     except OSError as exc:
         return outcome("not_saved", f"cannot write it ({type(exc).__name__}: {exc}); serving goes on without it")
@@ -358,7 +358,7 @@ def _unpack(tar_path: pathlib.Path, targets: Mapping[str, pathlib.Path]) -> int:
     return written
 
 
-def _replace_folder(staging: pathlib.Path, folder: pathlib.Path) -> None:
+def replace_folder(staging: pathlib.Path, folder: pathlib.Path) -> None:
     """Rename `staging` to `folder`, moving a folder already there out of the way first (and deleting it after)."""
     old = None
     if folder.exists():

@@ -79,6 +79,14 @@ class SpeedOptions(QuantizationOptions):
         help="auto: read the checkpoint's weights; dummy: random weights from its config files alone, for speed and "
         "memory measurements (SGLang's flag)",
     )
+    prefetch_weights: bool = option(
+        True,
+        flag="--prefetch-weights",
+        switch=True,
+        help="serve, warmup and generate with a local --model folder: read its weight files (or its quantised "
+        "weights in the artifact folder) into the page cache from the process's first instant, while it imports, so "
+        "that loading finds them there (docs/startup.md)",
+    )
     compile: bool = option(
         False,
         flag="--compile",
@@ -95,6 +103,14 @@ class SpeedOptions(QuantizationOptions):
         "software, quantization and shapes is loaded before compiling, so nothing in it is compiled again; if there "
         "is none, the compiled code is saved there afterwards (when the folder is writable). Write one with "
         "`dicache warmup`",
+    )
+    artifact_weights: bool = option(
+        True,
+        flag="--artifact-weights",
+        switch=True,
+        help="with --compile-artifact and --quantization: keep the quantised transformer in the artifact folder as "
+        "well (about half its checkpoint's bytes for FP8, one copy per checkpoint and quantization) and read it from "
+        "there on later starts, without quantising (docs/startup.md)",
     )
 
 

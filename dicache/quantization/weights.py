@@ -212,22 +212,33 @@ def quantize_transformer(
     """
     if isinstance(spec, str):
         spec = QuantizationSpec(method=spec)
-    keep = only if only is not None else (lambda name: True)
-    names = {name for name in selected_linears(model, spec) if keep(name)}
+    names, chosen = quantized_structure(model, spec, only=only)
     if not names:
-        if only is not None:
-            return []
-        raise QuantizationError(f"quantization={spec.method!r}: the include/exclude patterns select no linear")
-    chosen = set(names)
-    if spec.join_projections:  # the scope: what the include patterns select, exclusions aside
-        scope = {name for name in selected_linears(model, replace(spec, exclude=())) if keep(name)}
-        chosen = join_selected(model, chosen, scope)
+        return []
     if spec.method == "int8":
         int8_linears(model, chosen)
     else:
         fp8_linears(model, chosen)
     model.quantization = spec
     return sorted(names)
+
+
+def quantized_structure(
+    model: nn.Module, spec: QuantizationSpec, *, only: Callable[[str], bool] | None = None
+) -> tuple[list[str], set[str]]:
+    """Give `model` the module structure `quantize_transformer(model, spec, only=only)` leaves, without quantising:
+    the projections it joins, joined (on any device, the meta device included: a quantised snapshot is loaded into
+    this structure). Returns the selected linears' names and the names of the linears to quantise (joined ones by
+    their joint name). Selecting nothing is a `QuantizationError` unless `only` is given."""
+    keep = only if only is not None else (lambda name: True)
+    names = sorted(name for name in selected_linears(model, spec) if keep(name))
+    if not names and only is None:
+        raise QuantizationError(f"quantization={spec.method!r}: the include/exclude patterns select no linear")
+    chosen = set(names)
+    if names and spec.join_projections:  # the scope: what the include patterns select, exclusions aside
+        scope = {name for name in selected_linears(model, replace(spec, exclude=())) if keep(name)}
+        chosen = join_selected(model, chosen, scope)
+    return names, chosen
 
 
 def join_selected(model: nn.Module, selected: set[str], scope: set[str]) -> set[str]:

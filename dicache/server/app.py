@@ -262,7 +262,9 @@ def create_app(
             },
             "memory": memory_breakdown(getattr(backend, "pipe", None)),
             "gc": GC_PAUSES.snapshot(),
-            "startup": getattr(backend, "startup", None),
+            "startup": backend.startup_report()
+            if hasattr(backend, "startup_report")
+            else getattr(backend, "startup", None),
         }
 
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too

@@ -72,6 +72,7 @@ from .memory import release_cached_memory
 from .stages import GenerationStages, inline
 from .startup import StartupTimeline
 from .stop_points import install_stop_points
+from .text_lengths import TextLengthPreparation
 
 
 class GenerationStopped(Exception):
@@ -236,6 +237,9 @@ class PipelineBackend:
         self._stages: GenerationStages | None = None
         self._stages_lock = threading.Lock()
         self._one_at_a_time = threading.Lock()  # the unstaged mode runs whole generations one by one
+        self._in_flight, self._in_flight_lock = 0, threading.Lock()
+        self.text_lengths: TextLengthPreparation | None = None  # `prepare_text_lengths(background=True)`
+        self.startup: dict[str, Any] | None = None  # `ready_to_serve`'s phases
         self._digests = ThreadPoolExecutor(1, thread_name_prefix="dicache-digest")
         self._install_stop_checks()
 
@@ -261,6 +265,8 @@ class PipelineBackend:
         released first), `NonFiniteOutputError` (no image encoded), or the pipeline's error."""
         start = time.perf_counter()
         token = _should_stop.set(should_stop)
+        with self._in_flight_lock:
+            self._in_flight += 1
         try:
             _check_stop()  # abandoned while it waited for this worker
             stages = self.stages()
@@ -273,6 +279,8 @@ class PipelineBackend:
             traceback.clear_frames(exc.__traceback__)  # `_phases`' frame holds the earlier phases' outputs
         finally:
             _should_stop.reset(token)
+            with self._in_flight_lock:
+                self._in_flight -= 1
         release_after_oom(self.pipe.device)
         raise failure  # a fresh exception: its traceback starts here and holds no tensor
 
@@ -422,20 +430,46 @@ class PipelineBackend:
         """The key of this backend's compile artifact: the pipeline's (`compile_key`) for `warm_up_shapes`."""
         return self.pipe.compile_key(self.warm_up_shapes())
 
-    def prepare_text_lengths(self) -> dict[str, Any]:
-        """Before serving, on the denoise phase's thread: every prompt length met once at the default size
-        (`pipe.prepare_text_lengths`), so that a prompt of a length the server has not seen costs no attention
+    def busy(self) -> bool:
+        """Whether a generation is in flight (from the worker's call of `generate` until it returns)."""
+        with self._in_flight_lock:
+            return self._in_flight > 0
+
+    def prepare_text_lengths(self, background: bool = False, **preparation: Any) -> dict[str, Any]:
+        """Every prompt length met once at the default size (`pipe.prepare_text_lengths`) on the denoise phase's
+        thread, where requests meet them, so that a prompt of a length the server has not seen costs no attention
         set-up (cuDNN's plan per shape and thread: 50-75 ms per new length on an H200). Only on CUDA with the phases
-        staged (offloaded and split pipelines run elsewhere); returns the lengths and seconds, or {} where skipped."""
+        staged (offloaded and split pipelines run elsewhere); returns {} where skipped.
+
+        At once (returns the lengths and seconds), or with `background` between requests
+        (`text_lengths.TextLengthPreparation`, its keyword arguments in `preparation`: a chunk at a time while no
+        generation is in flight); returns how many lengths it will meet, and `text_lengths` shows its progress."""
         stages = self.stages()
         if stages is None or self.pipe.device.type != "cuda" or not hasattr(self.pipe, "prepare_text_lengths"):
             return {}
-        start = time.perf_counter()
         size = (self.defaults.height, self.defaults.width)
-        lengths = stages.run("denoise", lambda: self.pipe.prepare_text_lengths(*size))  # returns once the GPU is done
+
+        def prepare(lengths=None) -> int:  # returns once the GPU is done
+            return stages.run("denoise", lambda: self.pipe.prepare_text_lengths(*size, lengths=lengths))
+
+        if background:
+            self.text_lengths = TextLengthPreparation(prepare, self.pipe.text_lengths(), self.busy, **preparation)
+            self.text_lengths.start()
+            return {"lengths": len(self.text_lengths.lengths), "background": True}
+        start = time.perf_counter()
+        lengths = prepare()
         return {"lengths": lengths, "seconds": round(time.perf_counter() - start, 2)}
 
+    def startup_report(self) -> dict[str, Any] | None:
+        """`startup` (the phases `ready_to_serve` recorded) with the background preparation's progress now."""
+        report = self.startup
+        if report is not None and self.text_lengths is not None:
+            report = {**report, "text_lengths": self.text_lengths.progress()}
+        return report
+
     def close(self) -> None:
+        if self.text_lengths is not None:
+            self.text_lengths.close()
         if self._stages is not None:
             self._stages.close()
         self._digests.shutdown(wait=True)
@@ -526,6 +560,7 @@ def load_backend(
     quantization: Any = None,
     text_encoder_quantization: str | None = None,
     compile: bool = False,
+    weight_store: str | os.PathLike | None = None,
 ) -> PipelineBackend:
     """Load the native Krea-2 pipeline (`model` None: the embedded checkpoint, its Turbo student for `variant`
     "turbo"; device None: cuda if available) and
@@ -534,7 +569,7 @@ def load_backend(
     `cache_dit_params` merge over them. `offload` / `offload_limits`: the memory options and the largest request
     their plan holds. `quantization` / `text_encoder_quantization` / `compile` are applied while loading, in
     `Krea2Pipeline.from_pretrained`'s order: quantize (each block as it is read), plan and place (with offload),
-    compile."""
+    compile. `weight_store`: where the quantised transformer is kept and found (`Krea2Pipeline.from_pretrained`)."""
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
@@ -557,6 +592,7 @@ def load_backend(
         compile=compile,
         offload_settings=offload,
         offload_limits=offload_limits,
+        weight_store=weight_store,
         cache_config=config,
     )
     release_cached_memory(pipe.device)  # what loading left reserved (e.g. bf16 weights replaced by FP8 ones)
@@ -567,17 +603,19 @@ def ready_to_serve(
     backend: PipelineBackend,
     *,
     warm_up: bool,
-    prepare_text_lengths: bool,
+    prepare_text_lengths: str,
     report: Callable[[str], None],
     compile_artifact: str | os.PathLike | None = None,
     timeline: StartupTimeline | None = None,
 ) -> None:
     """The last start-up steps of a loaded (quantised, compiled, split) backend, the same in `dicache serve` and in
     each Ray Serve replica: with `warm_up`, the warm-up generations (compiling, so the first request is not the slow
-    one); with `prepare_text_lengths`, every prompt length met once (after the warm-up: the compiled blocks then take
-    any length); then the allocator's unused blocks handed back and the peak counters reset (what quantisation and
-    the warm-up left reserved: the serving peak starts here), and every object alive frozen for the garbage collector
-    (`gc_pauses`). `report` gets one line per step that did something, and a last one with the start-up's phases.
+    one); `prepare_text_lengths` (`settings.TEXT_LENGTH_MODES`): "before-ready", every prompt length met once (after
+    the warm-up: the compiled blocks then take any length); then the allocator's unused blocks handed back and the
+    peak counters reset (what quantisation and the warm-up left reserved: the serving peak starts here), and every
+    object alive frozen for the garbage collector (`gc_pauses`); "background": the lengths met after that, between
+    requests (`PipelineBackend.prepare_text_lengths`). `report` gets one line per step that did something, and one
+    with the start-up's phases.
 
     `compile_artifact`: a compile-artifact store (`dicache.models.compile_artifact`, `--compile-artifact`). With
     `warm_up`, the artifact of this backend's key (`PipelineBackend.compile_key`) is put into the compile caches
@@ -597,7 +635,7 @@ def ready_to_serve(
             result = backend.warm_up()
         timeline.details["warm_up"] = result
         report(f"warm-up (compile): {result}")
-    if prepare_text_lengths:
+    if prepare_text_lengths == "before-ready":
         with timeline.phase("text_lengths"):
             prepared = backend.prepare_text_lengths()
         if prepared:
@@ -611,3 +649,10 @@ def ready_to_serve(
     freeze_start_up_objects()
     backend.startup = timeline.to_dict()
     report(timeline.line())
+    if prepare_text_lengths == "background":  # after the report: ready means serving; the lengths follow
+
+        def finished(progress: dict[str, Any]) -> None:
+            report(f"prompt lengths prepared in the background: {progress}")
+
+        if backend.prepare_text_lengths(background=True, on_done=finished):
+            report("preparing prompt lengths in the background, between requests")

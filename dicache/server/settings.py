@@ -15,13 +15,32 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from ..errors import ConfigError
 from ..settings.options import FlagOptions, Options, option
 
 API_KEY_ENV = "DICACHE_API_KEY"
 """The API key's environment variable (`--api-key` wins over it)."""
+
+TEXT_LENGTH_MODES: dict[str, str] = {
+    "background": "after the server is ready, between requests, two lengths at a time (a request waits for at "
+    "most one such chunk, about 0.15 s on an H200; a length not met yet pays its own set-up)",
+    "before-ready": "before the server is ready (about 22 s for Krea-2 at 1024² on an H200)",
+    "off": "never",
+}
+"""`--prepare-text-lengths`: when every prompt length is met once (`backend.ready_to_serve`)."""
+TextLengthMode = Literal["background", "before-ready", "off"]
+
+
+def read_text_length_mode(value: str | bool) -> str:
+    """A `--prepare-text-lengths` value: a mode of `TEXT_LENGTH_MODES`, or true / false (the earlier switch's words,
+    for "before-ready" / "off"). Anything else is returned as given, for the declaration to refuse by name."""
+    if isinstance(value, bool):
+        return "before-ready" if value else "off"
+    word = value.strip().lower()
+    return {"true": "before-ready", "1": "before-ready", "false": "off", "0": "off"}.get(word, word)
+
 
 ANSWER_TIMEOUT_S = 10.0
 """Seconds a drain waits for the answers of the generations it stopped (after `drain_grace_s`)."""
@@ -201,14 +220,20 @@ class ServerProcessOptions(FlagOptions):
     torch_threads: int | None = option(
         None, flag="--torch-threads", ge=1, default_text="torch's", help="CPU threads per torch op"
     )
-    prepare_text_lengths: bool = option(
-        True,
+    prepare_text_lengths: TextLengthMode = option(
+        "background",
         flag="--prepare-text-lengths",
-        switch=True,
-        help="on CUDA, before serving: meet every prompt length once at the default size (about 25 s for Krea-2 "
-        "at 1024² on an H200), so that a prompt of a new length costs no attention set-up in its request (about "
-        "60 ms each otherwise, once per length)",
+        read=read_text_length_mode,
+        help="on CUDA, meet every prompt length once at the default size, so that a prompt of a new length costs no "
+        "attention set-up in its request (about 60 ms each otherwise, once per length): "
+        + "; ".join(f"{mode}: {what}" for mode, what in TEXT_LENGTH_MODES.items()),
     )
+
+    @field_validator("prepare_text_lengths", mode="before")
+    @classmethod
+    def _text_length_mode(cls, value: Any) -> Any:
+        return read_text_length_mode(value) if isinstance(value, (bool, str)) else value
+
     api_key: str | None = option(
         None,
         flag="--api-key",

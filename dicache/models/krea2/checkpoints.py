@@ -29,7 +29,9 @@ from dicache.models.loading import (
     read_json,
     resolve_component_dir,
 )
+from dicache.models.weight_snapshot import WeightSnapshots, load_or_build, snapshot_key
 from dicache.quantization import QuantizationError, QuantizationSpec, quantize_text_encoder, quantize_transformer
+from dicache.quantization.weights import quantized_structure
 
 EMBEDDED_CHECKPOINT = pathlib.Path(__file__).resolve().parents[2] / "assets" / "krea2-tiny"
 """The small trained Krea-2-architecture checkpoint shipped with dicache (the default model)."""
@@ -48,6 +50,8 @@ def load_components(
     text_encoder_quantization: str | None = None,
     timings: dict[str, float] | None = None,
     reads: dict[str, dict[str, float]] | None = None,
+    weight_store: str | os.PathLike | None = None,
+    snapshots: dict[str, dict[str, Any]] | None = None,
     **hub_kwargs: Any,
 ) -> dict[str, Any]:
     """The keyword arguments of `Krea2Pipeline(...)` for the checkpoint at `path_or_repo_id` (see
@@ -63,6 +67,11 @@ def load_components(
     receives seconds by phase: `imports` (transformers' model code), `weights` (reading or drawing the weights) and
     `quantization`; `reads` (when given),
     per component read from files: `seconds` of reading (quantisation excluded) and `bytes` of its weight files.
+
+    `weight_store` (a compile-artifact store, `--compile-artifact`): with `quantization`, the quantised transformer is
+    read from its snapshot there (`weight_snapshot`: no quantisation, the quantised bytes) when one was saved for
+    this checkpoint and quantisation, and saved there after quantising when none was; `snapshots` (when given)
+    receives each outcome by name (`transformer`, `transformer_saved`).
     """
     root = resolve_component_dir(path_or_repo_id, None, **hub_kwargs)
     index = read_json(root, "model_index.json")
@@ -81,23 +90,15 @@ def load_components(
 
     weights = dict(dtype=dtype, device=device, load_format=load_format, **hub_kwargs)
     clock = _PhaseClock()
-
-    def quantize_block(model: Krea2Transformer, name: str) -> None:
-        with clock.phase("quantization"):
-            quantize_transformer(model, quantization, only=lambda linear: linear.startswith(name + "."))
-
-    with clock.phase("weights", _weight_bytes(root / "transformer", load_format), "transformer"):
-        transformer = Krea2Transformer.from_pretrained(
-            path_or_repo_id,
-            subfolder="transformer",
-            on_block=quantize_block if quantization is not None else None,
-            **weights,
-        )
-    if quantization is not None:
-        blocks = tuple(name + "." for name in transformer.block_names())
-        with clock.phase("quantization"):  # whatever the selection holds outside the blocks (nothing by default)
-            quantize_transformer(transformer, quantization, only=lambda linear: not linear.startswith(blocks))
-        transformer.quantization = quantization
+    transformer = load_transformer(
+        path_or_repo_id,
+        quantization,
+        weight_store,
+        clock=clock,
+        outcomes=snapshots,
+        bytes=_weight_bytes(root / "transformer", load_format),
+        **weights,
+    )
     scheduler = FlowMatchEulerScheduler.from_pretrained(path_or_repo_id, subfolder="scheduler", **hub_kwargs)
     text_encoder = None
     text_source = source("tokenizer", "text_encoder")
@@ -133,6 +134,70 @@ def load_components(
         default_size=(int(size[0]), int(size[1])),
         sample_prompts=extras.get("sample_prompts", base_extras.get("sample_prompts")),
     )
+
+
+def load_transformer(
+    path_or_repo_id: str | os.PathLike,
+    quantization: QuantizationSpec | None = None,
+    weight_store: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    clock: _PhaseClock | None = None,
+    outcomes: dict[str, Any] | None = None,
+    bytes: int = 0,
+    **hub_kwargs: Any,
+) -> Krea2Transformer:
+    """The checkpoint's transformer on `device`, quantised by `quantization` as each block is read, or read from its
+    quantised snapshot in `weight_store` (see `load_components`), which is saved there when there was none. `clock`
+    times the phases (`weights`, `quantization`, `snapshot_save`; `bytes`: the checkpoint's, for its read rate),
+    `outcomes` receives the snapshot's (`transformer`, `transformer_saved`)."""
+    clock = clock if clock is not None else _PhaseClock()
+    outcomes = outcomes if outcomes is not None else {}
+    store = WeightSnapshots(weight_store) if weight_store is not None and quantization is not None else None
+    if load_format != "auto":
+        store = None
+    if store is not None:
+        folder = pathlib.Path(resolve_component_dir(path_or_repo_id, "transformer", **hub_kwargs))
+        key = snapshot_key("transformer", folder, repr(quantization), dtype)
+        with clock.phase("weights"):
+            transformer, found = load_or_build(
+                store,
+                key,
+                lambda: Krea2Transformer.from_config(read_json(folder, "config.json"), folder),
+                lambda model: quantized_structure(model, quantization),
+                device,
+            )
+        outcomes["transformer"] = found.to_dict()
+        if transformer is not None:
+            clock.reads["transformer"] = {"seconds": found.seconds, "bytes": found.bytes}
+            transformer.quantization = quantization
+            return transformer
+
+    def quantize_block(model: Krea2Transformer, name: str) -> None:
+        with clock.phase("quantization"):
+            quantize_transformer(model, quantization, only=lambda linear: linear.startswith(name + "."))
+
+    with clock.phase("weights", bytes, "transformer"):
+        transformer = Krea2Transformer.from_pretrained(
+            path_or_repo_id,
+            subfolder="transformer",
+            dtype=dtype,
+            device=device,
+            load_format=load_format,
+            on_block=quantize_block if quantization is not None else None,
+            **hub_kwargs,
+        )
+    if quantization is not None:
+        blocks = tuple(name + "." for name in transformer.block_names())
+        with clock.phase("quantization"):  # whatever the selection holds outside the blocks (nothing by default)
+            quantize_transformer(transformer, quantization, only=lambda linear: not linear.startswith(blocks))
+        transformer.quantization = quantization
+    if store is not None:
+        with clock.phase("snapshot_save"):
+            outcomes["transformer_saved"] = store.save(key, transformer).to_dict()
+    return transformer
 
 
 class _PhaseClock:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +170,7 @@ class Krea2Pipeline(PipelineOptimizations):
         offload_settings: OffloadSettings | None = None,
         offload_limits: OffloadLimits | None = None,
         cache_config: Any = None,
+        weight_store: str | os.PathLike | None = None,
         **kwargs: Any,
     ) -> Krea2Pipeline:
         """Load a diffusers-layout Krea-2 folder or hub repo (None: the embedded checkpoint).
@@ -184,7 +185,10 @@ class Krea2Pipeline(PipelineOptimizations):
         and memory measurements). `quantization="fp8"` quantises each transformer block as soon as its weights are
         read, and `text_encoder_quantization` (`quantize_text_encoder`'s methods) the text encoder right after it
         loads, so that loading never holds the bf16 model whole; the same model as `quantize` after loading.
-        `compile=True` applies `compile` after loading (for a model split over GPUs, load it unquantised and call
+        `weight_store` (a compile-artifact folder, `--compile-artifact`): the quantised transformer is read from its
+        snapshot there when one fits this checkpoint and quantisation, else quantised and saved there
+        (`checkpoints.load_components`; the outcomes in `weight_snapshots`). `compile=True` applies `compile` after
+        loading (for a model split over GPUs, load it unquantised and call
         `quantize` and `compile` yourself after `dicache.parallel.parallelize_pipeline`). `load_timings` then holds
         the seconds spent reading weights and quantising (`weights`, `quantization`), `load_reads` each component's
         read seconds and file bytes (`load_components`).
@@ -209,6 +213,7 @@ class Krea2Pipeline(PipelineOptimizations):
             raise QuantizationError("text_encoder_quantization cannot be combined with the memory (offload) options")
         timings: dict[str, float] = {}
         reads: dict[str, dict[str, float]] = {}
+        snapshots: dict[str, dict[str, Any]] = {}
         pipe = cls(
             **load_components(
                 path_or_repo_id,
@@ -220,11 +225,13 @@ class Krea2Pipeline(PipelineOptimizations):
                 text_encoder_quantization=text_encoder_quantization,
                 timings=timings,
                 reads=reads,
+                weight_store=None if offload.any else weight_store,
+                snapshots=snapshots,
                 **kwargs,
             )
         )
         pipe.source = str(path_or_repo_id)
-        pipe.load_timings, pipe.load_reads = timings, reads
+        pipe.load_timings, pipe.load_reads, pipe.weight_snapshots = timings, reads, snapshots
         if text_encoder_quantization is not None:
             pipe.text_encoder_quantization = text_encoder_quantization
         # order: quantize (the memory plan reads the weights' actual bytes), plan and place, compile
@@ -261,13 +268,26 @@ class Krea2Pipeline(PipelineOptimizations):
             raise ValueError("this pipeline has no text encoder: its text lengths are unknown")
         return range(self.text_encoder.suffix_len, self.text_encoder.max_sequence_length + 1)
 
-    def prepare_text_lengths(self, height: int | None = None, width: int | None = None) -> int:
-        """Meet every prompt length once at this size (default: the default size), on this thread, so that no
-        request pays a length's first-call set-up (`Krea2Transformer.prepare_text_lengths`). Returns the lengths."""
+    def prepare_text_lengths(
+        self, height: int | None = None, width: int | None = None, lengths: Iterable[int] | None = None
+    ) -> int:
+        """Meet every prompt length (or those in `lengths`, a part of `text_lengths()`) once at this size (default:
+        the default size), on this thread, so that no request pays a length's first-call set-up
+        (`Krea2Transformer.prepare_text_lengths`). Returns the number of lengths met."""
         default_height, default_width = self.default_size
         rows, cols = self.latent_grid(height or default_height, width or default_width)
         positions = self.position_ids(rows, cols, self.device)[-rows * cols :]
-        return self.transformer.prepare_text_lengths(positions, self.text_lengths())
+        every = self.text_lengths()
+        if lengths is None:
+            lengths = every
+        else:
+            lengths = list(lengths)
+            outside = [n for n in lengths if n not in every]
+            if outside:
+                raise ValueError(
+                    f"prepare_text_lengths: lengths {outside} are not prompt lengths ({every.start}..{every.stop - 1})"
+                )
+        return self.transformer.prepare_text_lengths(positions, lengths)
 
     def encode_prompt(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts -> `(embeds (B, L, layers, D) on the text encoder's device, mask (B, L) bool)`. A

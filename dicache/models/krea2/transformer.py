@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import pathlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -679,6 +680,13 @@ class Krea2Transformer(nn.Module):
         return cls(**_constructor_kwargs(cls, config, source))
 
     @classmethod
+    def from_config(cls, config: dict, directory: os.PathLike) -> Krea2Transformer:
+        """The model a component folder's parsed `config.json` describes (`directory`: that folder, for messages);
+        its weights as the current device gives them (build it under `torch.device("meta")` to load them).
+        `CheckpointError` for a key the constructor does not take."""
+        return cls(**_constructor_kwargs(cls, config, str(pathlib.Path(directory) / "config.json")))
+
+    @classmethod
     def from_pretrained(
         cls,
         path_or_repo_id: str | os.PathLike,
@@ -702,7 +710,7 @@ class Krea2Transformer(nn.Module):
         return load_component(
             path_or_repo_id,
             subfolder,
-            lambda config, directory: cls(**_constructor_kwargs(cls, config, str(directory / "config.json"))),
+            cls.from_config,
             dtype=dtype,
             device=device,
             load_format=load_format,

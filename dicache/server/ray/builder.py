@@ -58,6 +58,7 @@ def replica_from_options(
         quantization=parse_quantization(load.quantization, load.quantization_exclude),
         compile=load.compile,
         compile_artifact=load.compile_artifact,
+        artifact_weights=load.artifact_weights,
         prepare_text_lengths=load.prepare_text_lengths,
     )
     return spec, serve_options(split[RayServeOptions], spec, cluster_gpus)

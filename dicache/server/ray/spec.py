@@ -41,7 +41,8 @@ class ReplicaSpec:
     quantization: Any = None  # a validated `QuantizationSpec` (`--quantization fp8`) or None
     compile: bool = False
     compile_artifact: str | None = None  # `--compile-artifact`; None: DICACHE_COMPILE_ARTIFACT of the replica's process
-    prepare_text_lengths: bool = True  # `--prepare-text-lengths` (CUDA only: PipelineBackend.prepare_text_lengths)
+    artifact_weights: bool = True  # `--artifact-weights`: the quantised transformer kept in the artifact store
+    prepare_text_lengths: str = "background"  # `--prepare-text-lengths` (`settings.TEXT_LENGTH_MODES`; CUDA only)
     drain_board: str | None = None  # the driver's `drain.DrainBoard` actor; None: no driver to follow
 
     @property
@@ -65,7 +66,15 @@ class ReplicaSpec:
             default_size=self.default_size,
             load_format=self.load_format,
             quantization=self.quantization if self.world_size == 1 else None,
+            weight_store=self.weight_store(),
         )
+
+    def weight_store(self) -> Any:
+        """Where a replica in one process keeps and finds its quantised transformer: the artifact store, with
+        compile, quantization and `artifact_weights` (`weight_snapshot`); else None."""
+        if not (self.compile and self.artifact_weights and self.quantization is not None and self.world_size == 1):
+            return None
+        return artifact_store(self.compile_artifact)
 
     def apply_speed(self, backend: Any) -> Any:
         """`--quantization` (unless loading did it) then `--compile` on a loaded (and, for a group, split) backend,

@@ -1,0 +1,220 @@
+"""A checkpoint's files read into the page cache while the process is still importing, so that loading finds them
+there (`--prefetch-weights`, on by default; docs/startup.md).
+
+A start of `dicache serve` spends seconds importing (torch, CUDA, the server, transformers) before the first weight
+is read; the disk is idle meanwhile. `start_prefetch` reads the files the load will read, in its order, on daemon
+threads, from before the first heavy import: the loader then reads at memory speed what the prefetch already read,
+and waits on the disk only for the rest. It imports nothing heavy (no torch), reads each file once, sequentially, in
+large reads, and keeps no data (the page cache holds it; the kernel may drop it again under memory pressure, at no
+cost but the reread).
+
+What is read (`files_to_prefetch`), for a local checkpoint folder: the transformer's weights, or, when the artifact
+store holds quantised weights of this very checkpoint (`weight_snapshot`: a manifest whose checkpoint fingerprint
+matches), the newest such snapshot instead; then the text encoder's and the VAE's weights (from the base checkpoint
+named in `dicache.json` for a partial checkpoint). A hub id, random weights (`--load-format dummy`) or a missing
+folder read nothing.
+
+`argv_request` finds the few options this needs in a command line before the command's parser exists (building it
+imports torch); the flags are the declarations' (`PREFETCH_FLAGS`, checked against them by tests/test_prefetch.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .snapshot_files import MANIFEST, PREFIX, checkpoint_fingerprint
+
+CHUNK_BYTES = 16 << 20
+THREADS = 4
+COMMANDS = ("serve", "generate", "warmup")
+"""The commands whose start reads a checkpoint the prefetch can know from its command line."""
+PREFETCH_FLAGS = {
+    "model": "--model",
+    "load_format": "--load-format",
+    "compile": "--compile",
+    "compile_artifact": "--compile-artifact",
+    "prefetch_weights": "--prefetch-weights",
+}
+"""The declared flags (`models.options`) the prefetch reads, by field name."""
+ARTIFACT_ENV = "DICACHE_COMPILE_ARTIFACT"  # `compile_artifact.ARTIFACT_ENV`, which imports torch
+
+
+def argv_request(argv: Sequence[str]) -> dict[str, Any] | None:
+    """What a command line asks the prefetch for: {"model", "store"} (the store: `--compile-artifact`, else
+    `DICACHE_COMPILE_ARTIFACT`, with `--compile`), or None when it reads nothing to prefetch (another command, no
+    local folder, random weights, `--prefetch-weights false`). Never raises: the command's own parser reports
+    a bad command line."""
+    argv = list(argv)
+    command = next((word for word in argv if not word.startswith("-")), None)
+    if command not in COMMANDS or "--help" in argv or "-h" in argv:
+        return None
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument(PREFETCH_FLAGS["model"])
+    parser.add_argument(PREFETCH_FLAGS["load_format"], default="auto")
+    parser.add_argument(PREFETCH_FLAGS["compile"], action="store_true")
+    parser.add_argument(PREFETCH_FLAGS["compile_artifact"])
+    parser.add_argument(PREFETCH_FLAGS["prefetch_weights"], nargs="?", const="true", default="true")
+    try:
+        known, _ = parser.parse_known_args(argv)
+    except SystemExit:  # a malformed flag: the command's parser says so
+        return None
+    if known.load_format != "auto" or str(known.prefetch_weights).strip().lower() in ("false", "0", "no", "off"):
+        return None
+    if known.model is None or not pathlib.Path(os.path.expanduser(known.model)).is_dir():
+        return None
+    store = known.compile_artifact if known.compile_artifact is not None else os.environ.get(ARTIFACT_ENV, "")
+    return {
+        "model": os.path.expanduser(known.model),
+        "store": os.path.expanduser(store) if known.compile and store.strip() else None,
+    }
+
+
+def _weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+
+
+def _snapshot_files(store: pathlib.Path | None, transformer: pathlib.Path) -> list[pathlib.Path]:
+    """The shards of the newest snapshot in `store` made from the checkpoint files in `transformer`, or []."""
+    if store is None or not store.is_dir():
+        return []
+    matching = []
+    fingerprint = None
+    for manifest in store.glob(f"{PREFIX}*/{MANIFEST}"):
+        try:
+            data = json.loads(manifest.read_text())
+            key = data["key"]
+            if fingerprint is None:
+                fingerprint = json.dumps(checkpoint_fingerprint(transformer), sort_keys=True)
+            if key.get("component") == "transformer" and key.get("checkpoint") == fingerprint:
+                matching.append((manifest.stat().st_mtime, manifest.parent, sorted(data.get("shards", {}))))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    if not matching:
+        return []
+    _, folder, shards = max(matching)
+    return [folder / name for name in shards]
+
+
+def files_to_prefetch(model: str | os.PathLike, store: str | os.PathLike | None = None) -> list[pathlib.Path]:
+    """The weight files a load of the local checkpoint `model` reads, in its order (module docstring)."""
+    root = pathlib.Path(model)
+    base = root
+    try:
+        pointer = json.loads((root / "dicache.json").read_text()).get("base_checkpoint")
+        if pointer and (root / pointer).is_dir():
+            base = root / pointer
+    except (OSError, ValueError, AttributeError):
+        pass
+    transformer = root / "transformer"
+    files = _snapshot_files(pathlib.Path(store) if store else None, transformer) or _weight_files(transformer)
+    for name in ("text_encoder", "vae"):
+        files += _weight_files(root / name if (root / name).is_dir() else base / name)
+    return files
+
+
+class Prefetch:
+    """Reads `files` on up to `threads` daemon threads, each file whole and in order (see the module docstring)."""
+
+    def __init__(self, files: Iterable[str | os.PathLike], threads: int = THREADS) -> None:
+        self.files = [pathlib.Path(f) for f in files]
+        self._next, self._lock = 0, threading.Lock()
+        self._bytes, self._errors = 0, 0
+        self._started = time.perf_counter()
+        self._ended: float | None = None
+        count = max(1, min(threads, len(self.files)))
+        self._threads = [
+            threading.Thread(target=self._work, name=f"dicache-prefetch-{i}", daemon=True) for i in range(count)
+        ]
+        self._running = len(self._threads) if self.files else 0
+
+    def start(self) -> Prefetch:
+        if self.files:
+            for thread in self._threads:
+                thread.start()
+        else:
+            self._ended = self._started
+        return self
+
+    def _work(self) -> None:
+        buffer = bytearray(CHUNK_BYTES)
+        while True:
+            with self._lock:
+                if self._next >= len(self.files):
+                    break
+                file = self.files[self._next]
+                self._next += 1
+            try:
+                read = _read_through(file, buffer)
+            except OSError:
+                read = None
+            with self._lock:
+                if read is None:
+                    self._errors += 1
+                else:
+                    self._bytes += read
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                self._ended = time.perf_counter()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self._ended is not None
+
+    def report(self) -> dict[str, Any]:
+        """Files, GB read, unreadable files, seconds so far (or until done), whether done."""
+        with self._lock:
+            end = self._ended if self._ended is not None else time.perf_counter()
+            return {
+                "files": len(self.files),
+                "GB": round(self._bytes / 1e9, 3),
+                "unreadable": self._errors,
+                "seconds": round(end - self._started, 2),
+                "done": self._ended is not None,
+            }
+
+
+def _read_through(file: pathlib.Path, buffer: bytearray) -> int:
+    """Read `file` from start to end into `buffer`, chunk after chunk (the page cache keeps it); returns its bytes."""
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        total, view = 0, memoryview(buffer)
+        while got := os.readv(fd, [view]):
+            total += got
+        return total
+    finally:
+        os.close(fd)
+
+
+_current: Prefetch | None = None
+
+
+def start_prefetch(argv: Sequence[str]) -> Prefetch | None:
+    """Start reading what the command line `argv` will load (`argv_request`, `files_to_prefetch`); the running
+    prefetch is `current()`. None where there is nothing to read."""
+    global _current
+    request = argv_request(argv)
+    if request is None:
+        return None
+    files = files_to_prefetch(request["model"], request["store"])
+    if not files:
+        return None
+    _current = Prefetch(files).start()
+    return _current
+
+
+def current() -> Prefetch | None:
+    """The prefetch this process started, if any."""
+    return _current

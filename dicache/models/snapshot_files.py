@@ -1,0 +1,36 @@
+"""The files of a weight snapshot (`weight_snapshot`) in plain Python, without torch, so that the prefetch
+(`prefetch`) can find a snapshot's shards before the process imports torch: the folder and manifest names, and the
+fingerprint of a file (its size and sampled bytes) that keys a snapshot to its checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+from typing import Any
+
+MANIFEST = "manifest.json"
+PREFIX = "weights-"
+"""A snapshot's folder in a store: `PREFIX` + the first 16 hex digits of its key's SHA-256."""
+SAMPLES = 16
+SAMPLE_BYTES = 64 << 10
+
+
+def fingerprint(file: str | os.PathLike) -> dict[str, Any]:
+    """`{"bytes": size, "sha256": ...}` of a file: SHA-256 over its first `SAMPLE_BYTES` (a safetensors header) and
+    `SAMPLES` stretches of `SAMPLE_BYTES` spread evenly through it. About 1 MB read per file, whatever its size."""
+    path = pathlib.Path(file)
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as fh:
+        for i in range(SAMPLES + 1):
+            fh.seek(i * max(0, size - SAMPLE_BYTES) // SAMPLES)
+            digest.update(fh.read(SAMPLE_BYTES))
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def checkpoint_fingerprint(folder: str | os.PathLike) -> dict[str, Any]:
+    """Each weight and JSON file of a component folder by name (`fingerprint`)."""
+    folder = pathlib.Path(folder)
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
+    return {p.name: fingerprint(p) for p in files}

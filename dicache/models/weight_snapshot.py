@@ -1,0 +1,272 @@
+"""Quantised weights kept beside the compile artifact, so that a fresh process reads them instead of quantising: an
+FP8 transformer is half its checkpoint's bytes, and the quantisation phase (about 9 s for full-size Krea-2 on an
+H200) disappears (docs/startup.md).
+
+A snapshot is one component's state after loading and quantising, in the component's final form: torchao's quantised
+weights flattened into plain tensors by torchao's own safetensors support (`flatten_tensor_state_dict`; their
+attributes as JSON), every other tensor as it is. Layout in a store (`--compile-artifact PATH`):
+`PATH/weights-<digest>/manifest.json` and `PATH/weights-<digest>/shard-00001.safetensors`, ..., `digest` the first 16
+hex digits of the key's SHA-256. Shards of at most `SHARD_BYTES`, read in parallel straight onto the device
+(`tensor_files.read_tensor_files`).
+
+The key (`snapshot_key`) is what the stored values depend on: the component's checkpoint files (`fingerprint`: each
+file's size and a SHA-256 of its header and of bytes sampled through it, so that a retrained checkpoint of the same
+shapes is another key), the quantisation, the dtype, and the torch, torchao and dicache versions that wrote it.
+
+`WeightSnapshots.load` and `.save` never raise for what a disk can do (none yet, another key, a truncated or altered
+shard, a read-only store): each logs one line on this module's logger and returns an `ArtifactOutcome`; the caller
+then loads and quantises the checkpoint as it would have anyway.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import pathlib
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .compile_artifact import DIGEST_CHARS, ArtifactKey, ArtifactOutcome, dicache_version, replace_folder
+from .snapshot_files import MANIFEST, PREFIX, checkpoint_fingerprint, fingerprint
+from .tensor_files import TensorFileError, read_tensor_files
+
+FORMAT = 1
+SHARD_BYTES = 2 << 30
+"""Largest shard: several shards of a large component are read in parallel."""
+log = logging.getLogger(__name__)
+INFO = logging.INFO
+
+
+def _version(module_name: str) -> str:
+    try:
+        return str(__import__(module_name).__version__)
+    except ImportError:
+        return "none"
+
+
+def snapshot_key(component: str, folder: str | os.PathLike, quantization: str, dtype: torch.dtype) -> ArtifactKey:
+    """The key of `component`'s snapshot: its checkpoint files in `folder`, `quantization` (its spec in words), the
+    dtype and the software that writes the values (module docstring)."""
+    return ArtifactKey(
+        {
+            "component": component,
+            "checkpoint": json.dumps(checkpoint_fingerprint(folder), sort_keys=True),
+            "quantization": quantization,
+            "dtype": str(dtype),
+            "torch": torch.__version__,
+            "torchao": _version("torchao"),
+            "dicache": dicache_version(),
+            "format": str(FORMAT),
+        }
+    )
+
+
+def flatten(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """`module`'s state as plain tensors and the JSON that rebuilds its torchao tensors ({} when it has none)."""
+    state = module.state_dict()
+    if all(type(t) in (torch.Tensor, nn.Parameter) for t in state.values()):
+        return {k: t.detach() for k, t in state.items()}, {}
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict  # only torchao weights
+
+    return flatten_tensor_state_dict(state)
+
+
+def unflatten(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """`flatten`'s inverse: the state dict, torchao's tensors rebuilt from `metadata`."""
+    if not metadata:
+        return tensors
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict  # only torchao weights
+
+    state, left = unflatten_tensor_state_dict(tensors, dict(metadata))
+    if left:
+        raise ValueError(f"tensors {sorted(left)[:4]} belong to no weight of the snapshot's metadata")
+    return state
+
+
+def assign_state(module: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Put `state` into `module` (built on the meta device, in its quantised structure) as its own tensors: exactly
+    its state dict's keys and logical shapes, else ValueError naming them. A torchao tensor becomes a parameter that
+    needs no gradient, as torchao's `quantize_` leaves it."""
+    expected = module.state_dict(keep_vars=True)
+    missing, unknown = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    wrong = [k for k in expected.keys() & state.keys() if tuple(expected[k].shape) != tuple(state[k].shape)]
+    if missing or unknown or wrong:
+        raise ValueError(
+            f"{source} does not fit {type(module).__name__}: missing {missing[:4]}, unknown {unknown[:4]}, "
+            f"wrong shape {sorted(wrong)[:4]}"
+        )
+    for key, tensor in state.items():
+        owner_name, _, name = key.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if name in owner._parameters:
+            setattr(owner, name, nn.Parameter(tensor, requires_grad=False))
+        else:
+            owner._buffers[name] = tensor
+    still_meta = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise ValueError(f"{source} leaves {type(module).__name__} tensors on the meta device: {still_meta[:4]}")
+
+
+class WeightSnapshots:
+    """The weight snapshots of one store (module docstring)."""
+
+    def __init__(self, store: str | os.PathLike) -> None:
+        self.store = pathlib.Path(store)
+
+    def folder(self, key: ArtifactKey) -> pathlib.Path:
+        return self.store / f"{PREFIX}{key.digest[:DIGEST_CHARS]}"
+
+    def _outcome(self, key: ArtifactKey, start: float, status: str, message: str, level: int, **extra: int):
+        log.log(level, "weight snapshot %s (%s): %s", self.store, key.fields.get("component", "?"), message)
+        seconds = round(time.perf_counter() - start, 3)
+        return ArtifactOutcome(status, str(self.folder(key)), seconds, message=message, **extra)
+
+    def load(self, key: ArtifactKey, module: nn.Module, device: torch.device | str) -> ArtifactOutcome:
+        """Fill `module` (built on the meta device and given its quantised structure) with the snapshot of `key`,
+        read straight onto `device`. Status `loaded`, or `absent` / `mismatch` / `unreadable` with `module` left
+        unusable (the caller builds and loads it from its checkpoint instead)."""
+        start = time.perf_counter()
+        folder = self.folder(key)
+        manifest_path = folder / MANIFEST
+
+        def outcome(status: str, message: str, level: int = logging.WARNING, **extra: int) -> ArtifactOutcome:
+            return self._outcome(key, start, status, message, level, **extra)
+
+        try:
+            if not manifest_path.is_file():
+                others = self._keys(key.fields.get("component"))
+                if not others:
+                    return outcome("absent", "none for this checkpoint and quantisation yet; quantising at load", INFO)
+                nearest = min(others, key=lambda fields: len(key.differences(fields)))
+                why = ", ".join(name.partition(":")[0] for name in key.differences(nearest))
+                return outcome(
+                    "mismatch",
+                    f"none for this key ({len(others)} for others; the nearest differs in: {why}); quantising at load",
+                )
+            manifest = json.loads(manifest_path.read_text())
+            if not isinstance(manifest, dict) or manifest.get("key") != dict(key.fields):
+                theirs = manifest.get("key") if isinstance(manifest, dict) else None
+                why = "; ".join(key.differences(theirs if isinstance(theirs, dict) else {})) or "format"
+                return outcome("mismatch", f"{folder.name} was written for another key ({why}); quantising at load")
+            shards = manifest.get("shards") or {}
+            files = [folder / name for name in sorted(shards)]
+            for file in files:
+                if fingerprint(file) != shards[file.name]:
+                    return outcome(
+                        "unreadable",
+                        f"{file} is truncated or altered (size or sampled bytes differ from "
+                        "the manifest); quantising at load",
+                    )
+            tensors = dict(read_tensor_files(files, device))
+            assign_state(module, unflatten(tensors, manifest.get("metadata") or {}), str(folder))
+        except (OSError, ValueError, TypeError, KeyError, TensorFileError) as exc:
+            return outcome("unreadable", f"cannot use it ({type(exc).__name__}: {exc}); quantising at load")
+        size = sum(shard["bytes"] for shard in shards.values())
+        return outcome(
+            "loaded",
+            f"loaded {folder.name} ({size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s",
+            logging.INFO,
+            files=len(files),
+            bytes=size,
+        )
+
+    def _keys(self, component: str | None) -> list[dict]:
+        """The keys of the store's readable snapshots of `component`."""
+        found = []
+        for manifest in sorted(self.store.glob(f"{PREFIX}*/{MANIFEST}")) if self.store.is_dir() else ():
+            try:
+                fields = json.loads(manifest.read_text()).get("key")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(fields, dict) and fields.get("component") == component:
+                found.append(fields)
+        return found
+
+    def save(self, key: ArtifactKey, module: nn.Module, shard_bytes: int = SHARD_BYTES) -> ArtifactOutcome:
+        """Write `module`'s state as the snapshot of `key`, replacing one of the same key; readers never see a
+        partial one (written beside it, then renamed into place). Never raises for a store that cannot be written."""
+        start = time.perf_counter()
+        folder = self.folder(key)
+        staging: pathlib.Path | None = None
+        try:
+            from safetensors.torch import save_file  # loading never needs it: `tensor_files` reads the format
+
+            tensors, metadata = flatten(module)
+            self.store.mkdir(parents=True, exist_ok=True)
+            staging = self.store / f".writing-{uuid.uuid4().hex}"
+            staging.mkdir()
+            shards: dict[str, Any] = {}
+            for number, names in enumerate(_shard_names(tensors, shard_bytes), 1):
+                file = staging / f"shard-{number:05d}.safetensors"
+                save_file({name: tensors[name].contiguous().cpu() for name in names}, str(file))
+                shards[file.name] = fingerprint(file)
+            manifest = {
+                "format": FORMAT,
+                "key": dict(key.fields),
+                "digest": key.digest,
+                "shards": shards,
+                "metadata": metadata,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            }
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            replace_folder(staging, folder)
+            staging = None
+        except (OSError, ValueError, RuntimeError) as exc:
+            return self._outcome(
+                key,
+                start,
+                "not_saved",
+                f"cannot write it ({type(exc).__name__}: {exc}); the next start quantises at load again",
+                logging.WARNING,
+            )
+        finally:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+        size = sum(shard["bytes"] for shard in shards.values())
+        return self._outcome(
+            key,
+            start,
+            "saved",
+            f"saved {folder.name} ({size / 1e9:.2f} GB, {len(shards)} shards) in {time.perf_counter() - start:.1f} s",
+            logging.INFO,
+            files=len(shards),
+            bytes=size,
+        )
+
+
+def _shard_names(tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:
+    """The tensor names in state order, cut into runs of at most `shard_bytes` (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return [names for names in shards if names]
+
+
+def load_or_build(
+    snapshots: WeightSnapshots,
+    key: ArtifactKey,
+    build: Callable[[], nn.Module],
+    structure: Callable[[nn.Module], Any],
+    device: torch.device | str,
+) -> tuple[nn.Module | None, ArtifactOutcome]:
+    """The component from the snapshot of `key`: built on the meta device (`build`), given its quantised structure
+    (`structure`) and filled, with the outcome; or None and the outcome (absent, mismatch, unreadable)."""
+    with torch.device("meta"):
+        module = build()
+        structure(module)
+    found = snapshots.load(key, module, device)
+    return (module.eval(), found) if found.status == "loaded" else (None, found)

@@ -1,0 +1,123 @@
+"""Weights read into the page cache while the process imports (`dicache.models.prefetch`, `--prefetch-weights`): what
+a command line asks for, which files (the checkpoint's, or the quantised snapshot of this very checkpoint), every byte
+read once, nothing of torch imported, and the command line's entry starting it before the commands' parser exists."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dicache.models import prefetch
+from dicache.models.krea2.checkpoints import EMBEDDED_CHECKPOINT, EMBEDDED_TURBO_CHECKPOINT
+from dicache.models.options import ModelChoice, SpeedOptions
+from dicache.models.prefetch import Prefetch, argv_request, files_to_prefetch
+from dicache.models.snapshot_files import MANIFEST, PREFIX, checkpoint_fingerprint
+
+MODEL = str(EMBEDDED_CHECKPOINT)
+
+
+def test_the_flags_read_early_are_the_declared_ones():
+    fields = {**ModelChoice.model_fields, **SpeedOptions.model_fields}
+    for name, flag in prefetch.PREFETCH_FLAGS.items():
+        assert fields[name].json_schema_extra["flag"] == flag, name
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["serve", "--model", MODEL], {"model": MODEL, "store": None}),
+        (
+            ["generate", "a fox", "--model", MODEL, "--compile", "--compile-artifact", "/a"],
+            {"model": MODEL, "store": "/a"},
+        ),
+        (["warmup", "--model", MODEL, "--compile-artifact", "/a"], {"model": MODEL, "store": None}),  # no --compile
+        (["serve", "--model", MODEL, "--prefetch-weights", "false"], None),
+        (["serve", "--model", MODEL, "--prefetch-weights"], {"model": MODEL, "store": None}),
+        (["serve", "--model", MODEL, "--load-format", "dummy"], None),
+        (["serve", "--model", "krea/krea-2"], None),  # a hub id: nothing local to read
+        (["serve"], None),  # the embedded checkpoint: the command knows it, the prefetch does not need to
+        (["sweep", "--model", MODEL], None),
+        (["serve", "--model", MODEL, "--help"], None),
+    ],
+)
+def test_what_a_command_line_asks_for(argv, expected, monkeypatch):
+    monkeypatch.delenv(prefetch.ARTIFACT_ENV, raising=False)
+    assert argv_request(argv) == expected
+
+
+def test_the_store_may_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv(prefetch.ARTIFACT_ENV, "/artifacts")
+    assert argv_request(["serve", "--model", MODEL, "--compile"]) == {"model": MODEL, "store": "/artifacts"}
+
+
+def test_a_partial_checkpoint_reads_its_own_transformer_and_its_base_for_the_rest():
+    files = files_to_prefetch(EMBEDDED_TURBO_CHECKPOINT)
+    assert files[0].parent == EMBEDDED_TURBO_CHECKPOINT / "transformer"
+    assert [f.parent.name for f in files] == ["transformer", "text_encoder", "vae"]
+    assert {f.parent.parent.resolve() for f in files[1:]} == {EMBEDDED_CHECKPOINT.resolve()}
+
+
+def _snapshot(store: pathlib.Path, name: str, checkpoint: dict) -> pathlib.Path:
+    folder = store / f"{PREFIX}{name}"
+    folder.mkdir(parents=True)
+    (folder / "shard-00001.safetensors").write_bytes(b"x" * 100)
+    manifest = {"key": {"component": "transformer", "checkpoint": json.dumps(checkpoint, sort_keys=True)}}
+    (folder / MANIFEST).write_text(json.dumps({**manifest, "shards": {"shard-00001.safetensors": {}}}))
+    return folder
+
+
+def test_a_snapshot_of_this_checkpoint_is_read_instead_of_its_transformer(tmp_path):
+    ours = checkpoint_fingerprint(EMBEDDED_CHECKPOINT / "transformer")
+    other = {name: {**entry, "sha256": "0" * 64} for name, entry in ours.items()}
+    _snapshot(tmp_path, "other", other)
+    assert files_to_prefetch(EMBEDDED_CHECKPOINT, tmp_path)[0].parent.name == "transformer"  # another checkpoint's
+    folder = _snapshot(tmp_path, "ours", ours)
+    files = files_to_prefetch(EMBEDDED_CHECKPOINT, tmp_path)
+    assert files[0] == folder / "shard-00001.safetensors"
+    assert [f.parent.name for f in files[1:]] == ["text_encoder", "vae"]
+
+
+def test_every_byte_is_read_once_and_an_unreadable_file_is_counted(tmp_path):
+    files = files_to_prefetch(EMBEDDED_CHECKPOINT)
+    missing = tmp_path / "gone.safetensors"
+    run = Prefetch([*files, missing], threads=2).start()
+    assert run.wait(60)
+    report = run.report()
+    assert report["GB"] == round(sum(f.stat().st_size for f in files) / 1e9, 3)
+    assert report["unreadable"] == 1 and report["files"] == len(files) + 1 and report["done"]
+
+
+def test_it_starts_without_importing_torch():
+    code = (
+        "import sys; from dicache.models.prefetch import start_prefetch; "
+        f"run = start_prefetch(['serve', '--model', {MODEL!r}]); run.wait(60); "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(run.report()['GB'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout) > 0
+
+
+def test_the_command_line_starts_it_before_building_the_commands_parser(monkeypatch, tmp_path):
+    from dicache import cli
+
+    model = tmp_path / "krea2"
+    shutil.copytree(EMBEDDED_CHECKPOINT, model)
+    seen = []
+
+    def parser_that_records():
+        seen.append(prefetch.current())
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "build_parser", parser_that_records)
+    monkeypatch.setattr(prefetch, "_current", None)
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--model", str(model)])
+    (running,) = seen
+    assert running is not None and running.files == files_to_prefetch(model)
+    assert running.wait(60)

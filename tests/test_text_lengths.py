@@ -1,0 +1,170 @@
+"""Prompt lengths met in the background, between requests (`dicache.server.text_lengths`, `--prepare-text-lengths
+background`): each length once, longest first, a chunk at a time and only while no generation is in flight, on the
+denoise thread, without changing a request's bytes; stopped by the server's shutdown; a failure is reported and
+serving goes on."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from dicache.models.krea2 import Krea2Pipeline
+from dicache.server.backend import PipelineBackend, ready_to_serve, variant_defaults
+from dicache.server.generation import GenerationSpec
+from dicache.server.text_lengths import TextLengthPreparation
+from dicache.settings.cache_config import CacheConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_every_length_is_met_once_longest_first_in_chunks():
+    chunks = []
+    preparation = TextLengthPreparation(chunks.append, [5, 9, 3, 9, 7, 4], busy=lambda: False, chunk=2).start()
+    assert preparation.wait(10)
+    assert chunks == [[9, 7], [5, 4], [3]]
+    assert preparation.progress() == {"lengths": 5, "of": 5, "seconds": pytest.approx(0, abs=0.5), "state": "done"}
+
+
+def test_no_chunk_starts_while_a_generation_is_in_flight():
+    in_flight, started = threading.Event(), []
+    in_flight.set()
+    preparation = TextLengthPreparation(
+        lambda part: started.append((part, in_flight.is_set())),
+        range(3, 9),
+        busy=in_flight.is_set,
+        chunk=3,
+        idle_poll_s=0.01,
+    ).start()
+    time.sleep(0.3)
+    assert started == [] and preparation.progress()["state"] == "running"  # held back the whole time
+    in_flight.clear()
+    assert preparation.wait(10)
+    assert started == [([8, 7, 6], False), ([5, 4, 3], False)]
+
+
+def test_close_stops_after_the_chunk_in_flight():
+    release, running, chunks = threading.Event(), threading.Event(), []
+
+    def prepare(part):
+        chunks.append(part)
+        running.set()
+        release.wait(10)
+
+    preparation = TextLengthPreparation(prepare, range(10), busy=lambda: False, chunk=2).start()
+    assert running.wait(10)
+    closing = threading.Thread(target=preparation.close)
+    closing.start()
+    time.sleep(0.1)
+    release.set()  # the chunk in flight ends; no other starts
+    closing.join(10)
+    assert chunks == [[9, 8]]
+    assert preparation.progress() == {"lengths": 2, "of": 10, "seconds": pytest.approx(0.1, abs=5), "state": "stopped"}
+
+
+def test_a_failing_chunk_is_logged_once_and_reported(caplog):
+    def prepare(part):
+        if part[0] < 6:
+            raise RuntimeError("cuDNN: no plan")
+
+    finished = []
+    preparation = TextLengthPreparation(prepare, range(8), busy=lambda: False, chunk=2, on_done=finished.append)
+    with caplog.at_level(logging.ERROR, logger="dicache.server"):
+        preparation.start().wait(10)
+    report = preparation.progress()
+    assert report["state"] == "failed" and report["lengths"] == 2 and "cuDNN: no plan" in report["error"]
+    assert finished == [report]
+    assert len([r for r in caplog.records if "background failed" in r.getMessage()]) == 1
+
+
+def test_a_chunk_size_below_one_is_refused():
+    with pytest.raises(ValueError, match="chunk=0 must be >= 1"):
+        TextLengthPreparation(print, [1], busy=lambda: False, chunk=0)
+
+
+# ---------------------------------------------------------------------------------------------- on the tiny model
+@pytest.fixture(scope="module")
+def pipe():
+    return Krea2Pipeline.from_pretrained()
+
+
+def _spec(prompt: str, seed: int) -> GenerationSpec:
+    return GenerationSpec(
+        prompt=prompt,
+        negative_prompt=None,
+        n=1,
+        width=32,
+        height=32,
+        num_inference_steps=3,
+        guidance_scale=4.0,
+        seed=seed,
+        cache=CacheConfig.defaults(),
+        variant="raw",
+    )
+
+
+def test_background_lengths_run_on_the_denoise_thread_between_requests_and_change_no_bytes(pipe, one_torch_thread):
+    """The backend's own preparation (as `prepare_text_lengths(background=True)` builds it, run here on the CPU, where
+    the server skips it), with requests served meanwhile: every length met, on the denoise thread, and the requests
+    give the bytes of a backend that met none."""
+    backend = PipelineBackend(pipe, CacheConfig.defaults(), variant_defaults(pipe, "raw", (32, 32)), staged=True)
+    try:
+        request = _spec("a lighthouse at dusk", 5)
+        before = backend.generate(request)
+        stages = backend.stages()
+        threads = []
+        hook = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(
+            lambda *_: threads.append(threading.current_thread())
+        )
+
+        def prepare(lengths):
+            return stages.run("denoise", lambda: pipe.prepare_text_lengths(32, 32, lengths=lengths))
+
+        try:
+            preparation = TextLengthPreparation(prepare, pipe.text_lengths(), backend.busy, chunk=3).start()
+            during = [backend.generate(_spec("a lighthouse at dusk", 5)) for _ in range(2)]
+            assert preparation.wait(60)
+        finally:
+            hook.remove()
+        assert preparation.progress()["state"] == "done"
+        assert preparation.progress()["lengths"] == len(pipe.text_lengths())
+        assert set(threads) == {stages.thread_of("denoise")}
+        assert all(r.images_b64 == before.images_b64 for r in during)
+        assert backend.generate(request).images_b64 == before.images_b64
+    finally:
+        backend.close()
+
+
+def test_lengths_outside_the_prompt_lengths_are_refused(pipe):
+    lengths = pipe.text_lengths()
+    with pytest.raises(ValueError, match=rf"lengths \[{lengths.stop}\] are not prompt lengths"):
+        pipe.prepare_text_lengths(32, 32, lengths=[lengths.stop])
+
+
+def test_ready_to_serve_starts_the_background_preparation_after_ready_and_close_stops_it(monkeypatch):
+    """The order `dicache serve` and each Ray Serve replica follow: ready is reported, then the lengths begin;
+    /v1/server_info's "startup" shows their progress; the backend's close stops them."""
+    lines = []
+
+    class Backend(PipelineBackend):  # only what ready_to_serve and the report use
+        def __init__(self):
+            self.pipe = type("Pipe", (), {"device": torch.device("cpu")})()
+            self.text_lengths, self.startup = None, None
+
+        def prepare_text_lengths(self, background=False, **preparation):
+            assert background and "ready in" in lines[-1]  # after the start-up's report line
+            self.text_lengths = TextLengthPreparation(lambda part: None, [3, 4, 5], lambda: False, **preparation)
+            self.text_lengths.start().wait(10)
+            return {"lengths": 3, "background": True}
+
+    backend = Backend()
+    ready_to_serve(backend, warm_up=False, prepare_text_lengths="background", report=lines.append)
+    assert lines[-2:] == [
+        "prompt lengths prepared in the background: {'lengths': 3, 'of': 3, 'seconds': 0.0, 'state': 'done'}",
+        "preparing prompt lengths in the background, between requests",
+    ]
+    assert backend.startup_report()["text_lengths"]["state"] == "done"
+    assert "text_lengths" not in backend.startup["phases_s"]  # not a start-up phase: ready came first
