@@ -146,6 +146,23 @@ def test_a_read_only_store_is_one_line_and_serving_goes_on(reference, caplog):
     assert _same_weights(pipe, reference[0])
 
 
+def test_the_fp8_stored_text_encoder_round_trips_with_its_unsaved_buffers(tmp_path):
+    """The text encoder with FP8-stored linears (`--text-encoder-quantization fp8`, any device): saved by the first
+    load, read by the second into a model built on the meta device (its rotary frequencies, which a state dict leaves
+    out, come from the snapshot too), with the same tensors and the same prompt embeddings."""
+    first = Krea2Pipeline.from_pretrained(text_encoder_quantization="fp8", weight_store=tmp_path)
+    assert first.weight_snapshots["text_encoder_saved"]["status"] == "saved"
+    assert "transformer" not in first.weight_snapshots  # not quantised: read from its checkpoint as ever
+    second = Krea2Pipeline.from_pretrained(text_encoder_quantization="fp8", weight_store=tmp_path)
+    assert second.weight_snapshots["text_encoder"]["status"] == "loaded"
+    assert "quantization" not in second.load_timings
+    a, b = (dict(p.text_encoder.text_encoder.named_buffers()) for p in (first, second))
+    assert a.keys() == b.keys() and any("inv_freq" in k for k in a)  # a buffer no state dict holds
+    assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    ea, eb = (p.encode_prompt(["a red fox", "a lighthouse at dusk"]) for p in (first, second))
+    assert torch.equal(ea[0], eb[0]) and torch.equal(ea[1], eb[1])
+
+
 def test_nothing_is_kept_without_quantisation_and_the_key_names_its_fields(tmp_path):
     pipe = Krea2Pipeline.from_pretrained(weight_store=tmp_path)
     assert pipe.weight_snapshots == {} and list(tmp_path.iterdir()) == []
@@ -184,6 +201,7 @@ def test_the_commands_keep_weights_only_with_compile_quantization_and_the_switch
     assert store("--compile", "--quantization", "int8", "--artifact-weights", "false") is None
     assert store("--quantization", "int8") is None  # no --compile: no artifact store at all
     assert store("--compile") is None  # nothing quantised: the checkpoint is what is read
+    assert store("--compile", "--text-encoder-quantization", "fp8") == tmp_path  # the text encoder's kept alone
 
 
 def test_a_ray_replica_keeps_weights_like_the_single_process_server(tmp_path):

@@ -62,9 +62,10 @@ def compile_artifact_store(args: argparse.Namespace) -> Any:
 
 
 def weight_store(args: argparse.Namespace, at_load: bool = True) -> Any:
-    """Where loading keeps and finds the quantised transformer (`weight_snapshot`): the compile-artifact store, with
-    `--compile`, `--artifact-weights` (on by default) and a quantization applied while loading (`at_load`), else
-    None."""
-    if not at_load or not getattr(args, "artifact_weights", True) or speed_spec(args) is None:
+    """Where loading keeps and finds the quantised transformer and text encoder (`weight_snapshot`): the
+    compile-artifact store, with `--compile`, `--artifact-weights` (on by default) and a quantization applied while
+    loading (`at_load`), else None."""
+    quantized = speed_spec(args) is not None or text_encoder_quantization(args) is not None
+    if not at_load or not getattr(args, "artifact_weights", True) or not quantized:
         return None
     return compile_artifact_store(args)

@@ -108,9 +108,10 @@ class SpeedOptions(QuantizationOptions):
         True,
         flag="--artifact-weights",
         switch=True,
-        help="with --compile-artifact and --quantization: keep the quantised transformer in the artifact folder as "
-        "well (about half its checkpoint's bytes for FP8, one copy per checkpoint and quantization) and read it from "
-        "there on later starts, without quantising (docs/startup.md)",
+        help="with --compile-artifact and --quantization / --text-encoder-quantization fp8: keep the quantised "
+        "transformer and text encoder in the artifact folder as well (about half their checkpoint's bytes for FP8, "
+        "one copy per checkpoint and quantization) and read them from there on later starts, without quantising "
+        "(docs/startup.md)",
     )
 
 

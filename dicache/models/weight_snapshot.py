@@ -69,11 +69,19 @@ def snapshot_key(component: str, folder: str | os.PathLike, quantization: str, d
     )
 
 
+def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module` by qualified name, the buffers a state dict leaves out included: a
+    model built on the meta device has those on the meta device too (a text encoder's rotary frequencies)."""
+    named = (*module.named_parameters(), *module.named_buffers())
+    return {name: tensor.detach() for name, tensor in named}  # a parameter's own tensor, as a state dict gives it
+
+
 def flatten(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """`module`'s state as plain tensors and the JSON that rebuilds its torchao tensors ({} when it has none)."""
-    state = module.state_dict()
-    if all(type(t) in (torch.Tensor, nn.Parameter) for t in state.values()):
-        return {k: t.detach() for k, t in state.items()}, {}
+    """`module`'s tensors (`module_tensors`) as plain tensors and the JSON that rebuilds its torchao tensors ({} when
+    it has none)."""
+    state = module_tensors(module)
+    if all(type(t) is torch.Tensor for t in state.values()):
+        return state, {}
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict  # only torchao weights
 
     return flatten_tensor_state_dict(state)
@@ -93,9 +101,9 @@ def unflatten(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str]) -> 
 
 def assign_state(module: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
     """Put `state` into `module` (built on the meta device, in its quantised structure) as its own tensors: exactly
-    its state dict's keys and logical shapes, else ValueError naming them. A torchao tensor becomes a parameter that
-    needs no gradient, as torchao's `quantize_` leaves it."""
-    expected = module.state_dict(keep_vars=True)
+    the names and logical shapes of `module_tensors`, else ValueError naming them. A torchao tensor becomes a
+    parameter that needs no gradient, as torchao's `quantize_` leaves it."""
+    expected = module_tensors(module)
     missing, unknown = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
     wrong = [k for k in expected.keys() & state.keys() if tuple(expected[k].shape) != tuple(state[k].shape)]
     if missing or unknown or wrong:

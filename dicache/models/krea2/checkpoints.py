@@ -107,11 +107,15 @@ def load_components(
         with clock.phase("imports"), hidden_packages("torchao"):  # as `Krea2TextEncoder.from_pretrained` imports it
             # transformers' model code: seconds, not the weights' reading
             from transformers import AutoTokenizer, Qwen3VLModel  # noqa: F401 - the text encoder is built of them
-        with clock.phase("weights", _weight_bytes(folder, load_format), "text_encoder"):
-            text_encoder = Krea2TextEncoder.from_pretrained(text_source, **weights)
-        if text_encoder_quantization is not None:
-            with clock.phase("quantization"):
-                quantize_text_encoder(text_encoder.text_encoder, text_encoder_quantization)
+        text_encoder = load_text_encoder(
+            text_source,
+            text_encoder_quantization,
+            weight_store,
+            clock=clock,
+            outcomes=snapshots,
+            bytes=_weight_bytes(folder, load_format),
+            **weights,
+        )
     elif text_encoder_quantization is not None:
         raise QuantizationError("text encoder quantization: this checkpoint has no text encoder")
     vae = None
@@ -198,6 +202,60 @@ def load_transformer(
         with clock.phase("snapshot_save"):
             outcomes["transformer_saved"] = store.save(key, transformer).to_dict()
     return transformer
+
+
+SNAPSHOT_TEXT_ENCODER_METHODS = ("fp8",)
+"""Text-encoder quantisations kept as snapshots: FP8 storage (plain tensors, built on any device). `fp8-dynamic`
+needs torchao's FP8 set-up on a CUDA device, which a model on the meta device cannot take: it quantises at load."""
+
+
+def load_text_encoder(
+    source: str | os.PathLike,
+    method: str | None = None,
+    weight_store: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    clock: _PhaseClock | None = None,
+    outcomes: dict[str, Any] | None = None,
+    bytes: int = 0,
+    **hub_kwargs: Any,
+) -> Krea2TextEncoder:
+    """The text encoder of `source` on `device`, quantised by `method` (`quantize_text_encoder`) after loading, or read
+    from its quantised snapshot in `weight_store` (`weight_snapshot`; `SNAPSHOT_TEXT_ENCODER_METHODS`), which is
+    saved there when there was none. `clock`, `outcomes` (`text_encoder`, `text_encoder_saved`), `bytes`: as for
+    `load_transformer`."""
+    clock = clock if clock is not None else _PhaseClock()
+    outcomes = outcomes if outcomes is not None else {}
+    store = None
+    if weight_store is not None and method in SNAPSHOT_TEXT_ENCODER_METHODS and load_format == "auto":
+        store = WeightSnapshots(weight_store)
+        folder = pathlib.Path(resolve_component_dir(source, "text_encoder", **hub_kwargs))
+        key = snapshot_key("text_encoder", folder, f"text encoder {method}", dtype)
+        with clock.phase("weights"):
+            encoder = Krea2TextEncoder.from_pretrained(
+                source, dtype=dtype, device=device, load_format="meta", **hub_kwargs
+            )
+            with torch.device("meta"):
+                quantize_text_encoder(encoder.text_encoder, method)
+            found = store.load(key, encoder.text_encoder, device)
+        outcomes["text_encoder"] = found.to_dict()
+        if found.status == "loaded":
+            clock.reads["text_encoder"] = {"seconds": found.seconds, "bytes": found.bytes}
+            encoder.text_encoder.eval()
+            return encoder
+    with clock.phase("weights", bytes, "text_encoder"):
+        encoder = Krea2TextEncoder.from_pretrained(
+            source, dtype=dtype, device=device, load_format=load_format, **hub_kwargs
+        )
+    if method is not None:
+        with clock.phase("quantization"):
+            quantize_text_encoder(encoder.text_encoder, method)
+    if store is not None:
+        with clock.phase("snapshot_save"):
+            outcomes["text_encoder_saved"] = store.save(key, encoder.text_encoder).to_dict()
+    return encoder
 
 
 class _PhaseClock:

@@ -222,9 +222,14 @@ class Krea2TextEncoder:
         """Load `tokenizer/` and `text_encoder/` of a diffusers-layout Krea-2 folder (local or Hub; `hub_kwargs`:
         `cache_dir`, `revision`, `local_files_only`). Select layers come from `model_index.json`
         (`text_encoder_select_layers`), defaulting to `KREA2_SELECT_LAYERS`. dtype: bf16 on CUDA, else fp32.
-        `load_format="dummy"`: random weights from `text_encoder/config.json` alone. The parts the taps never read
-        are dropped after loading (`drop_untapped_parts`; their count in `dropped_parameters`).
+        `load_format="dummy"`: random weights from `text_encoder/config.json` alone; `"meta"`: the model built on the
+        meta device, for weights put into it afterwards (a quantised snapshot, `checkpoints.load_text_encoder`). The
+        parts the taps never read are dropped after loading (`drop_untapped_parts`; their count in
+        `dropped_parameters`).
         """
+        device = torch.device(device if device is not None else "cpu")
+        dtype = dtype if dtype is not None else default_dtype(device)
+        how = "meta" if load_format == "meta" else check_load_format(load_format)
         # torchao, installed for --quantization, stays unimported: transformers would import it, for an integration
         # that dicache never uses
         with hidden_packages("torchao"):
@@ -235,13 +240,10 @@ class Krea2TextEncoder:
         encoder_dir = resolve_component_dir(path_or_repo_id, "text_encoder", **hub_kwargs)
         index = _read_model_index(path_or_repo_id, tokenizer_dir.parent, hub_kwargs)
         select_layers = index.get("text_encoder_select_layers") or KREA2_SELECT_LAYERS
-
-        device = torch.device(device if device is not None else "cpu")
-        dtype = dtype if dtype is not None else default_dtype(device)
         try:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-            if check_load_format(load_format) == "dummy":  # transformers' own random init, drawn on the device
-                with torch.device(device):
+            if how != "auto":  # transformers' own random init drawn on the device, or nothing drawn on "meta"
+                with torch.device("meta" if how == "meta" else device):
                     text_encoder = Qwen3VLModel._from_config(AutoConfig.from_pretrained(encoder_dir), dtype=dtype)
             else:
                 text_encoder = Qwen3VLModel.from_pretrained(encoder_dir, dtype=dtype)
@@ -249,7 +251,9 @@ class Krea2TextEncoder:
             raise CheckpointError(
                 f"cannot load the Krea-2 tokenizer/text encoder from {path_or_repo_id}: {err}"
             ) from err
-        encoder = cls(tokenizer, text_encoder.to(device).eval(), select_layers, max_sequence_length)
+        if how != "meta":
+            text_encoder = text_encoder.to(device)
+        encoder = cls(tokenizer, text_encoder.eval(), select_layers, max_sequence_length)
         encoder.dropped_parameters = drop_untapped_parts(text_encoder, encoder.select_layers)
         return encoder
 
