@@ -62,16 +62,16 @@ def test_a_partial_checkpoint_reads_its_own_transformer_and_its_base_for_the_res
     assert {f.parent.parent.resolve() for f in files[1:]} == {EMBEDDED_CHECKPOINT.resolve()}
 
 
-def _snapshot(store: pathlib.Path, name: str, checkpoint: dict) -> pathlib.Path:
+def _snapshot(store: pathlib.Path, name: str, checkpoint: dict, component: str = "transformer") -> pathlib.Path:
     folder = store / f"{PREFIX}{name}"
     folder.mkdir(parents=True)
     (folder / "shard-00001.safetensors").write_bytes(b"x" * 100)
-    manifest = {"key": {"component": "transformer", "checkpoint": json.dumps(checkpoint, sort_keys=True)}}
+    manifest = {"key": {"component": component, "checkpoint": json.dumps(checkpoint, sort_keys=True)}}
     (folder / MANIFEST).write_text(json.dumps({**manifest, "shards": {"shard-00001.safetensors": {}}}))
     return folder
 
 
-def test_a_snapshot_of_this_checkpoint_is_read_instead_of_its_transformer(tmp_path):
+def test_a_snapshot_of_this_checkpoint_is_read_instead_of_its_checkpoint_files(tmp_path):
     ours = checkpoint_fingerprint(EMBEDDED_CHECKPOINT / "transformer")
     other = {name: {**entry, "sha256": "0" * 64} for name, entry in ours.items()}
     _snapshot(tmp_path, "other", other)
@@ -80,6 +80,12 @@ def test_a_snapshot_of_this_checkpoint_is_read_instead_of_its_transformer(tmp_pa
     files = files_to_prefetch(EMBEDDED_CHECKPOINT, tmp_path)
     assert files[0] == folder / "shard-00001.safetensors"
     assert [f.parent.name for f in files[1:]] == ["text_encoder", "vae"]
+    encoder = _snapshot(
+        tmp_path, "encoder", checkpoint_fingerprint(EMBEDDED_CHECKPOINT / "text_encoder"), "text_encoder"
+    )
+    files = files_to_prefetch(EMBEDDED_CHECKPOINT, tmp_path)
+    assert files[:2] == [folder / "shard-00001.safetensors", encoder / "shard-00001.safetensors"]
+    assert [f.parent.name for f in files[2:]] == ["vae"]
 
 
 def test_every_byte_is_read_once_and_an_unreadable_file_is_counted(tmp_path):

@@ -8,11 +8,11 @@ and waits on the disk only for the rest. It imports nothing heavy (no torch), re
 large reads, and keeps no data (the page cache holds it; the kernel may drop it again under memory pressure, at no
 cost but the reread).
 
-What is read (`files_to_prefetch`), for a local checkpoint folder: the transformer's weights, or, when the artifact
-store holds quantised weights of this very checkpoint (`weight_snapshot`: a manifest whose checkpoint fingerprint
-matches), the newest such snapshot instead; then the text encoder's and the VAE's weights (from the base checkpoint
-named in `dicache.json` for a partial checkpoint). A hub id, random weights (`--load-format dummy`) or a missing
-folder read nothing.
+What is read (`files_to_prefetch`), for a local checkpoint folder, in the load's order: the transformer's, the text
+encoder's and the VAE's weights (from the base checkpoint named in `dicache.json` for a partial checkpoint); for the
+transformer and the text encoder, when the artifact store holds quantised weights of this very component (a
+`weight_snapshot` manifest whose checkpoint fingerprint matches), the newest such snapshot instead. A hub id, random
+weights (`--load-format dummy`) or a missing folder read nothing.
 
 `argv_request` finds the few options this needs in a command line before the command's parser exists (building it
 imports torch); the flags are the declarations' (`PREFETCH_FLAGS`, checked against them by tests/test_prefetch.py).
@@ -43,6 +43,8 @@ PREFETCH_FLAGS = {
     "prefetch_weights": "--prefetch-weights",
 }
 """The declared flags (`models.options`) the prefetch reads, by field name."""
+SNAPSHOT_COMPONENTS = ("transformer", "text_encoder")
+"""The components whose quantised weights a store may hold (`weight_snapshot`)."""
 ARTIFACT_ENV = "DICACHE_COMPILE_ARTIFACT"  # `compile_artifact.ARTIFACT_ENV`, which imports torch
 
 
@@ -80,8 +82,9 @@ def _weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
 
 
-def _snapshot_files(store: pathlib.Path | None, transformer: pathlib.Path) -> list[pathlib.Path]:
-    """The shards of the newest snapshot in `store` made from the checkpoint files in `transformer`, or []."""
+def _snapshot_files(store: pathlib.Path | None, component: str, folder: pathlib.Path) -> list[pathlib.Path]:
+    """The shards of the newest snapshot of `component` in `store` made from the checkpoint files in `folder`, or
+    []."""
     if store is None or not store.is_dir():
         return []
     matching = []
@@ -91,8 +94,8 @@ def _snapshot_files(store: pathlib.Path | None, transformer: pathlib.Path) -> li
             data = json.loads(manifest.read_text())
             key = data["key"]
             if fingerprint is None:
-                fingerprint = json.dumps(checkpoint_fingerprint(transformer), sort_keys=True)
-            if key.get("component") == "transformer" and key.get("checkpoint") == fingerprint:
+                fingerprint = json.dumps(checkpoint_fingerprint(folder), sort_keys=True)
+            if key.get("component") == component and key.get("checkpoint") == fingerprint:
                 matching.append((manifest.stat().st_mtime, manifest.parent, sorted(data.get("shards", {}))))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
@@ -112,10 +115,12 @@ def files_to_prefetch(model: str | os.PathLike, store: str | os.PathLike | None 
             base = root / pointer
     except (OSError, ValueError, AttributeError):
         pass
-    transformer = root / "transformer"
-    files = _snapshot_files(pathlib.Path(store) if store else None, transformer) or _weight_files(transformer)
-    for name in ("text_encoder", "vae"):
-        files += _weight_files(root / name if (root / name).is_dir() else base / name)
+    store = pathlib.Path(store) if store else None
+    files: list[pathlib.Path] = []
+    for name in ("transformer", "text_encoder", "vae"):  # the order the load reads them in
+        folder = root / name if (root / name).is_dir() else base / name
+        snapshot = _snapshot_files(store, name, folder) if name in SNAPSHOT_COMPONENTS else []
+        files += snapshot or _weight_files(folder)
     return files
 
 
