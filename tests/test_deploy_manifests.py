@@ -340,7 +340,7 @@ def test_the_ray_replicas_load_the_artifact_of_their_own_warmup_job():
     (writer,) = job["spec"]["containers"]
     warmed = _warmup_args(writer)
     assert _key_options(warmed) == _key_options(replica_args)
-    assert warmed.text_encoder_quantization == "none"  # not supported on Ray replicas: not in their key either
+    assert warmed.text_encoder_quantization == spec.text_encoder_quantization == "fp8"  # as the single-process pods
     claim = _kind(_docs(ARTIFACTS), "PersistentVolumeClaim")["metadata"]["name"]
     mount, volume = _mount(job["spec"], writer, warmed.compile_artifact)
     assert not mount.get("readOnly", False) and volume["persistentVolumeClaim"]["claimName"] == claim

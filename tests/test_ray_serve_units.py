@@ -390,6 +390,8 @@ def test_builder_args_map_to_the_same_options_and_errors():
     argv = args_to_argv({"replicas": 2, "max_queue": 8, "ray": True, "profile": None, "default_size": "64x64"})
     assert argv == ["--replicas", "2", "--max-queue", "8", "--ray", "--default-size", "64x64"]
     assert args_to_argv({"enable": False}) == []
+    assert args_to_argv({"artifact_weights": False}) == ["--artifact-weights", "false"]  # a switch on by default
+    assert parse_serve_argv(args_to_argv({"artifact_weights": False, "ray": True})).artifact_weights is False
     assert parse_serve_argv(argv).default_size == (64, 64)
     with pytest.raises(ConfigError, match="unrecognized arguments: --replica 2"):
         parse_serve_argv(args_to_argv({"replica": 2}))
@@ -406,6 +408,7 @@ def test_builder_args_map_to_the_same_options_and_errors():
         {"timeout": "30", "workers": 2, "max_side": 512, "max_n": "2", "drain_timeout": 0, "docs": True},
         {"variant": "raw", "dtype": "bfloat16", "torch_threads": 2, "model": "some/dir", "ulysses_degree": 2},
         {"compile": True, "quantization": "fp8", "quantization_exclude": ["attn_gate"], "load_format": "dummy"},
+        {"compile": True, "text_encoder_quantization": "fp8", "compile_artifact": "/a", "artifact_weights": False},
         {"api_key": "k", "metrics_auth": True, "max_connections": 10, "cpus_per_replica": 0.5, "gpus_per_replica": 0},
     ],
 )
@@ -666,6 +669,8 @@ def test_replicas_get_the_speed_options_and_refuse_offload():
     assert plain.compile is False and plain.quantization is None and plain.load_format == "auto"
     with pytest.raises(ConfigError, match="--dit-layerwise-offload.*not supported on Ray replicas"):
         replica_spec_from_args(parse_serve_argv(["--ray", "--dit-layerwise-offload"]), CacheConfig())
+    encoder = replica_spec_from_args(parse_serve_argv(["--ray", "--text-encoder-quantization", "fp8"]), CacheConfig())
+    assert encoder.text_encoder_quantization == "fp8" and plain.text_encoder_quantization is None
 
 
 def test_replica_applies_speed_options_in_order_then_starts_up_as_dicache_serve(monkeypatch):
@@ -682,6 +687,9 @@ def test_replica_applies_speed_options_in_order_then_starts_up_as_dicache_serve(
         def quantize(self, spec):
             calls.append(("quantize", spec))
 
+        def quantize_text_encoder(self, method):
+            calls.append(("quantize_text_encoder", method))
+
         def compile(self):
             calls.append(("compile",))
 
@@ -696,9 +704,12 @@ def test_replica_applies_speed_options_in_order_then_starts_up_as_dicache_serve(
             calls.append(("prepare_text_lengths", "background" if background else "now"))
             return {}
 
-    ReplicaSpec(quantization="q", compile=True, prepare_text_lengths="before-ready").apply_speed(Backend())
+    ReplicaSpec(
+        quantization="q", text_encoder_quantization="fp8", compile=True, prepare_text_lengths="before-ready"
+    ).apply_speed(Backend())
     assert calls == [
         ("quantize", "q"),
+        ("quantize_text_encoder", "fp8"),  # a split replica's text encoder: after the split, before the compile
         ("compile",),
         ("warm_up",),
         ("prepare_text_lengths", "now"),

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import ConfigError, DicacheError
 from ..parallel import check_degrees
-from ..server.ray.options import RayDriverOptions, RayServeOptions, serve_options
+from ..server.ray.options import RayDriverOptions, RayServeOptions, ReplicaOptions, serve_options
 from ..server.ray.spec import ReplicaSpec
 from ..server.settings import ConnectionLimits, ServerSettings
 from ..settings.profiles import cache_config as read_cache_config
@@ -43,14 +43,10 @@ def replica_spec_from_args(args: argparse.Namespace, cache_config: Any) -> Repli
             f"dicache serve --ray: the memory options ({', '.join(memory_flags())}) are not supported on Ray "
             "replicas; run the single-process server for them"
         )
-    if text_encoder_quantization(args) is not None:
-        raise ConfigError(
-            "dicache serve --ray: --text-encoder-quantization is not supported on Ray replicas yet; run the "
-            "single-process server for it"
-        )
     return ReplicaSpec(
         load_format=args.load_format,
         quantization=speed_spec(args),
+        text_encoder_quantization=text_encoder_quantization(args),
         compile=args.compile,
         compile_artifact=args.compile_artifact,
         artifact_weights=args.artifact_weights,
@@ -81,13 +77,22 @@ def args_to_argv(args: dict[str, Any]) -> list[str]:
     """Serve builder args -> the `dicache serve` command line that means the same: `{"max_queue": 8, "ray": True}`
     -> `["--max-queue", "8", "--ray"]` (the builder itself takes them as declared options, `replica_from_options`).
 
-    True is a bare flag, False / None leave the option out, a list repeats the option's values.
+    True is a bare flag; False leaves the option out, or says `false` to a switch that is on by default
+    (`--artifact-weights false`); None leaves the option out; a list repeats the option's values.
     """
+    switches = {
+        name
+        for model in (ServerSettings, ConnectionLimits, RayServeOptions, ReplicaOptions)
+        for name, field in model.model_fields.items()
+        if (field.json_schema_extra or {}).get("switch")
+    }
     argv: list[str] = []
     for key, value in args.items():
         flag = "--" + str(key).replace("_", "-").lstrip("-")
         if value is True:
             argv.append(flag)
+        elif value is False and key in switches:
+            argv += [flag, "false"]
         elif value is False or value is None:
             continue
         elif isinstance(value, (list, tuple)):

@@ -56,6 +56,7 @@ def replica_from_options(
         ulysses_degree=load.ulysses_degree,
         load_format=load.load_format,
         quantization=parse_quantization(load.quantization, load.quantization_exclude),
+        text_encoder_quantization=None if load.text_encoder_quantization == "none" else load.text_encoder_quantization,
         compile=load.compile,
         compile_artifact=load.compile_artifact,
         artifact_weights=load.artifact_weights,

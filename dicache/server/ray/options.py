@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from pydantic import model_validator
 
 from ...errors import ConfigError
-from ...models.options import DeviceOptions, ModelChoice, SpeedOptions
+from ...models.options import DeviceOptions, ModelChoice, SpeedOptions, TextEncoderOptions
 from ...parallel.options import ParallelOptions
 from ...settings.options import FlagOptions, Options, option
 from ...settings.profiles import ProfileOption
@@ -122,7 +122,9 @@ class RayServeOptions(Options):
         return self.max_replicas is not None
 
 
-class ReplicaOptions(ModelChoice, DeviceOptions, SpeedOptions, ParallelOptions, ProfileOption, ServerProcessOptions):
+class ReplicaOptions(
+    ModelChoice, DeviceOptions, SpeedOptions, TextEncoderOptions, ParallelOptions, ProfileOption, ServerProcessOptions
+):
     """The replica's model and how it is loaded. `default_size` is "WxH" text (`parse_default_size`); `quantization`
     and `quantization_exclude` are `dicache.quantization.parse_quantization`'s; `api_key` None: DICACHE_API_KEY."""
 

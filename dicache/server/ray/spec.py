@@ -41,7 +41,8 @@ class ReplicaSpec:
     quantization: Any = None  # a validated `QuantizationSpec` (`--quantization fp8`) or None
     compile: bool = False
     compile_artifact: str | None = None  # `--compile-artifact`; None: DICACHE_COMPILE_ARTIFACT of the replica's process
-    artifact_weights: bool = True  # `--artifact-weights`: the quantised transformer kept in the artifact store
+    text_encoder_quantization: str | None = None  # `--text-encoder-quantization` (`quantize_text_encoder`'s methods)
+    artifact_weights: bool = True  # `--artifact-weights`: the quantised weights kept in the artifact store
     prepare_text_lengths: str = "background"  # `--prepare-text-lengths` (`settings.TEXT_LENGTH_MODES`; CUDA only)
     drain_board: str | None = None  # the driver's `drain.DrainBoard` actor; None: no driver to follow
 
@@ -66,13 +67,15 @@ class ReplicaSpec:
             default_size=self.default_size,
             load_format=self.load_format,
             quantization=self.quantization if self.world_size == 1 else None,
+            text_encoder_quantization=self.text_encoder_quantization if self.world_size == 1 else None,
             weight_store=self.weight_store(),
         )
 
     def weight_store(self) -> Any:
-        """Where a replica in one process keeps and finds its quantised transformer: the artifact store, with
-        compile, quantization and `artifact_weights` (`weight_snapshot`); else None."""
-        if not (self.compile and self.artifact_weights and self.quantization is not None and self.world_size == 1):
+        """Where a replica in one process keeps and finds its quantised transformer and text encoder: the artifact
+        store, with compile, a quantization and `artifact_weights` (`weight_snapshot`); else None."""
+        quantized = self.quantization is not None or self.text_encoder_quantization is not None
+        if not (self.compile and self.artifact_weights and quantized and self.world_size == 1):
             return None
         return artifact_store(self.compile_artifact)
 
@@ -91,6 +94,9 @@ class ReplicaSpec:
             timeline.add(name, seconds)
         if self.quantization is not None and _quantized(backend.pipe) is None:
             backend.pipe.quantize(self.quantization)
+        method = self.text_encoder_quantization
+        if method is not None and getattr(backend.pipe, "text_encoder_quantization", None) is None:
+            backend.pipe.quantize_text_encoder(method)  # a split replica's: after the split, as `dicache serve`
         if self.compile:
             backend.pipe.compile()
         ready_to_serve(
