@@ -15,7 +15,14 @@ import torch
 
 from dicache.models.krea2 import Krea2Pipeline
 from dicache.models.krea2.checkpoints import EMBEDDED_CHECKPOINT
-from dicache.models.weight_snapshot import PREFIX, WeightSnapshots, checkpoint_fingerprint, fingerprint, flatten
+from dicache.models.weight_snapshot import (
+    PREFIX,
+    WeightSnapshots,
+    checkpoint_fingerprint,
+    fingerprint,
+    flatten,
+    module_tensors,
+)
 from dicache.quantization import QuantizationSpec
 
 pytest.importorskip("torchao")
@@ -68,10 +75,10 @@ def test_a_saved_snapshot_loads_without_quantising_and_gives_the_same_weights_an
     (folder,) = tmp_path.glob(f"{PREFIX}*")
     shards = sorted(folder.glob("*.safetensors"))
     assert first.weight_snapshots["transformer_saved"]["bytes"] == sum(s.stat().st_size for s in shards)
-    tensors, metadata = flatten(first.transformer)  # the quantised model's own bytes: INT8 where it is INT8
-    stored = sum(t.numel() * t.element_size() for t in tensors.values())
+    parts = list(flatten(module_tensors(first.transformer)))  # the quantised model's own bytes: INT8 where it is
+    stored = sum(t.numel() * t.element_size() for _, t, _ in parts)
     assert stored <= sum(s.stat().st_size for s in shards) < stored * 1.02  # beside them, the headers alone
-    assert {t.dtype for t in tensors.values()} >= {torch.int8} and metadata
+    assert {t.dtype for _, t, _ in parts} >= {torch.int8} and any(rebuild for _, _, rebuild in parts)
 
     with caplog.at_level(logging.INFO, logger=LOGGER):
         second = _load(tmp_path)
@@ -213,6 +220,37 @@ def test_a_ray_replica_keeps_weights_like_the_single_process_server(tmp_path):
         ReplicaSpec(compile=True, quantization=spec, compile_artifact=str(tmp_path), tp_size=2).weight_store() is None
     )
     assert ReplicaSpec(compile=True, compile_artifact=str(tmp_path)).weight_store() is None
+
+
+def test_torchaos_fp8_weights_and_their_settings_round_trip_on_the_cpu(tmp_path):
+    """The FP8 path's tensors without a GPU: torchao's `Float8Tensor` as dicache's FP8 linears hold it (per-row
+    scales, the activation floor, fast accumulation), built directly (torchao quantises FP8 only on capable GPUs),
+    saved and read back into a linear built on the meta device: the same bytes, scales and settings."""
+    from torchao.float8.inference import Float8MMConfig
+    from torchao.quantization import Float8Tensor, PerRow
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import QuantizeTensorToFloat8Kwargs
+
+    from dicache.models.compile_artifact import ArtifactKey
+    from dicache.quantization import FP8_ACTIVATION_FLOOR
+
+    mm = Float8MMConfig(use_fast_accum=True)
+    activations = QuantizeTensorToFloat8Kwargs(granularity=PerRow(), mm_config=mm, hp_value_lb=FP8_ACTIVATION_FLOOR)
+    linear = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    weight = Float8Tensor.from_hp(
+        linear.weight.detach(), granularity=PerRow(), mm_config=mm, act_quant_kwargs=activations
+    )
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    store, key = WeightSnapshots(tmp_path), ArtifactKey({"component": "linear"})
+    assert store.save(key, linear).status == "saved"
+    with torch.device("meta"):
+        empty = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    assert store.load(key, empty, "cpu").status == "loaded"
+    back = empty.weight
+    assert type(back) is Float8Tensor and not back.requires_grad
+    assert torch.equal(back.qdata.view(torch.uint8), weight.qdata.view(torch.uint8))
+    assert torch.equal(back.scale, weight.scale) and back.qdata.stride() == weight.qdata.stride()
+    assert back.act_quant_kwargs == activations and back.mm_config == mm and back.block_size == weight.block_size
+    assert torch.equal(empty.bias, linear.bias)
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ import pathlib
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -76,26 +76,50 @@ def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach() for name, tensor in named}  # a parameter's own tensor, as a state dict gives it
 
 
-def flatten(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """`module`'s tensors (`module_tensors`) as plain tensors and the JSON that rebuilds its torchao tensors ({} when
-    it has none)."""
-    state = module_tensors(module)
-    if all(type(t) is torch.Tensor for t in state.values()):
-        return state, {}
-    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict  # only torchao weights
+QUANTIZED = "@torchao."
+"""The prefix of the stored parts of a torchao tensor (`flatten`): apart from every module's own names, and giving
+torchao's safetensors support the `module.weight` form it needs even for a top-level weight."""
 
-    return flatten_tensor_state_dict(state)
+
+def flatten(
+    tensors: Mapping[str, torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor, tuple[str, str] | None]]:
+    """`(stored name, plain tensor on the host, metadata)` for each of `tensors` (`module_tensors`), one at a time: a
+    plain tensor as it is (metadata None); each part of a torchao tensor under `QUANTIZED` + torchao's flattened name,
+    the first part with `(name, the JSON that rebuilds it)`. One tensor at a time, so that no more than one weight's
+    copy exists on the device beside the model (torchao's flattening clones)."""
+    for name, tensor in tensors.items():
+        if type(tensor) is torch.Tensor:
+            yield name, tensor.contiguous().cpu(), None
+            continue
+        from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict  # torchao weights
+
+        parts, metadata = flatten_tensor_state_dict({QUANTIZED + name: tensor})
+        first = True
+        for part, value in parts.items():
+            yield part, value.contiguous().cpu(), (name, metadata[QUANTIZED + name]) if first else None
+            first = False
 
 
 def unflatten(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, torch.Tensor]:
-    """`flatten`'s inverse: the state dict, torchao's tensors rebuilt from `metadata`."""
-    if not metadata:
-        return tensors
-    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict  # only torchao weights
+    """`flatten`'s inverse: the module's tensors by name, torchao's rebuilt from `metadata` ({name: JSON})."""
+    state = {name: t for name, t in tensors.items() if not name.startswith(QUANTIZED)}
+    parts = {name: t for name, t in tensors.items() if name.startswith(QUANTIZED)}
+    if not metadata and not parts:
+        return state
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict  # torchao weights
 
-    state, left = unflatten_tensor_state_dict(tensors, dict(metadata))
-    if left:
-        raise ValueError(f"tensors {sorted(left)[:4]} belong to no weight of the snapshot's metadata")
+    names = [QUANTIZED + name for name in metadata]
+    rebuilt, left = unflatten_tensor_state_dict(
+        parts, {"tensor_names": json.dumps(names), **{QUANTIZED + n: m for n, m in metadata.items()}}
+    )
+    if left or len(rebuilt) != len(names):
+        missing = sorted(set(names) - rebuilt.keys())
+        raise ValueError(
+            f"quantised weights do not match their metadata: parts {sorted(left)[:4]} left over, "
+            f"weights {missing[:4]} incomplete"
+        )
+    state.update((name[len(QUANTIZED) :], tensor) for name, tensor in rebuilt.items())
     return state
 
 
@@ -207,15 +231,31 @@ class WeightSnapshots:
         try:
             from safetensors.torch import save_file  # loading never needs it: `tensor_files` reads the format
 
-            tensors, metadata = flatten(module)
             self.store.mkdir(parents=True, exist_ok=True)
             staging = self.store / f".writing-{uuid.uuid4().hex}"
             staging.mkdir()
             shards: dict[str, Any] = {}
-            for number, names in enumerate(_shard_names(tensors, shard_bytes), 1):
-                file = staging / f"shard-{number:05d}.safetensors"
-                save_file({name: tensors[name].contiguous().cpu() for name in names}, str(file))
+            metadata: dict[str, str] = {}
+            pending: dict[str, torch.Tensor] = {}
+            pending_bytes = 0
+
+            def write() -> None:  # the tensors gathered so far as the next shard; the host holds one shard at most
+                file = staging / f"shard-{len(shards) + 1:05d}.safetensors"
+                save_file(pending, str(file))
                 shards[file.name] = fingerprint(file)
+                pending.clear()
+
+            for name, tensor, rebuild in flatten(module_tensors(module)):
+                nbytes = tensor.numel() * tensor.element_size()
+                if pending and pending_bytes + nbytes > shard_bytes:
+                    write()
+                    pending_bytes = 0
+                pending[name] = tensor
+                pending_bytes += nbytes
+                if rebuild is not None:
+                    metadata[rebuild[0]] = rebuild[1]
+            if pending or not shards:
+                write()
             manifest = {
                 "format": FORMAT,
                 "key": dict(key.fields),
@@ -248,20 +288,6 @@ class WeightSnapshots:
             files=len(shards),
             bytes=size,
         )
-
-
-def _shard_names(tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:
-    """The tensor names in state order, cut into runs of at most `shard_bytes` (a larger tensor alone)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return [names for names in shards if names]
 
 
 def load_or_build(
