@@ -127,3 +127,16 @@ def test_the_command_line_starts_it_before_building_the_commands_parser(monkeypa
     (running,) = seen
     assert running is not None and running.files == files_to_prefetch(model)
     assert running.wait(60)
+
+
+def test_no_more_is_read_than_half_the_available_memory_holds(monkeypatch, tmp_path):
+    files = files_to_prefetch(EMBEDDED_CHECKPOINT)
+    sizes = [f.stat().st_size for f in files]
+    assert prefetch.within(files, None) == files
+    assert prefetch.within(files, sizes[0] + sizes[1]) == files[:2]  # the load's first files first
+    assert prefetch.within(files, sizes[0] - 1) == []
+    assert prefetch.available_memory() is None or prefetch.available_memory() > 0  # this machine's, read
+    monkeypatch.setattr(prefetch, "available_memory", lambda: 2 * sizes[0])  # room for the transformer only
+    monkeypatch.setattr(prefetch, "_current", None)
+    run = prefetch.start_prefetch(["serve", "--model", MODEL])
+    assert run.files == files[:1] and run.wait(60)

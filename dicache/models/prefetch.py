@@ -6,7 +6,8 @@ is read; the disk is idle meanwhile. `start_prefetch` reads the files the load w
 threads, from before the first heavy import: the loader then reads at memory speed what the prefetch already read,
 and waits on the disk only for the rest. It imports nothing heavy (no torch), reads each file once, sequentially, in
 large reads, and keeps no data (the page cache holds it; the kernel may drop it again under memory pressure, at no
-cost but the reread).
+cost but the reread). It reads no more than half the memory available at its start can hold (`available_memory`,
+the container's limit included), the load's first files first.
 
 What is read (`files_to_prefetch`), for a local checkpoint folder, in the load's order: the transformer's, the text
 encoder's and the VAE's weights (from the base checkpoint named in `dicache.json` for a partial checkpoint); for the
@@ -76,6 +77,45 @@ def argv_request(argv: Sequence[str]) -> dict[str, Any] | None:
         "model": os.path.expanduser(known.model),
         "store": os.path.expanduser(store) if known.compile and store.strip() else None,
     }
+
+
+MEMORY_SHARE = 0.5
+"""The share of the memory available now (`available_memory`) that the prefetch may fill with page cache."""
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still fill without pressing on memory: the kernel's `MemAvailable`, bounded by the
+    cgroup's limit less its usage (a container's page cache is charged to it); None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as fh:
+            found += [int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(pathlib.Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def within(files: list[pathlib.Path], budget: int | None) -> list[pathlib.Path]:
+    """The first of `files` whose sizes add up to at most `budget` bytes (all of them when `budget` is None): a
+    prefetch larger than the memory that can hold it would evict its own first pages before the load reads them."""
+    if budget is None:
+        return files
+    chosen, total = [], 0
+    for file in files:
+        try:
+            total += file.stat().st_size
+        except OSError:
+            continue
+        if total > budget:
+            break
+        chosen.append(file)
+    return chosen
 
 
 def _weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -213,7 +253,8 @@ def start_prefetch(argv: Sequence[str]) -> Prefetch | None:
     request = argv_request(argv)
     if request is None:
         return None
-    files = files_to_prefetch(request["model"], request["store"])
+    memory = available_memory()
+    files = within(files_to_prefetch(request["model"], request["store"]), memory and int(memory * MEMORY_SHARE))
     if not files:
         return None
     _current = Prefetch(files).start()
