@@ -168,3 +168,25 @@ def test_ready_to_serve_starts_the_background_preparation_after_ready_and_close_
     ]
     assert backend.startup_report()["text_lengths"]["state"] == "done"
     assert "text_lengths" not in backend.startup["phases_s"]  # not a start-up phase: ready came first
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_backend_meets_every_length_in_the_background_while_it_serves():
+    """What `dicache serve` does by default on a GPU: ready first, then every prompt length met on the denoise thread
+    between requests; the requests served meanwhile give the bytes of a backend that met none."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pipe = Krea2Pipeline.from_pretrained(device="cuda")
+    backend = PipelineBackend(pipe, CacheConfig.defaults(), variant_defaults(pipe, "raw", (32, 32)), staged=True)
+    try:
+        request = _spec("a lighthouse at dusk", 5)
+        before = backend.generate(request)
+        started = backend.prepare_text_lengths(background=True)
+        assert started == {"lengths": len(pipe.text_lengths()), "background": True}
+        during = [backend.generate(request) for _ in range(3)]
+        assert backend.text_lengths.wait(120)
+        assert backend.text_lengths.progress()["state"] == "done"
+        assert backend.text_lengths.progress()["lengths"] == len(pipe.text_lengths())
+        assert all(r.images_b64 == before.images_b64 for r in during)
+    finally:
+        backend.close()
