@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from server_helpers import (
 )
 
 from dicache.cli import main as cli_main
+from dicache.models.krea2.checkpoints import EMBEDDED_CHECKPOINT as EMBEDDED
 from dicache.server import ServerSettings, create_app
 from dicache.server.background import BackgroundServer
 from dicache.server.runner import ConnectionLimits, exposure_warnings
@@ -400,3 +402,30 @@ def test_background_tasks_run_for_the_app_lifetime(backend):
         assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
         assert seen == ["started, queue running: True, draining: False"]
     assert seen[1:] == ["cancelled"]
+
+
+def test_cli_reports_its_start_up_phases_imports_and_what_it_read_while_importing(tmp_path):
+    """`/v1/server_info` "startup" of the real command on a local checkpoint folder: the phases from the process's
+    start (imports split into the interpreter's start and the command's modules), the weights read, and the prefetch
+    that read the folder's weight files while the process imported (`--prefetch-weights`, on by default)."""
+    model = tmp_path / "krea2"
+    shutil.copytree(EMBEDDED, model)
+    proc, url = start_cli(str(model), "--max-side", "64")
+    try:
+        startup = info(url)["startup"]
+        assert {"imports", "weights"} <= startup["phases_s"].keys()
+        split = startup["imports"]
+        assert split["interpreter_s"] >= 0 and split["modules_s"] > 0
+        # the phase also counts the imports loading needs later (transformers' text-encoder code)
+        assert 0 < split["interpreter_s"] + split["modules_s"] <= startup["phases_s"]["imports"] + 0.01
+        weights = sorted(model.glob("*/*.safetensors"))
+        prefetched = startup["prefetch"]
+        assert prefetched["files"] == len(weights) and prefetched["unreadable"] == 0
+        assert prefetched["done"] and prefetched["GB"] == round(sum(f.stat().st_size for f in weights) / 1e9, 3)
+        assert "text_lengths" not in startup  # on the CPU the prompt lengths are not prepared
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

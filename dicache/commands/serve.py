@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         raise DicacheError(f"dicache serve needs the serve extra: pip install 'dicache[serve]' ({exc})") from None
     timeline = StartupTimeline()
-    timeline.imports_done()
+    timeline.imports_done(prefetch.ENTERED)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
     if args.default_size is not None:  # requests without a size get it: it obeys --max-side too

@@ -10,6 +10,7 @@ import argparse
 import logging
 
 from ..errors import ConfigError, DicacheError
+from ..models import prefetch
 from ..parallel import setup_from_args
 from ..settings.profiles import cache_config as read_cache_config
 from .serve_args import add_server_arguments, settings_from_args
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from .serve import start_backend  # the serve command's start-up, shared
 
     timeline = StartupTimeline()
-    timeline.imports_done()
+    timeline.imports_done(prefetch.ENTERED)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.compile = True
     args.prepare_text_lengths = "off"  # per-thread attention plans: nothing of them goes into the artifact

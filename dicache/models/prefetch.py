@@ -244,12 +244,16 @@ def _read_through(file: pathlib.Path, buffer: bytearray) -> int:
 
 
 _current: Prefetch | None = None
+ENTERED: float | None = None
+"""When the command line's entry called `start_prefetch` (Unix time): the interpreter's and `dicache`'s own start
+before it, the command's modules (torch, the server) imported after (`StartupTimeline.imports_done`)."""
 
 
 def start_prefetch(argv: Sequence[str]) -> Prefetch | None:
     """Start reading what the command line `argv` will load (`argv_request`, `files_to_prefetch`); the running
     prefetch is `current()`. None where there is nothing to read."""
-    global _current
+    global _current, ENTERED
+    ENTERED = time.time()
     request = argv_request(argv)
     if request is None:
         return None

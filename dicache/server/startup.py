@@ -53,9 +53,17 @@ class StartupTimeline:
         self._health: GpuHealth | None = None
         self.ended = self.started
 
-    def imports_done(self) -> None:
-        """Record `imports`: the process's start until now (call where the command starts)."""
-        self.add("imports", self.clock() - self.started)
+    def imports_done(self, entered: float | None = None) -> None:
+        """Record `imports`: the process's start until now (call where the command starts); with `entered` (when the
+        command line's entry began, `dicache.models.prefetch.ENTERED`), `details["imports"]` splits it:
+        `interpreter_s` (Python and `dicache` starting) and `modules_s` (the command's modules: torch, the server)."""
+        now = self.clock()
+        self.add("imports", now - self.started)
+        if entered is not None and self.started <= entered <= now:
+            self.details["imports"] = {
+                "interpreter_s": round(entered - self.started, 3),
+                "modules_s": round(now - entered, 3),
+            }
 
     def add(self, name: str, seconds: float) -> None:
         """A phase measured elsewhere (e.g. the loader's `weights` and `quantization`)."""
