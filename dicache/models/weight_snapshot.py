@@ -29,6 +29,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
@@ -45,10 +46,11 @@ log = logging.getLogger(__name__)
 INFO = logging.INFO
 
 
-def _version(module_name: str) -> str:
+def _version(distribution: str) -> str:
+    """An installed distribution's version, without importing it ("none" when absent)."""
     try:
-        return str(__import__(module_name).__version__)
-    except ImportError:
+        return version(distribution)
+    except PackageNotFoundError:
         return "none"
 
 
