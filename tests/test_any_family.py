@@ -22,20 +22,7 @@ TRAINED_FLUX = Path(__file__).resolve().parents[1] / "checkpoints" / "flux-tiny"
 FAST = [{"residual_diff_threshold": 0.3, "max_warmup_steps": 1}, {"scm_preset": "fast", "scm_policy": "static"}]
 
 
-@pytest.fixture(scope="module")
-def folders(tiny_family_folders):
-    return tiny_family_folders
-
-
-@pytest.fixture
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def test_generate_on_a_video_family_writes_each_finite_video_as_an_animated_image(tmp_path, capsys, one_thread):
+def test_generate_on_a_video_family_writes_each_finite_video_as_an_animated_image(tmp_path, capsys, one_torch_thread):
     """Wan 2.1: `--num-images` reaches the pipeline as `num_videos_per_prompt`, each video is one animated PNG of
     all its frames; a video whose frames hold NaN is not written (an older file at its path removed) and the command
     exits 1 naming it."""
@@ -69,11 +56,11 @@ def test_generate_on_a_video_family_writes_each_finite_video_as_an_animated_imag
     assert (tmp_path / "v-0.png").is_file() and not (tmp_path / "v-1.png").exists()
 
 
-def test_a_count_a_pipeline_cannot_take_is_refused_naming_it(folders, tmp_path, capsys, monkeypatch):
+def test_a_count_a_pipeline_cannot_take_is_refused_naming_it(tiny_family_folders, tmp_path, capsys, monkeypatch):
     import dicache.commands.generate as generate_command
 
     monkeypatch.setattr(generate_command, "call_parameters", lambda pipe: {})  # a pipeline with no count parameter
-    argv = ["generate", "red apple", "--model", str(folders["flux"]), "--num-images", "3"]
+    argv = ["generate", "red apple", "--model", str(tiny_family_folders["flux"]), "--num-images", "3"]
     assert main([*argv, "--out", str(tmp_path / "x.png")]) == 2
     assert "--num-images=3 is refused for FluxPipeline (Flux.1): its pipeline makes one output per prompt" in (
         capsys.readouterr().err
@@ -81,9 +68,11 @@ def test_a_count_a_pipeline_cannot_take_is_refused_naming_it(folders, tmp_path, 
 
 
 @pytest.mark.parametrize("family", ["flux", "pixart"])
-def test_generate_on_a_family_folder_writes_images_and_prints_stats(folders, family, tmp_path, capsys, one_thread):
+def test_generate_on_a_family_folder_writes_images_and_prints_stats(
+    tiny_family_folders, family, tmp_path, capsys, one_torch_thread
+):
     out = tmp_path / "img.png"
-    argv = ["generate", "red apple", "blue heart", "--model", str(folders[family]), "--cache", "on"]
+    argv = ["generate", "red apple", "blue heart", "--model", str(tiny_family_folders[family]), "--cache", "on"]
     assert main([*argv, "--out", str(out), "--stats-json", str(tmp_path / "s.json")]) == 0
     text = capsys.readouterr().out
     assert (tmp_path / "img-0.png").is_file() and (tmp_path / "img-1.png").is_file()
@@ -93,11 +82,21 @@ def test_generate_on_a_family_folder_writes_images_and_prints_stats(folders, fam
     assert branches == ({"cond", "uncond"} if family == "flux" else {"cond"})  # true CFG: two calls; PixArt: batched
 
 
-def test_calibrate_writes_a_profile_that_generate_uses(folders, tmp_path, capsys, monkeypatch, one_thread):
+def test_calibrate_writes_a_profile_that_generate_uses(
+    tiny_family_folders, tmp_path, capsys, monkeypatch, one_torch_thread
+):
     candidates = tmp_path / "candidates.json"
     candidates.write_text(json.dumps(FAST))
     profile = tmp_path / "flux.json"
-    argv = ["calibrate", "--model", str(folders["flux"]), "--prompts", "1", "--no-step-masks", "--no-progress"]
+    argv = [
+        "calibrate",
+        "--model",
+        str(tiny_family_folders["flux"]),
+        "--prompts",
+        "1",
+        "--no-step-masks",
+        "--no-progress",
+    ]
     argv += ["--candidates", str(candidates), "--target-psnr", "20", "--out", str(profile)]
     assert main(argv) == 0
     written = json.loads(profile.read_text())
@@ -107,17 +106,17 @@ def test_calibrate_writes_a_profile_that_generate_uses(folders, tmp_path, capsys
     capsys.readouterr()
     monkeypatch.setenv("SGLANG_CACHE_DIT_PROFILE", str(profile))
     stats = tmp_path / "stats.json"
-    argv = ["generate", "red apple", "--model", str(folders["flux"]), "--out", str(tmp_path / "p.png")]
+    argv = ["generate", "red apple", "--model", str(tiny_family_folders["flux"]), "--out", str(tmp_path / "p.png")]
     assert main([*argv, "--stats-json", str(stats)]) == 0
     assert f"profile {profile}" in capsys.readouterr().out
     record = json.loads(stats.read_text())
     assert record["config"]["profile"] == str(profile) and record["compute_fraction"] == pytest.approx(achieved)
 
 
-def test_calibrate_from_python_returns_a_profile_enable_takes(folders, one_thread):
+def test_calibrate_from_python_returns_a_profile_enable_takes(tiny_family_folders, one_torch_thread):
     from diffusers import FluxPipeline
 
-    pipe = FluxPipeline.from_pretrained(folders["flux"])  # built by the user, plainly; no dicache.json
+    pipe = FluxPipeline.from_pretrained(tiny_family_folders["flux"])  # built by the user, plainly; no dicache.json
     pipe.set_progress_bar_config(disable=True)
     profile = dicache.calibrate(
         pipe,
@@ -145,10 +144,12 @@ def test_calibrate_from_python_returns_a_profile_enable_takes(folders, one_threa
     assert dicache.stats(pipe).compute_fraction == pytest.approx(achieved)
 
 
-def test_sweep_runs_ours_fewer_steps_and_cache_dit_on_one_family_pipeline(folders, tmp_path, one_thread):
+def test_sweep_runs_ours_fewer_steps_and_cache_dit_on_one_family_pipeline(
+    tiny_family_folders, tmp_path, one_torch_thread
+):
     pytest.importorskip("cache_dit")
     out = tmp_path / "sweep"
-    argv = ["sweep", "--model", str(folders["flux"]), "--prompt", "red apple", "--RDT", "0.3", "--W", "1"]
+    argv = ["sweep", "--model", str(tiny_family_folders["flux"]), "--prompt", "red apple", "--RDT", "0.3", "--W", "1"]
     argv += ["--compute-targets", "0.5", "--reference-steps", "0", "--no-progress", "--out", str(out)]
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
@@ -165,13 +166,13 @@ def test_sweep_runs_ours_fewer_steps_and_cache_dit_on_one_family_pipeline(folder
     assert "**This model is a diffusers pipeline, FluxPipeline (Flux.1)**" in (out / "report.md").read_text()
 
 
-def test_a_sweep_from_python_on_a_batched_cfg_family(folders, tmp_path, one_thread):
+def test_a_sweep_from_python_on_a_batched_cfg_family(tiny_family_folders, tmp_path, one_torch_thread):
     from diffusers import DiffusionPipeline
 
     from dicache.sweep.launch import run_sweep
     from dicache.sweep.spec import Schedule, SweepSpec, expand_grid
 
-    pipe = DiffusionPipeline.from_pretrained(folders["pixart"])
+    pipe = DiffusionPipeline.from_pretrained(tiny_family_folders["pixart"])
     spec = SweepSpec(
         samples=[("red apple", 0)],
         schedules=[Schedule(8, 4.5)],
@@ -193,14 +194,14 @@ def test_a_sweep_from_python_on_a_batched_cfg_family(folders, tmp_path, one_thre
 
 
 def test_settings_a_family_cannot_take_are_refused_before_any_run_naming_setting_and_family(
-    folders, tmp_path, capsys, monkeypatch
+    tiny_family_folders, tmp_path, capsys, monkeypatch
 ):
     from diffusers import DiffusionPipeline, HeunDiscreteScheduler
 
     from dicache.sweep.launch import run_sweep
     from dicache.sweep.spec import Schedule, SweepSpec, SweepSpecError, expand_grid
 
-    flux = str(folders["flux"])
+    flux = str(tiny_family_folders["flux"])
     assert main(["sweep", "--model", flux, "--prompt", "x", "--baselines", "heun", "--out", str(tmp_path)]) == 2
     assert "baselines heun are refused for" in capsys.readouterr().err
     assert main(["generate", "x", "--model", flux, "--embedded-guidance", "3.5", "--out", str(tmp_path / "a.png")]) == 2
@@ -208,7 +209,7 @@ def test_settings_a_family_cannot_take_are_refused_before_any_run_naming_setting
     assert main(["generate", "x", "--model", flux, "--variant", "turbo", "--out", str(tmp_path / "b.png")]) == 2
     assert "--variant='turbo' is refused for FluxPipeline" in capsys.readouterr().err
 
-    pipe = DiffusionPipeline.from_pretrained(folders["pixart"])
+    pipe = DiffusionPipeline.from_pretrained(tiny_family_folders["pixart"])
     pipe.scheduler = HeunDiscreteScheduler.from_config(pipe.scheduler.config)
 
     @functools.wraps(type(pipe).__call__)  # the same signature: how the guidance is passed is read from it
@@ -243,7 +244,7 @@ def test_an_uncached_hub_id_offline_is_a_clear_error(tmp_path, capsys, monkeypat
 
 
 @pytest.mark.skipif(not (TRAINED_FLUX / "model_index.json").is_file(), reason="the trained Flux is not checked in yet")
-def test_the_trained_flux_runs_through_generate_and_a_sweep(tmp_path, capsys, one_thread):
+def test_the_trained_flux_runs_through_generate_and_a_sweep(tmp_path, capsys, one_torch_thread):
     assert main(["generate", "red apple", "--model", str(TRAINED_FLUX), "--cache", "on", "--steps", "8"]) == 0
     assert "FluxPipeline (Flux.1)" in capsys.readouterr().out
     out = tmp_path / "sweep"

@@ -26,19 +26,6 @@ from dicache.tuning.predictor import predictor_overrides  # noqa: E402
 MASK = (1, 1, 0, 1, 0, 0, 1, 0)  # steps 2, 4, 5 and 7 predicted
 
 
-@pytest.fixture(scope="module")
-def folders(tiny_family_folders):
-    return tiny_family_folders
-
-
-@pytest.fixture
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def reuse_map(channels: int) -> torch.Tensor:
     """The predictor weight that returns the newest computed output unchanged (what plain reuse does)."""
     w = torch.zeros(feature_width(channels), channels)
@@ -46,8 +33,10 @@ def reuse_map(channels: int) -> torch.Tensor:
     return w
 
 
-def test_the_fit_through_a_family_pipeline_steers_back_to_its_uncached_trajectory(folders, tmp_path, one_thread):
-    runner = FamilyRunner.load(str(folders["flux"]))
+def test_the_fit_through_a_family_pipeline_steers_back_to_its_uncached_trajectory(
+    tiny_family_folders, tmp_path, one_torch_thread
+):
+    runner = FamilyRunner.load(str(tiny_family_folders["flux"]))
     run = BatchRun(runner, Schedule(8, 2.0), 16, 16)
     samples = [("red apple", 3), ("rocket", 4), ("green book", 5)]
     trajectory = Trajectory.record(run, samples)
@@ -73,18 +62,18 @@ def test_the_fit_through_a_family_pipeline_steers_back_to_its_uncached_trajector
     assert errors["fitted"] < 0.5 * errors["reuse"], errors
 
 
-def test_a_family_that_cannot_take_the_predictor_is_refused_before_any_run(folders, tmp_path, monkeypatch):
+def test_a_family_that_cannot_take_the_predictor_is_refused_before_any_run(tiny_family_folders, tmp_path, monkeypatch):
     from diffusers import DiffusionPipeline
 
     from dicache.sweep.launch import run_sweep
     from dicache.sweep.spec import SweepSpec, SweepSpecError, expand_grid
 
-    pixart = FamilyRunner.load(str(folders["pixart"]))
+    pixart = FamilyRunner.load(str(tiny_family_folders["pixart"]))
     refusal = pixart.fitted_refusal(Schedule(8, 4.5))
     assert refusal.startswith("cached_step_method='fitted' is refused for PixArtSigmaPipeline (PixArt-α / Σ)")
-    assert FamilyRunner.load(str(folders["flux"])).fitted_refusal(Schedule(8, 2.0)) is None
+    assert FamilyRunner.load(str(tiny_family_folders["flux"])).fitted_refusal(Schedule(8, 2.0)) is None
 
-    pipe = DiffusionPipeline.from_pretrained(folders["pixart"])
+    pipe = DiffusionPipeline.from_pretrained(tiny_family_folders["pixart"])
 
     @functools.wraps(type(pipe).__call__)  # the same signature: how the guidance is passed is read from it
     def no_run(*args, **kwargs):
@@ -105,9 +94,9 @@ def test_a_family_that_cannot_take_the_predictor_is_refused_before_any_run(folde
 
 
 def test_calibrate_grid_sweep_generate_and_enable_take_a_family_predictor(
-    folders, tmp_path, capsys, monkeypatch, one_thread
+    tiny_family_folders, tmp_path, capsys, monkeypatch, one_torch_thread
 ):
-    flux = str(folders["flux"])
+    flux = str(tiny_family_folders["flux"])
     prompts = tmp_path / "train.json"
     prompts.write_text(json.dumps([{"prompt": "red apple", "seed": 0}, {"prompt": "dog face", "seed": 1}]))
     candidates = tmp_path / "candidates.json"
@@ -161,12 +150,14 @@ def test_calibrate_grid_sweep_generate_and_enable_take_a_family_predictor(
     assert dicache.stats(pipe).compute_fraction == pytest.approx(0.75)
 
 
-def test_leave_prompt_out_scores_each_prompt_with_a_fit_that_never_saw_it(folders, tmp_path, capsys, one_thread):
+def test_leave_prompt_out_scores_each_prompt_with_a_fit_that_never_saw_it(
+    tiny_family_folders, tmp_path, capsys, one_torch_thread
+):
     from dicache.sweep.metrics import psnr
     from dicache.tuning import PipelineRunner, calibrate
     from dicache.tuning.predictor import PredictorSearch
 
-    runner = PipelineRunner(FamilyRunner.load(str(folders["flux"])), 4, 2.0, None, 16, 16)
+    runner = PipelineRunner(FamilyRunner.load(str(tiny_family_folders["flux"])), 4, 2.0, None, 16, 16)
     samples = [("red apple", 0), ("rocket", 1)]
     search = PredictorSearch(runner, samples, 2, tmp_path / "p", leave_prompt_out=True)
     result = calibrate(runner, samples, [], target_psnr=10.0, criterion="mean", progress=False, predictor=search)
@@ -182,6 +173,6 @@ def test_leave_prompt_out_scores_each_prompt_with_a_fit_that_never_saw_it(folder
         reference = runner.run(prompt, seed, None)
         assert psnr(again.image, reference.image)[0] == pytest.approx(candidate.psnr[i], abs=1e-6)
 
-    argv = ["calibrate", "--model", str(folders["flux"]), "--prompts", "1", "--fit-leave-prompt-out"]
+    argv = ["calibrate", "--model", str(tiny_family_folders["flux"]), "--prompts", "1", "--fit-leave-prompt-out"]
     assert main([*argv, "--out", str(tmp_path / "x.json")]) == 2
     assert "--fit-leave-prompt-out needs 2 or more distinct prompts" in capsys.readouterr().err
