@@ -28,7 +28,7 @@ import pathlib
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -290,19 +290,3 @@ class WeightSnapshots:
             files=len(shards),
             bytes=size,
         )
-
-
-def load_or_build(
-    snapshots: WeightSnapshots,
-    key: ArtifactKey,
-    build: Callable[[], nn.Module],
-    structure: Callable[[nn.Module], Any],
-    device: torch.device | str,
-) -> tuple[nn.Module | None, ArtifactOutcome]:
-    """The component from the snapshot of `key`: built on the meta device (`build`), given its quantised structure
-    (`structure`) and filled, with the outcome; or None and the outcome (absent, mismatch, unreadable)."""
-    with torch.device("meta"):
-        module = build()
-        structure(module)
-    found = snapshots.load(key, module, device)
-    return (module.eval(), found) if found.status == "loaded" else (None, found)

@@ -14,10 +14,12 @@ import json
 import os
 import pathlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from dicache.models.compile_artifact import ArtifactKey
 from dicache.models.krea2.scheduler import FlowMatchEulerScheduler
 from dicache.models.krea2.text import Krea2TextEncoder
 from dicache.models.krea2.transformer import Krea2Transformer
@@ -29,7 +31,7 @@ from dicache.models.loading import (
     read_json,
     resolve_component_dir,
 )
-from dicache.models.weight_snapshot import WeightSnapshots, load_or_build, snapshot_key
+from dicache.models.weight_snapshot import WeightSnapshots, snapshot_key
 from dicache.quantization import QuantizationError, QuantizationSpec, quantize_text_encoder, quantize_transformer
 from dicache.quantization.weights import quantized_structure
 
@@ -159,23 +161,18 @@ def load_transformer(
     `outcomes` receives the snapshot's (`transformer`, `transformer_saved`)."""
     clock = clock if clock is not None else _PhaseClock()
     outcomes = outcomes if outcomes is not None else {}
-    store = WeightSnapshots(weight_store) if weight_store is not None and quantization is not None else None
-    if load_format != "auto":
-        store = None
+    store = _snapshot_store(weight_store, quantization is not None, load_format)
     if store is not None:
         folder = pathlib.Path(resolve_component_dir(path_or_repo_id, "transformer", **hub_kwargs))
         key = snapshot_key("transformer", folder, repr(quantization), dtype)
-        with clock.phase("weights"):
-            transformer, found = load_or_build(
-                store,
-                key,
-                lambda: Krea2Transformer.from_config(read_json(folder, "config.json"), folder),
-                lambda model: quantized_structure(model, quantization),
-                device,
-            )
-        outcomes["transformer"] = found.to_dict()
+
+        def build() -> Krea2Transformer:
+            model = Krea2Transformer.from_config(read_json(folder, "config.json"), folder)
+            quantized_structure(model, quantization)
+            return model
+
+        transformer = _from_snapshot(store, key, "transformer", build, lambda model: model, device, clock, outcomes)
         if transformer is not None:
-            clock.reads["transformer"] = {"seconds": found.seconds, "bytes": found.bytes}
             transformer.quantization = quantization
             return transformer
 
@@ -199,8 +196,7 @@ def load_transformer(
             quantize_transformer(transformer, quantization, only=lambda linear: not linear.startswith(blocks))
         transformer.quantization = quantization
     if store is not None:
-        with clock.phase("snapshot_save"):
-            outcomes["transformer_saved"] = store.save(key, transformer).to_dict()
+        _save_snapshot(store, key, "transformer", transformer, clock, outcomes)
     return transformer
 
 
@@ -228,22 +224,20 @@ def load_text_encoder(
     `load_transformer`."""
     clock = clock if clock is not None else _PhaseClock()
     outcomes = outcomes if outcomes is not None else {}
-    store = None
-    if weight_store is not None and method in SNAPSHOT_TEXT_ENCODER_METHODS and load_format == "auto":
-        store = WeightSnapshots(weight_store)
+    store = _snapshot_store(weight_store, method in SNAPSHOT_TEXT_ENCODER_METHODS, load_format)
+    if store is not None:
         folder = pathlib.Path(resolve_component_dir(source, "text_encoder", **hub_kwargs))
         key = snapshot_key("text_encoder", folder, f"text encoder {method}", dtype)
-        with clock.phase("weights"):
-            encoder = Krea2TextEncoder.from_pretrained(
-                source, dtype=dtype, device=device, load_format="meta", **hub_kwargs
-            )
-            with torch.device("meta"):
-                quantize_text_encoder(encoder.text_encoder, method)
-            found = store.load(key, encoder.text_encoder, device)
-        outcomes["text_encoder"] = found.to_dict()
-        if found.status == "loaded":
-            clock.reads["text_encoder"] = {"seconds": found.seconds, "bytes": found.bytes}
-            encoder.text_encoder.eval()
+
+        def build() -> Krea2TextEncoder:
+            encoder = Krea2TextEncoder.from_pretrained(source, dtype=dtype, load_format="meta", **hub_kwargs)
+            quantize_text_encoder(encoder.text_encoder, method)
+            return encoder
+
+        encoder = _from_snapshot(
+            store, key, "text_encoder", build, lambda encoder: encoder.text_encoder, device, clock, outcomes
+        )
+        if encoder is not None:
             return encoder
     with clock.phase("weights", bytes, "text_encoder"):
         encoder = Krea2TextEncoder.from_pretrained(
@@ -253,9 +247,55 @@ def load_text_encoder(
         with clock.phase("quantization"):
             quantize_text_encoder(encoder.text_encoder, method)
     if store is not None:
-        with clock.phase("snapshot_save"):
-            outcomes["text_encoder_saved"] = store.save(key, encoder.text_encoder).to_dict()
+        _save_snapshot(store, key, "text_encoder", encoder.text_encoder, clock, outcomes)
     return encoder
+
+
+def _snapshot_store(
+    weight_store: str | os.PathLike | None, quantized: bool, load_format: str
+) -> WeightSnapshots | None:
+    """Where a component's quantised weights are kept and found: `weight_store` when the component is quantised (in a
+    way a snapshot keeps) and read from its files; else None."""
+    return WeightSnapshots(weight_store) if weight_store is not None and quantized and load_format == "auto" else None
+
+
+def _from_snapshot(
+    store: WeightSnapshots,
+    key: ArtifactKey,
+    name: str,
+    build: Callable[[], Any],
+    module_of: Callable[[Any], torch.nn.Module],
+    device: torch.device,
+    clock: _PhaseClock,
+    outcomes: dict[str, Any],
+) -> Any:
+    """Component `name` from the snapshot of `key`: `build()` makes it on the meta device in its quantised structure,
+    its module (`module_of`) is filled on `device`; timed as `weights`, its read kept in `clock.reads` and the
+    outcome in `outcomes[name]`. None when the store has no snapshot it can use (the caller loads the files)."""
+    with clock.phase("weights"):
+        with torch.device("meta"):
+            component = build()
+        found = store.load(key, module_of(component), device)
+    outcomes[name] = found.to_dict()
+    if found.status != "loaded":
+        return None
+    clock.reads[name] = {"seconds": found.seconds, "bytes": found.bytes}
+    module_of(component).eval()
+    return component
+
+
+def _save_snapshot(
+    store: WeightSnapshots,
+    key: ArtifactKey,
+    name: str,
+    module: torch.nn.Module,
+    clock: _PhaseClock,
+    outcomes: dict[str, Any],
+) -> None:
+    """Save `module` (component `name`, as loaded and quantised) as the snapshot of `key`, timed as
+    `snapshot_save`; the outcome in `outcomes[name + "_saved"]`."""
+    with clock.phase("snapshot_save"):
+        outcomes[f"{name}_saved"] = store.save(key, module).to_dict()
 
 
 class _PhaseClock:
