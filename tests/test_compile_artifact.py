@@ -13,16 +13,8 @@ import sys
 
 import pytest
 
-from dicache.models.compile_artifact import (
-    ARTIFACT_ENV,
-    DIGEST_CHARS,
-    MANIFEST,
-    PAYLOAD,
-    ArtifactKey,
-    artifact_store,
-    load_artifact,
-    save_artifact,
-)
+from dicache.models.compile_artifact import DIGEST_CHARS, MANIFEST, PAYLOAD, ArtifactKey, load_artifact, save_artifact
+from dicache.models.store_layout import ARTIFACT_ENV, artifact_store
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KEY = ArtifactKey({"torch": "2.13.0", "gpu": "NVIDIA H200", "shapes": "[1024, 1024]"})

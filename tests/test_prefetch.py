@@ -16,7 +16,7 @@ from dicache.models import prefetch
 from dicache.models.krea2.checkpoints import EMBEDDED_CHECKPOINT, EMBEDDED_TURBO_CHECKPOINT
 from dicache.models.options import ModelChoice, SpeedOptions
 from dicache.models.prefetch import Prefetch, argv_request, files_to_prefetch
-from dicache.models.snapshot_files import MANIFEST, PREFIX, checkpoint_fingerprint
+from dicache.models.store_layout import ARTIFACT_ENV, MANIFEST, PREFIX, checkpoint_fingerprint
 
 MODEL = str(EMBEDDED_CHECKPOINT)
 
@@ -46,12 +46,12 @@ def test_the_flags_read_early_are_the_declared_ones():
     ],
 )
 def test_what_a_command_line_asks_for(argv, expected, monkeypatch):
-    monkeypatch.delenv(prefetch.ARTIFACT_ENV, raising=False)
+    monkeypatch.delenv(ARTIFACT_ENV, raising=False)
     assert argv_request(argv) == expected
 
 
 def test_the_store_may_come_from_the_environment(monkeypatch):
-    monkeypatch.setenv(prefetch.ARTIFACT_ENV, "/artifacts")
+    monkeypatch.setenv(ARTIFACT_ENV, "/artifacts")
     assert argv_request(["serve", "--model", MODEL, "--compile"]) == {"model": MODEL, "store": "/artifacts"}
 
 

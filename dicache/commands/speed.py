@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..models.compile_artifact import artifact_store
 from ..models.options import SpeedOptions, TextEncoderOptions
+from ..models.store_layout import artifact_store
 from ..offload.settings import OffloadSettings
 from ..quantization import QuantizationError, parse_quantization
 from .fields import add_options, values_from_args

@@ -42,26 +42,16 @@ from typing import Any
 
 import torch
 
-ARTIFACT_ENV = "DICACHE_COMPILE_ARTIFACT"
-"""The environment variable naming the artifact store when `--compile-artifact` is not given."""
+from .store_layout import MANIFEST
 
 FORMAT = 1
 """The manifest's format version; another version is read as a mismatch."""
 
-MANIFEST = "manifest.json"
 PAYLOAD = "caches.tar"
 DIGEST_CHARS = 16
 _CHUNK = 8 << 20
 _SKIPPED = ("locks",)  # inductor's lock files: per process, never content
 log = logging.getLogger(__name__)
-
-
-def artifact_store(option: str | os.PathLike | None, environ: Mapping[str, str] | None = None) -> pathlib.Path | None:
-    """The store `--compile-artifact` names, else `DICACHE_COMPILE_ARTIFACT` of `environ` (default: this process's
-    environment), else None (no artifact). An empty value counts as not given."""
-    env = os.environ if environ is None else environ
-    value = os.fspath(option) if option is not None else env.get(ARTIFACT_ENV, "")
-    return pathlib.Path(os.path.expanduser(value)) if value.strip() else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +87,7 @@ def runtime_fields(device: torch.device | str) -> dict[str, str]:
     device = torch.device(device)
     fields = {
         "torch": torch.__version__,
-        "triton": _version("triton") or _version("pytorch-triton") or "none",
+        "triton": installed_version("triton") or installed_version("pytorch-triton") or "none",
         "cuda": str(torch.version.cuda),
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -113,10 +103,11 @@ def runtime_fields(device: torch.device | str) -> dict[str, str]:
 
 def dicache_version() -> str:
     """dicache's installed version ("unknown" in a source tree never installed)."""
-    return _version("dicache") or "unknown"
+    return installed_version("dicache") or "unknown"
 
 
-def _version(distribution: str) -> str | None:
+def installed_version(distribution: str) -> str | None:
+    """An installed distribution's version, without importing it; None when it is not installed."""
     try:
         return version(distribution)
     except PackageNotFoundError:

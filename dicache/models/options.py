@@ -10,8 +10,8 @@ from typing import ClassVar, Literal
 
 from ..quantization import LAYER_GROUPS, NO_EXCLUSIONS, QUANTIZATION_METHODS, TEXT_ENCODER_QUANTIZATION_METHODS
 from ..settings.options import FlagOptions, option
-from .compile_artifact import ARTIFACT_ENV
 from .loading import LOAD_FORMATS
+from .store_layout import ARTIFACT_ENV
 
 
 class ModelChoice(FlagOptions):

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .snapshot_files import MANIFEST, PREFIX, checkpoint_fingerprint
+from .store_layout import MANIFEST, PREFIX, artifact_store, checkpoint_fingerprint
 
 CHUNK_BYTES = 16 << 20
 THREADS = 4
@@ -46,7 +46,6 @@ PREFETCH_FLAGS = {
 """The declared flags (`models.options`) the prefetch reads, by field name."""
 SNAPSHOT_COMPONENTS = ("transformer", "text_encoder")
 """The components whose quantised weights a store may hold (`weight_snapshot`)."""
-ARTIFACT_ENV = "DICACHE_COMPILE_ARTIFACT"  # `compile_artifact.ARTIFACT_ENV`, which imports torch
 
 
 def argv_request(argv: Sequence[str]) -> dict[str, Any] | None:
@@ -72,10 +71,10 @@ def argv_request(argv: Sequence[str]) -> dict[str, Any] | None:
         return None
     if known.model is None or not pathlib.Path(os.path.expanduser(known.model)).is_dir():
         return None
-    store = known.compile_artifact if known.compile_artifact is not None else os.environ.get(ARTIFACT_ENV, "")
+    store = artifact_store(known.compile_artifact) if known.compile else None
     return {
         "model": os.path.expanduser(known.model),
-        "store": os.path.expanduser(store) if known.compile and store.strip() else None,
+        "store": None if store is None else str(store),
     }
 
 

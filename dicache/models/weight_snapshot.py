@@ -29,29 +29,26 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 from torch import nn
 
-from .compile_artifact import DIGEST_CHARS, ArtifactKey, ArtifactOutcome, dicache_version, replace_folder
-from .snapshot_files import MANIFEST, PREFIX, checkpoint_fingerprint, fingerprint
+from .compile_artifact import (
+    DIGEST_CHARS,
+    ArtifactKey,
+    ArtifactOutcome,
+    dicache_version,
+    installed_version,
+    replace_folder,
+)
+from .store_layout import MANIFEST, PREFIX, checkpoint_fingerprint, fingerprint
 from .tensor_files import TensorFileError, read_tensor_files
 
 FORMAT = 1
 SHARD_BYTES = 2 << 30
 """Largest shard: several shards of a large component are read in parallel."""
 log = logging.getLogger(__name__)
-INFO = logging.INFO
-
-
-def _version(distribution: str) -> str:
-    """An installed distribution's version, without importing it ("none" when absent)."""
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return "none"
 
 
 def snapshot_key(component: str, folder: str | os.PathLike, quantization: str, dtype: torch.dtype) -> ArtifactKey:
@@ -64,7 +61,7 @@ def snapshot_key(component: str, folder: str | os.PathLike, quantization: str, d
             "quantization": quantization,
             "dtype": str(dtype),
             "torch": torch.__version__,
-            "torchao": _version("torchao"),
+            "torchao": installed_version("torchao") or "none",
             "dicache": dicache_version(),
             "format": str(FORMAT),
         }
@@ -178,7 +175,9 @@ class WeightSnapshots:
             if not manifest_path.is_file():
                 others = self._keys(key.fields.get("component"))
                 if not others:
-                    return outcome("absent", "none for this checkpoint and quantisation yet; quantising at load", INFO)
+                    return outcome(
+                        "absent", "none for this checkpoint and quantisation yet; quantising at load", logging.INFO
+                    )
                 nearest = min(others, key=lambda fields: len(key.differences(fields)))
                 why = ", ".join(name.partition(":")[0] for name in key.differences(nearest))
                 return outcome(

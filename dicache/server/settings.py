@@ -30,7 +30,7 @@ TEXT_LENGTH_MODES: dict[str, str] = {
     "off": "never",
 }
 """`--prepare-text-lengths`: when every prompt length is met once (`backend.ready_to_serve`)."""
-TextLengthMode = Literal["background", "before-ready", "off"]
+TextLengthMode = Literal[tuple(TEXT_LENGTH_MODES)]  # the modes, from their declaration above
 
 
 def read_text_length_mode(value: str | bool) -> str:

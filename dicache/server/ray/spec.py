@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...models.compile_artifact import artifact_store
+from ...models.store_layout import artifact_store
 from ...settings.cache_config import CacheConfig
 from ..settings import ServerSettings
 

@@ -1,13 +1,27 @@
-"""The files of a weight snapshot (`weight_snapshot`) in plain Python, without torch, so that the prefetch
-(`prefetch`) can find a snapshot's shards before the process imports torch: the folder and manifest names, and the
-fingerprint of a file (its size and sampled bytes) that keys a snapshot to its checkpoint."""
+"""The compile-artifact store's parts that need no torch, so that the prefetch (`prefetch`) can use them before the
+process imports torch: where the store is (`ARTIFACT_ENV`, `artifact_store`), a weight snapshot's folder and manifest
+names (`weight_snapshot`), and the fingerprint of a file (its size and sampled bytes) that keys a snapshot to its
+checkpoint."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import pathlib
+from collections.abc import Mapping
 from typing import Any
+
+ARTIFACT_ENV = "DICACHE_COMPILE_ARTIFACT"
+"""The environment variable naming the artifact store when `--compile-artifact` is not given."""
+
+
+def artifact_store(option: str | os.PathLike | None, environ: Mapping[str, str] | None = None) -> pathlib.Path | None:
+    """The store `--compile-artifact` names, else `DICACHE_COMPILE_ARTIFACT` of `environ` (default: this process's
+    environment), else None (no artifact). An empty value counts as not given."""
+    env = os.environ if environ is None else environ
+    value = os.fspath(option) if option is not None else env.get(ARTIFACT_ENV, "")
+    return pathlib.Path(os.path.expanduser(value)) if value.strip() else None
+
 
 MANIFEST = "manifest.json"
 PREFIX = "weights-"
