@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from ..models.options import SpeedOptions, TextEncoderOptions
-from ..models.store_layout import artifact_store
+from ..models.store_layout import artifact_store, weight_snapshot_store
 from ..offload.settings import OffloadSettings
 from ..quantization import QuantizationError, parse_quantization
 from .fields import add_options, values_from_args
@@ -65,7 +65,10 @@ def weight_store(args: argparse.Namespace, at_load: bool = True) -> Any:
     """Where loading keeps and finds the quantised transformer and text encoder (`weight_snapshot`): the
     compile-artifact store, with `--compile`, `--artifact-weights` (on by default) and a quantization applied while
     loading (`at_load`), else None."""
-    quantized = speed_spec(args) is not None or text_encoder_quantization(args) is not None
-    if not at_load or not getattr(args, "artifact_weights", True) or not quantized:
-        return None
-    return compile_artifact_store(args)
+    return weight_snapshot_store(
+        getattr(args, "compile_artifact", None),
+        compile=getattr(args, "compile", False),
+        artifact_weights=getattr(args, "artifact_weights", True),
+        quantized=speed_spec(args) is not None or text_encoder_quantization(args) is not None,
+        at_load=at_load,
+    )

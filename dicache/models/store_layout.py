@@ -23,6 +23,23 @@ def artifact_store(option: str | os.PathLike | None, environ: Mapping[str, str] 
     return pathlib.Path(os.path.expanduser(value)) if value.strip() else None
 
 
+def weight_snapshot_store(
+    compile_artifact: str | os.PathLike | None,
+    *,
+    compile: bool,
+    artifact_weights: bool,
+    quantized: bool,
+    at_load: bool,
+) -> pathlib.Path | None:
+    """Where loading keeps and finds the quantised weights (`weight_snapshot`): the compile-artifact store
+    (`artifact_store` of `compile_artifact`) when the model is compiled, `--artifact-weights` is on, a quantisation
+    is asked for and applied while loading (`at_load`: one process, not offloaded); else None. The one rule for
+    `dicache serve` / `generate` and each Ray Serve replica."""
+    if not (compile and artifact_weights and quantized and at_load):
+        return None
+    return artifact_store(compile_artifact)
+
+
 MANIFEST = "manifest.json"
 PREFIX = "weights-"
 """A snapshot's folder in a store: `PREFIX` + the first 16 hex digits of its key's SHA-256."""

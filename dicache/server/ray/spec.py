@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...models.store_layout import artifact_store
+from ...models.store_layout import artifact_store, weight_snapshot_store
 from ...settings.cache_config import CacheConfig
 from ..settings import ServerSettings
 
@@ -74,10 +74,13 @@ class ReplicaSpec:
     def weight_store(self) -> Any:
         """Where a replica in one process keeps and finds its quantised transformer and text encoder: the artifact
         store, with compile, a quantization and `artifact_weights` (`weight_snapshot`); else None."""
-        quantized = self.quantization is not None or self.text_encoder_quantization is not None
-        if not (self.compile and self.artifact_weights and quantized and self.world_size == 1):
-            return None
-        return artifact_store(self.compile_artifact)
+        return weight_snapshot_store(
+            self.compile_artifact,
+            compile=self.compile,
+            artifact_weights=self.artifact_weights,
+            quantized=self.quantization is not None or self.text_encoder_quantization is not None,
+            at_load=self.world_size == 1,
+        )
 
     def apply_speed(self, backend: Any) -> Any:
         """`--quantization` (unless loading did it) then `--compile` on a loaded (and, for a group, split) backend,
