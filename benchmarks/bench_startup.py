@@ -414,7 +414,8 @@ def markdown(results: dict, args, command: str) -> str:
             if warm:
                 lines.append(
                     f"- {row['run']}: warm-up compile caches {json.dumps(warm.get('compile_caches'))}; compiled frames "
-                    f"{json.dumps(warm.get('compiles'))}"
+                    f"{json.dumps(warm.get('compiles'))}; longest compile steps (s, nested) "
+                    f"{json.dumps(warm.get('compile_time_s'))}; generations {json.dumps(warm.get('runs'))}"
                 )
             startup = row.get("startup") or {}
             snapshots, prefetched = json.dumps(startup.get("weight_snapshots")), json.dumps(startup.get("prefetch"))

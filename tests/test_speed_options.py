@@ -112,6 +112,18 @@ def test_compiled_server_warm_up_leaves_nothing_to_compile_for_requests():
     pipe.compile(backend="eager")  # dynamo's tracing and guards without inductor's codegen: fast on CPU
     warm = backend.warm_up(steps=3)
     assert warm["generations"] == 4 and warm["graphs_compiled"] > 0
+    runs = warm["runs"]  # where the warm-up's seconds went, per generation: the first compiles, the rest reuse
+    assert [(run["variant"], run["cache"]) for run in runs] == [
+        ("turbo", False),
+        ("turbo", True),
+        ("raw", False),
+        ("raw", True),
+    ]
+    assert runs[0]["graphs_compiled"] > 0 and sum(run["graphs_compiled"] for run in runs) == warm["graphs_compiled"]
+    assert all(set(run["phases"]) == {"encode", "denoise", "decode", "image"} for run in runs)
+    assert sum(run["seconds"] for run in runs) <= warm["seconds"] + 0.05
+    assert warm["compile_time_s"] and all(seconds > 0 for seconds in warm["compile_time_s"].values())
+    assert list(warm["compile_time_s"].values()) == sorted(warm["compile_time_s"].values(), reverse=True)
     before = counters["stats"]["unique_graphs"]
     specs = [
         _spec(backend.defaults, "red apple", "turbo", 3),

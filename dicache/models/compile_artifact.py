@@ -378,6 +378,23 @@ def compile_counters() -> dict[str, int]:
     }
 
 
+def compile_time_totals() -> dict[str, float]:
+    """Seconds torch.compile's timed steps took so far in this process, summed per step (dynamo's
+    `compilation_time_metrics`: e.g. `_compile.compile_inner` for a whole frame, `compile_fx_inner`, a cache load);
+    the steps nest, so their seconds overlap. Subtract two readings for what happened between them."""
+    from torch._dynamo.utils import compilation_time_metrics  # seconds to import: only compiling needs it
+
+    return {name: float(sum(values)) for name, values in compilation_time_metrics.items()}
+
+
+def compile_time_spent(before: dict[str, float], top: int = 10) -> dict[str, float]:
+    """The `top` steps that took longest since `before` (a `compile_time_totals` reading), seconds each, longest
+    first; steps that took no time are left out."""
+    spent = {name: total - before.get(name, 0.0) for name, total in compile_time_totals().items()}
+    longest = sorted(((round(s, 2), name) for name, s in spent.items() if round(s, 2) > 0), reverse=True)[:top]
+    return {name: seconds for seconds, name in longest}
+
+
 def compile_events(since: int = 0) -> list[dict[str, Any]]:
     """The frames torch.compile compiled in this process, from the `since`-th on (torch keeps the last few dozen):
     where (file:function), and seconds: whole compile, inside inductor, compiling Triton kernels, autotuning them."""

@@ -53,6 +53,8 @@ from ..models.compile_artifact import (
     compile_counters,
     compile_event_count,
     compile_events,
+    compile_time_spent,
+    compile_time_totals,
     load_artifact,
     save_artifact,
 )
@@ -381,10 +383,12 @@ class PipelineBackend:
         each variant, with prompts of two lengths, so that every graph a request can need (computed and cached
         steps, cond and uncond, a symbolic text length) is built before the first request. Returns what ran:
         generations, seconds, torch.compile's counters over the warm-up (graphs compiled, compile-cache hits and
-        misses: `compile_artifact.compile_counters`) and each compiled frame's seconds (`compile_events`)."""
+        misses: `compile_artifact.compile_counters`), each compiled frame's seconds (`compile_events`), the compile
+        steps that took longest (`compile_time_spent`), and per generation (`runs`): its variant, whether caching was
+        on, its seconds, its phases' seconds and the graphs it compiled."""
         start = time.perf_counter()
-        before, events = compile_counters(), compile_event_count()
-        runs = 0
+        before, events, timed = compile_counters(), compile_event_count(), compile_time_totals()
+        runs = []
         for variant, preset in PRESETS.items():
             for prompt, enable_cache in zip(self.WARM_UP_PROMPTS, (False, True)):
                 spec = GenerationSpec(
@@ -401,16 +405,27 @@ class PipelineBackend:
                     ),
                     variant=variant,
                 )
-                self.generate(spec)
-                runs += 1
+                graphs = compile_counters()["graphs"]
+                result = self.generate(spec)
+                runs.append(
+                    {
+                        "variant": variant,
+                        "cache": enable_cache,
+                        "seconds": round(result.seconds, 2),
+                        "phases": {name: round(seconds, 2) for name, seconds in (result.phases or {}).items()},
+                        "graphs_compiled": compile_counters()["graphs"] - graphs,
+                    }
+                )
         release_cached_memory(self.pipe.device)  # the warm-up's Raw requests need more than a Turbo server keeps
         after = compile_counters()
         return {
-            "generations": runs,
+            "generations": len(runs),
             "seconds": round(time.perf_counter() - start, 2),
             "graphs_compiled": after["graphs"] - before["graphs"],
             "compile_caches": {name: after[name] - before[name] for name in after if name != "graphs"},
             "compiles": compile_events(events),
+            "compile_time_s": compile_time_spent(timed),
+            "runs": runs,
         }
 
     def warm_up_shapes(self, steps: int = WARM_UP_STEPS) -> dict[str, Any]:
