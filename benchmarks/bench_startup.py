@@ -420,8 +420,8 @@ def markdown(results: dict, args, command: str) -> str:
             startup = row.get("startup") or {}
             snapshots, prefetched = json.dumps(startup.get("weight_snapshots")), json.dumps(startup.get("prefetch"))
             lines.append(
-                f"- {row['run']}: quantised weights {snapshots}; read while importing {prefetched}; prompt lengths "
-                f"when ready {json.dumps(row.get('text_lengths'))}"
+                f"- {row['run']}: imports {json.dumps(startup.get('imports'))}; quantised weights {snapshots}; read "
+                f"while importing {prefetched}; prompt lengths when ready {json.dumps(row.get('text_lengths'))}"
             )
             lines.append(
                 f"- {row['run']}: GPU memory per process while starting (GB, nvidia-smi): "

@@ -242,10 +242,13 @@ def test_the_server_start_up_compiles_and_serves_whatever_the_artifact(tmp_path,
     assert backend.warmed == 1 and not warnings
     assert backend.startup["compile_artifact"]["status"] == "absent"
     assert backend.startup["compile_artifact_saved"]["status"] == "saved"
+    listing = backend.startup["startup_files"]  # the code this start read, for the next start's prefetch
+    assert listing["status"] == "saved" and listing["files"] > 0 and pathlib.Path(listing["path"]).parent == store
 
     inductor, _ = _moved_caches(tmp_path, monkeypatch, "second")
     backend, warnings = _start(store, inductor, caplog)
     assert backend.startup["compile_artifact"]["status"] == "loaded" and not warnings
+    assert backend.startup["startup_files"] == {"status": "kept", "path": listing["path"]}
     assert "compile_artifact_saved" not in backend.startup  # nothing to save: it was loaded
     assert (inductor / "compiled.py").is_file()
 
@@ -260,6 +263,7 @@ def test_the_server_start_up_compiles_and_serves_whatever_the_artifact(tmp_path,
     backend, warnings = _start(read_only, inductor, caplog)
     assert backend.warmed == 1 and backend.startup["compile_artifact"]["status"] == "absent"
     assert [w.getMessage().split(": ", 1)[1][:15] for w in warnings] == ["cannot write it"]
+    assert backend.startup["startup_files"]["status"] == "unwritable"
 
 
 # ---------------------------------------------------------------------------------------------- two processes

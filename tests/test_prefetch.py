@@ -1,6 +1,7 @@
 """Weights read into the page cache while the process imports (`dicache.models.prefetch`, `--prefetch-weights`): what
-a command line asks for, which files (the checkpoint's, or the quantised snapshot of this very checkpoint), every byte
-read once, nothing of torch imported, and the command line's entry starting it before the commands' parser exists."""
+a command line asks for, which files (the checkpoint's, or the quantised snapshot of this very checkpoint, after the
+code files an earlier start listed: `startup_files`), every byte read once, nothing of torch imported, and the command
+line's entry starting it before the commands' parser exists."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-from dicache.models import prefetch
+from dicache.models import prefetch, startup_files
 from dicache.models.krea2.checkpoints import EMBEDDED_CHECKPOINT, EMBEDDED_TURBO_CHECKPOINT
 from dicache.models.options import ModelChoice, SpeedOptions
 from dicache.models.prefetch import Prefetch, argv_request, files_to_prefetch
@@ -39,6 +40,8 @@ def test_the_flags_read_early_are_the_declared_ones():
         (["serve", "--model", MODEL, "--prefetch-weights", "false"], None),
         (["serve", "--model", MODEL, "--prefetch-weights"], {"model": MODEL, "store": None}),
         (["serve", "--model", MODEL, "--load-format", "dummy"], None),
+        (["serve", "--load-format", "dummy", "--compile", "--compile-artifact", "/a"], {"model": None, "store": "/a"}),
+        (["serve", "--compile", "--compile-artifact", "/a"], {"model": None, "store": "/a"}),  # its code files only
         (["serve", "--model", "krea/krea-2"], None),  # a hub id: nothing local to read
         (["serve"], None),  # the embedded checkpoint: the command knows it, the prefetch does not need to
         (["sweep", "--model", MODEL], None),
@@ -140,3 +143,74 @@ def test_no_more_is_read_than_half_the_available_memory_holds(monkeypatch, tmp_p
     monkeypatch.setattr(prefetch, "_current", None)
     run = prefetch.start_prefetch(["serve", "--model", MODEL])
     assert run.files == files[:1] and run.wait(60)
+
+
+# ---------------------------------------------------------------------------------------------- start-up files
+def _record_in_a_fresh_process(store: pathlib.Path) -> dict:
+    code = (
+        "import json, sys, torch; from dicache.models import startup_files; "
+        f"print(json.dumps(startup_files.record({str(store)!r})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_a_start_lists_the_libraries_it_mapped_and_the_modules_it_read(tmp_path):
+    import torch
+
+    saved = _record_in_a_fresh_process(tmp_path)
+    listing = json.loads(pathlib.Path(saved["path"]).read_text())
+    assert saved["status"] == "saved" and saved["path"] == str(startup_files.listing_path(tmp_path))
+    files = listing["files"]
+    assert len(files) == len(set(files)) == saved["files"]
+    assert listing["bytes"] == sum(pathlib.Path(f).stat().st_size for f in files)
+    torch_lib = pathlib.Path(torch.__file__).parent / "lib"
+    first_code = next(i for i, f in enumerate(files) if not startup_files._SHARED_LIBRARY.search(f))
+    assert str(torch_lib / "libtorch_cpu.so") in files[:first_code]  # the libraries first: the bulk of the bytes
+    modules = [pathlib.Path(f) for f in files[first_code:]]
+    ours = pathlib.Path(
+        startup_files.__cached__ if pathlib.Path(startup_files.__cached__).is_file() else startup_files.__file__
+    )
+    assert ours in modules  # each module's file as imported: its .pyc, or its source without one
+    assert not [f for f in files if f.endswith(".safetensors")]  # weights are the prefetch's other part
+
+    again = _record_in_a_fresh_process(tmp_path)  # one listing per Python: an existing one is kept
+    assert again == {"status": "kept", "path": saved["path"]}
+    assert json.loads(pathlib.Path(saved["path"]).read_text()) == listing
+
+
+def test_the_listed_files_are_read_first_and_those_gone_are_skipped(tmp_path):
+    store = tmp_path / "store"
+    code = tmp_path / "libexample.so.1"
+    code.write_bytes(b"\x7fELF" + b"0" * 1000)
+    startup_files.listing_path(store).parent.mkdir(parents=True)
+    listing = {"files": [str(code), str(tmp_path / "gone.so")]}
+    startup_files.listing_path(store).write_text(json.dumps(listing))
+    assert startup_files.listed_files(store) == [code]
+    assert files_to_prefetch(EMBEDDED_CHECKPOINT, store) == [code, *files_to_prefetch(EMBEDDED_CHECKPOINT)]
+    assert files_to_prefetch(None, store) == [code]  # random weights or a hub id: the code files alone
+    startup_files.listing_path(store).write_text("{not json")
+    assert startup_files.listed_files(store) == [] and startup_files.listed_files(None) == []
+
+
+def test_the_command_line_reads_the_listed_code_then_the_weights(monkeypatch, tmp_path):
+    store = tmp_path / "store"
+    saved = _record_in_a_fresh_process(store)
+    monkeypatch.setattr(prefetch, "_current", None)
+    run = prefetch.start_prefetch(["serve", "--model", MODEL, "--compile", "--compile-artifact", str(store)])
+    assert run.wait(120)
+    report = run.report()
+    assert report["startup_files"] == saved["files"] and report["unreadable"] == 0
+    weights = files_to_prefetch(EMBEDDED_CHECKPOINT)
+    assert report["files"] == saved["files"] + len(weights)
+    assert report["startup_GB"] == saved["GB"]  # the code handed to the kernel's read-ahead, whole
+    assert report["GB"] == round(sum(f.stat().st_size for f in weights) / 1e9, 3)  # the weights read through
+
+
+def test_a_read_only_store_is_one_line_and_no_listing(caplog):
+    store = pathlib.Path("/sys/dicache-startup-files")  # sysfs: read-only even for root
+    caplog.set_level("INFO", "dicache.models.startup_files")
+    assert startup_files.record(store)["status"] == "unwritable"
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "dicache.models.startup_files"]
+    assert line.startswith("start-up files: cannot write /sys/dicache-startup-files/startup-files-")

@@ -418,6 +418,9 @@ def test_cli_reports_its_start_up_phases_imports_and_what_it_read_while_importin
         assert split["interpreter_s"] >= 0 and split["modules_s"] > 0
         # the phase also counts the imports loading needs later (transformers' text-encoder code)
         assert 0 < split["interpreter_s"] + split["modules_s"] <= startup["phases_s"]["imports"] + 0.01
+        # the main thread's CPU seconds: some, and no more than the wall time they were spent in
+        assert 0 < split["cpu_s"] <= split["interpreter_s"] + split["modules_s"] + 0.05
+        assert isinstance(split["major_page_faults"], int) and split["major_page_faults"] >= 0
         weights = sorted(model.glob("*/*.safetensors"))
         prefetched = startup["prefetch"]
         assert prefetched["files"] == len(weights) and prefetched["unreadable"] == 0

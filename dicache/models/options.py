@@ -85,7 +85,8 @@ class SpeedOptions(QuantizationOptions):
         switch=True,
         help="serve, warmup and generate with a local --model folder: read its weight files (or its quantised "
         "weights in the artifact folder) into the page cache from the process's first instant, while it imports, so "
-        "that loading finds them there (docs/startup.md)",
+        "that loading finds them there; with --compile and an artifact folder, first the shared libraries and "
+        "modules an earlier start listed there (docs/startup.md)",
     )
     compile: bool = option(
         False,

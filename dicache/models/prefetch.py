@@ -5,15 +5,17 @@ A start of `dicache serve` spends seconds importing (torch, CUDA, the server, tr
 is read; the disk is idle meanwhile. `start_prefetch` reads the files the load will read, in its order, on daemon
 threads, from before the first heavy import: the loader then reads at memory speed what the prefetch already read,
 and waits on the disk only for the rest. It imports nothing heavy (no torch), reads each file once, sequentially, in
-large reads, and keeps no data (the page cache holds it; the kernel may drop it again under memory pressure, at no
-cost but the reread). It reads no more than half the memory available at its start can hold (`available_memory`,
-the container's limit included), the load's first files first.
+large reads (the code files: the kernel's read-ahead, `Prefetch`), and keeps no data (the page cache holds it; the
+kernel may drop it again under memory pressure, at no cost but the reread). It reads no more than half the memory
+available at its start can hold (`available_memory`, the container's limit included), the load's first files first.
 
-What is read (`files_to_prefetch`), for a local checkpoint folder, in the load's order: the transformer's, the text
-encoder's and the VAE's weights (from the base checkpoint named in `dicache.json` for a partial checkpoint); for the
-transformer and the text encoder, when the artifact store holds quantised weights of this very component (a
-`weight_snapshot` manifest whose checkpoint fingerprint matches), the newest such snapshot instead. A hub id, random
-weights (`--load-format dummy`) or a missing folder read nothing.
+What is read (`files_to_prefetch`): first, with `--compile` and a compile-artifact store, the shared libraries and
+compiled modules an earlier start listed there (`startup_files`: the code the imports read); then, for a local
+checkpoint folder, in the load's order: the transformer's, the text encoder's and the VAE's weights (from the base
+checkpoint named in `dicache.json` for a partial checkpoint); for the transformer and the text encoder, when the
+artifact store holds quantised weights of this very component (a `weight_snapshot` manifest whose checkpoint
+fingerprint matches), the newest such snapshot instead. A hub id, random
+weights (`--load-format dummy`) or a missing folder read no weights.
 
 `argv_request` finds the few options this needs in a command line before the command's parser exists (building it
 imports torch); the flags are the declarations' (`PREFETCH_FLAGS`, checked against them by tests/test_prefetch.py).
@@ -30,6 +32,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from . import startup_files
 from .store_layout import MANIFEST, PREFIX, artifact_store, checkpoint_fingerprint
 
 CHUNK_BYTES = 16 << 20
@@ -49,10 +52,10 @@ SNAPSHOT_COMPONENTS = ("transformer", "text_encoder")
 
 
 def argv_request(argv: Sequence[str]) -> dict[str, Any] | None:
-    """What a command line asks the prefetch for: {"model", "store"} (the store: `--compile-artifact`, else
-    `DICACHE_COMPILE_ARTIFACT`, with `--compile`), or None when it reads nothing to prefetch (another command, no
-    local folder, random weights, `--prefetch-weights false`). Never raises: the command's own parser reports
-    a bad command line."""
+    """What a command line asks the prefetch for: {"model", "store"}, the model a local folder whose weights will be
+    read (else None: a hub id, the embedded checkpoint, random weights) and the store `--compile-artifact`, else
+    `DICACHE_COMPILE_ARTIFACT`, with `--compile` (else None); None when neither (or another command, or
+    `--prefetch-weights false`). Never raises: the command's own parser reports a bad command line."""
     argv = list(argv)
     command = next((word for word in argv if not word.startswith("-")), None)
     if command not in COMMANDS or "--help" in argv or "-h" in argv:
@@ -67,15 +70,15 @@ def argv_request(argv: Sequence[str]) -> dict[str, Any] | None:
         known, _ = parser.parse_known_args(argv)
     except SystemExit:  # a malformed flag: the command's parser says so
         return None
-    if known.load_format != "auto" or str(known.prefetch_weights).strip().lower() in ("false", "0", "no", "off"):
+    if str(known.prefetch_weights).strip().lower() in ("false", "0", "no", "off"):
         return None
-    if known.model is None or not pathlib.Path(os.path.expanduser(known.model)).is_dir():
-        return None
+    model = os.path.expanduser(known.model) if known.model is not None else None
+    if known.load_format != "auto" or model is None or not pathlib.Path(model).is_dir():
+        model = None  # no weights to read; the store's start-up files still are
     store = artifact_store(known.compile_artifact) if known.compile else None
-    return {
-        "model": os.path.expanduser(known.model),
-        "store": None if store is None else str(store),
-    }
+    if model is None and store is None:
+        return None
+    return {"model": model, "store": None if store is None else str(store)}
 
 
 MEMORY_SHARE = 0.5
@@ -117,7 +120,7 @@ def within(files: list[pathlib.Path], budget: int | None) -> list[pathlib.Path]:
     return chosen
 
 
-def _weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
+def _safetensors_in(folder: pathlib.Path) -> list[pathlib.Path]:
     return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
 
 
@@ -144,7 +147,14 @@ def _snapshot_files(store: pathlib.Path | None, component: str, folder: pathlib.
     return [folder / name for name in shards]
 
 
-def files_to_prefetch(model: str | os.PathLike, store: str | os.PathLike | None = None) -> list[pathlib.Path]:
+def files_to_prefetch(model: str | os.PathLike | None, store: str | os.PathLike | None = None) -> list[pathlib.Path]:
+    """The start-up files an earlier start listed in `store` (`startup_files.listed_files`), then the weight files
+    a load of the local checkpoint `model` (if any) reads, in its order (module docstring)."""
+    files = startup_files.listed_files(store)
+    return files + (checkpoint_weight_files(model, store) if model is not None else [])
+
+
+def checkpoint_weight_files(model: str | os.PathLike, store: str | os.PathLike | None = None) -> list[pathlib.Path]:
     """The weight files a load of the local checkpoint `model` reads, in its order (module docstring)."""
     root = pathlib.Path(model)
     base = root
@@ -159,17 +169,21 @@ def files_to_prefetch(model: str | os.PathLike, store: str | os.PathLike | None 
     for name in ("transformer", "text_encoder", "vae"):  # the order the load reads them in
         folder = root / name if (root / name).is_dir() else base / name
         snapshot = _snapshot_files(store, name, folder) if name in SNAPSHOT_COMPONENTS else []
-        files += snapshot or _weight_files(folder)
+        files += snapshot or _safetensors_in(folder)
     return files
 
 
 class Prefetch:
-    """Reads `files` on up to `threads` daemon threads, each file whole and in order (see the module docstring)."""
+    """Reads `files` on up to `threads` daemon threads, each file whole and in order (see the module docstring).
+    The first `startup_files` of them (an earlier start's code files: thousands of files, mostly small) are not
+    copied out but handed to the kernel's read-ahead (`POSIX_FADV_WILLNEED`: the kernel reads each whole file into
+    the page cache without a copy into this process), where it has one."""
 
-    def __init__(self, files: Iterable[str | os.PathLike], threads: int = THREADS) -> None:
+    def __init__(self, files: Iterable[str | os.PathLike], threads: int = THREADS, startup_files: int = 0) -> None:
         self.files = [pathlib.Path(f) for f in files]
+        self.startup_files = startup_files
         self._next, self._lock = 0, threading.Lock()
-        self._bytes, self._errors = 0, 0
+        self._bytes, self._advised, self._errors = 0, 0, 0
         self._started = time.perf_counter()
         self._ended: float | None = None
         count = max(1, min(threads, len(self.files)))
@@ -192,15 +206,18 @@ class Prefetch:
             with self._lock:
                 if self._next >= len(self.files):
                     break
-                file = self.files[self._next]
+                index, file = self._next, self.files[self._next]
                 self._next += 1
+            advise = index < self.startup_files and hasattr(os, "posix_fadvise")
             try:
-                read = _read_through(file, buffer)
+                read = _read_ahead(file) if advise else _read_through(file, buffer)
             except OSError:
                 read = None
             with self._lock:
                 if read is None:
                     self._errors += 1
+                elif advise:
+                    self._advised += read
                 else:
                     self._bytes += read
         with self._lock:
@@ -216,12 +233,15 @@ class Prefetch:
         return self._ended is not None
 
     def report(self) -> dict[str, Any]:
-        """Files, GB read, unreadable files, seconds so far (or until done), whether done."""
+        """Files, GB read, how many of the files were start-up files and their GB handed to the kernel's read-ahead,
+        unreadable files, seconds so far (or until done), whether done."""
         with self._lock:
             end = self._ended if self._ended is not None else time.perf_counter()
             return {
                 "files": len(self.files),
                 "GB": round(self._bytes / 1e9, 3),
+                "startup_files": self.startup_files,
+                "startup_GB": round(self._advised / 1e9, 3),
                 "unreadable": self._errors,
                 "seconds": round(end - self._started, 2),
                 "done": self._ended is not None,
@@ -238,6 +258,17 @@ def _read_through(file: pathlib.Path, buffer: bytearray) -> int:
         while got := os.readv(fd, [view]):
             total += got
         return total
+    finally:
+        os.close(fd)
+
+
+def _read_ahead(file: pathlib.Path) -> int:
+    """Ask the kernel to read `file` whole into the page cache, without waiting and without a copy here; returns its
+    bytes."""
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        return os.fstat(fd).st_size
     finally:
         os.close(fd)
 
@@ -260,7 +291,8 @@ def start_prefetch(argv: Sequence[str]) -> Prefetch | None:
     files = within(files_to_prefetch(request["model"], request["store"]), memory and int(memory * MEMORY_SHARE))
     if not files:
         return None
-    _current = Prefetch(files).start()
+    listed = set(startup_files.listed_files(request["store"]))
+    _current = Prefetch(files, startup_files=sum(1 for file in files if file in listed)).start()
     return _current
 
 

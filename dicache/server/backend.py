@@ -48,6 +48,7 @@ from PIL import Image
 from .. import api as dicache_api
 from ..engine.reduction import PARALLEL_LAYOUT_ATTR
 from ..engine.stats import RequestStats
+from ..models import startup_files
 from ..models.compile_artifact import (
     ArtifactKey,
     compile_counters,
@@ -635,9 +636,11 @@ def ready_to_serve(
     `compile_artifact`: a compile-artifact store (`dicache.models.compile_artifact`, `--compile-artifact`). With
     `warm_up`, the artifact of this backend's key (`PipelineBackend.compile_key`) is put into the compile caches
     before the warm-up, so that the warm-up compiles from them; when there was none, the caches are saved to the
-    store after the warm-up (when it can be written). Each outcome is one log line; a missing, foreign or unreadable
-    artifact never stops the start. `timeline`: where the phases are recorded (`startup.StartupTimeline`; default a
-    new one); the result is `backend.startup`, which `/v1/server_info` shows."""
+    store after the warm-up (when it can be written); the list of the code files this start read goes there too
+    unless one is there (`startup_files.record`: the next start's prefetch reads them ahead). Each outcome is one log
+    line; a missing, foreign or unreadable artifact never stops the start. `timeline`: where the phases are recorded
+    (`startup.StartupTimeline`; default a new one); the result is `backend.startup`, which `/v1/server_info`
+    shows."""
     timeline = timeline if timeline is not None else StartupTimeline()
     store, key, loaded = None, None, None
     if warm_up and compile_artifact is not None:
@@ -660,6 +663,8 @@ def ready_to_serve(
         with timeline.phase("artifact_save"):
             saved = save_artifact(store, key, notes)
         timeline.details["compile_artifact_saved"] = saved.to_dict()
+    if store is not None:  # the code this start read, for the next start's prefetch to read ahead
+        timeline.details["startup_files"] = startup_files.record(store)
     release_cached_memory(backend.pipe.device)
     freeze_start_up_objects()
     backend.startup = timeline.to_dict()

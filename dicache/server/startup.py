@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -56,13 +57,18 @@ class StartupTimeline:
     def imports_done(self, entered: float | None = None) -> None:
         """Record `imports`: the process's start until now (call where the command starts); with `entered` (when the
         command line's entry began, `dicache.models.prefetch.ENTERED`), `details["imports"]` splits it:
-        `interpreter_s` (Python and `dicache` starting) and `modules_s` (the command's modules: torch, the server)."""
+        `interpreter_s` (Python and `dicache` starting) and `modules_s` (the command's modules: torch, the server),
+        and says how much of it waited: `cpu_s`, the calling (main) thread's CPU seconds since the process started
+        (the rest of the phase it waited: on the disk, or for the GIL), and `major_page_faults`, the process's pages
+        read from disk through memory maps so far (shared libraries; the prefetch reads, it does not fault)."""
         now = self.clock()
         self.add("imports", now - self.started)
         if entered is not None and self.started <= entered <= now:
             self.details["imports"] = {
                 "interpreter_s": round(entered - self.started, 3),
                 "modules_s": round(now - entered, 3),
+                "cpu_s": round(time.thread_time(), 3),
+                "major_page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
             }
 
     def add(self, name: str, seconds: float) -> None:

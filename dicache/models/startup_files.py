@@ -1,0 +1,113 @@
+"""The code files a start-up reads, listed by one start and read ahead by the next (`--prefetch-weights`).
+
+Importing torch with CUDA, the server and transformers maps hundreds of MB of shared libraries and reads thousands
+of compiled modules; on a node whose page cache is cold (a rescheduled pod) each first touch of a page waits on the
+disk, a few pages at a time. A server started with `--compile` and a compile-artifact store writes, once its warm-up
+is done, the list of what it used (`record`): every shared library mapped into the process (torch's, CUDA's,
+cuDNN's, Triton's, the extension modules') and every module's compiled file, in `STORE/startup-files-<digest>.json`,
+the digest naming this Python (executable, version, prefix). The next start's prefetch (`dicache.models.prefetch`)
+reads those files first, whole and sequentially, before the weights, while the process is still importing.
+
+A listing is written once (an existing one is kept; a read-only store is one log line); a listed file that no
+longer exists is skipped (`listed_files`). Nothing here imports torch: the prefetch reads the listing before torch is
+imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import re
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("dicache.models.startup_files")
+
+PREFIX = "startup-files-"
+_SHARED_LIBRARY = re.compile(r"\.so(\.[0-9.]+)?$")
+
+
+def listing_path(store: str | os.PathLike) -> pathlib.Path:
+    """Where `store` keeps the listing of this Python's start-up files: `startup-files-<digest>.json`, the digest
+    (16 hex digits of a SHA-256) naming the interpreter (executable, version, prefix), so that another image or
+    virtual environment has its own."""
+    digest = hashlib.sha256(json.dumps([sys.executable, sys.version, sys.prefix]).encode()).hexdigest()[:16]
+    return pathlib.Path(store) / f"{PREFIX}{digest}.json"
+
+
+def mapped_libraries(maps: str | os.PathLike = "/proc/self/maps") -> list[str]:
+    """The shared libraries (`*.so`, `*.so.N`) mapped into this process, each once, in the order `maps` lists them;
+    [] where it cannot be read (not Linux)."""
+    found: dict[str, None] = {}
+    try:
+        with open(maps) as fh:
+            for line in fh:
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if path.startswith("/") and _SHARED_LIBRARY.search(path):
+                    found.setdefault(path)
+    except OSError:
+        return []
+    return list(found)
+
+
+def module_files() -> list[str]:
+    """Each imported module's file as the import system read it (the compiled `.pyc` where there is one, else the
+    source or the extension module), in import order."""
+    found: dict[str, None] = {}
+    for module in list(sys.modules.values()):
+        for name in ("__cached__", "__file__"):
+            path = getattr(module, name, None)
+            if isinstance(path, str) and os.path.isfile(path):
+                found.setdefault(os.path.abspath(path))
+                break
+    return list(found)
+
+
+def startup_files() -> list[str]:
+    """What this process has read to start: its mapped shared libraries (the bulk of the bytes), then its modules'
+    files."""
+    libraries = mapped_libraries()
+    return libraries + [path for path in module_files() if path not in set(libraries)]
+
+
+def record(store: str | os.PathLike) -> dict[str, Any]:
+    """Write this process's start-up files (`startup_files`) to `listing_path(store)` unless a listing is there;
+    never raises. Returns the outcome: {"status": "saved" | "kept" | "unwritable", "path", and for "saved" the
+    "files" and "GB"} (one log line for "saved" and "unwritable")."""
+    path = listing_path(store)
+    if path.is_file():
+        return {"status": "kept", "path": str(path)}
+    files = startup_files()
+    size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    body = {"python": sys.version, "executable": sys.executable, "made": time.strftime("%Y-%m-%d %H:%M:%S")}
+    body |= {"bytes": size, "files": files}
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps(body, indent=0))
+        os.replace(temporary, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        log.warning("start-up files: cannot write %s (%s); the next start reads ahead only its weights", path, exc)
+        return {"status": "unwritable", "path": str(path)}
+    log.info("start-up files: %d (%.2f GB) listed in %s for the next start to read ahead", len(files), size / 1e9, path)
+    return {"status": "saved", "path": str(path), "files": len(files), "GB": round(size / 1e9, 3)}
+
+
+def listed_files(store: str | os.PathLike | None) -> list[pathlib.Path]:
+    """The files `store`'s listing for this Python names that exist here, in its order; [] without a store, a
+    listing, or a readable one."""
+    if store is None:
+        return []
+    try:
+        listed = json.loads(listing_path(store).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [pathlib.Path(f) for f in listed if isinstance(f, str) and os.path.isfile(f)]
