@@ -214,3 +214,15 @@ def test_a_read_only_store_is_one_line_and_no_listing(caplog):
     assert startup_files.record(store)["status"] == "unwritable"
     (line,) = [r.getMessage() for r in caplog.records if r.name == "dicache.models.startup_files"]
     assert line.startswith("start-up files: cannot write /sys/dicache-startup-files/startup-files-")
+
+
+def test_another_installation_has_its_own_listing(monkeypatch, tmp_path):
+    here = startup_files.listing_path(tmp_path)
+    assert (
+        here.parent == tmp_path
+        and here.name.startswith(startup_files.PREFIX)
+        and here == startup_files.listing_path(tmp_path)
+    )
+    versions = {"torch": "9.9.9", "dicache": None}
+    monkeypatch.setattr(startup_files, "installed_version", versions.get)  # a new image: another torch
+    assert startup_files.listing_path(tmp_path) != here

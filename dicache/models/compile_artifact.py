@@ -37,12 +37,11 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 
-from .store_layout import MANIFEST
+from .store_layout import MANIFEST, installed_version
 
 FORMAT = 1
 """The manifest's format version; another version is read as a mismatch."""
@@ -104,14 +103,6 @@ def runtime_fields(device: torch.device | str) -> dict[str, str]:
 def dicache_version() -> str:
     """dicache's installed version ("unknown" in a source tree never installed)."""
     return installed_version("dicache") or "unknown"
-
-
-def installed_version(distribution: str) -> str | None:
-    """An installed distribution's version, without importing it; None when it is not installed."""
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return None
 
 
 def config_digest(config: Any) -> str:

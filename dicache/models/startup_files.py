@@ -5,8 +5,9 @@ of compiled modules; on a node whose page cache is cold (a rescheduled pod) each
 disk, a few pages at a time. A server started with `--compile` and a compile-artifact store writes, once its warm-up
 is done, the list of what it used (`record`): every shared library mapped into the process (torch's, CUDA's,
 cuDNN's, Triton's, the extension modules') and every module's compiled file, in `STORE/startup-files-<digest>.json`,
-the digest naming this Python (executable, version, prefix). The next start's prefetch (`dicache.models.prefetch`)
-reads those files first, whole and sequentially, before the weights, while the process is still importing.
+the digest naming this installation (Python, torch and dicache versions). The next start's prefetch
+(`dicache.models.prefetch`) hands those files to the kernel's read-ahead before it reads the weights, while the
+process is still importing.
 
 A listing is written once (an existing one is kept; a read-only store is one log line); a listed file that no
 longer exists is skipped (`listed_files`). Nothing here imports torch: the prefetch reads the listing before torch is
@@ -26,6 +27,8 @@ import sys
 import time
 from typing import Any
 
+from .store_layout import installed_version
+
 log = logging.getLogger("dicache.models.startup_files")
 
 PREFIX = "startup-files-"
@@ -33,10 +36,11 @@ _SHARED_LIBRARY = re.compile(r"\.so(\.[0-9.]+)?$")
 
 
 def listing_path(store: str | os.PathLike) -> pathlib.Path:
-    """Where `store` keeps the listing of this Python's start-up files: `startup-files-<digest>.json`, the digest
-    (16 hex digits of a SHA-256) naming the interpreter (executable, version, prefix), so that another image or
-    virtual environment has its own."""
-    digest = hashlib.sha256(json.dumps([sys.executable, sys.version, sys.prefix]).encode()).hexdigest()[:16]
+    """Where `store` keeps the listing of this installation's start-up files: `startup-files-<digest>.json`, the
+    digest (16 hex digits of a SHA-256) naming the interpreter (executable, version, prefix) and the installed torch
+    and dicache versions, so that another image or virtual environment has its own."""
+    installation = [sys.executable, sys.version, sys.prefix, installed_version("torch"), installed_version("dicache")]
+    digest = hashlib.sha256(json.dumps(installation).encode()).hexdigest()[:16]
     return pathlib.Path(store) / f"{PREFIX}{digest}.json"
 
 

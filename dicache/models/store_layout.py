@@ -1,7 +1,7 @@
 """The compile-artifact store's parts that need no torch, so that the prefetch (`prefetch`) can use them before the
 process imports torch: where the store is (`ARTIFACT_ENV`, `artifact_store`), a weight snapshot's folder and manifest
-names (`weight_snapshot`), and the fingerprint of a file (its size and sampled bytes) that keys a snapshot to its
-checkpoint."""
+names (`weight_snapshot`), the fingerprint of a file (its size and sampled bytes) that keys a snapshot to its
+checkpoint, and an installed package's version (`installed_version`), which the keys include."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import hashlib
 import os
 import pathlib
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 ARTIFACT_ENV = "DICACHE_COMPILE_ARTIFACT"
@@ -21,6 +22,15 @@ def artifact_store(option: str | os.PathLike | None, environ: Mapping[str, str] 
     env = os.environ if environ is None else environ
     value = os.fspath(option) if option is not None else env.get(ARTIFACT_ENV, "")
     return pathlib.Path(os.path.expanduser(value)) if value.strip() else None
+
+
+def installed_version(distribution: str) -> str | None:
+    """An installed distribution's version, read from its metadata without importing it; None when it is not
+    installed."""
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 def weight_snapshot_store(

@@ -39,10 +39,9 @@ from .compile_artifact import (
     ArtifactKey,
     ArtifactOutcome,
     dicache_version,
-    installed_version,
     replace_folder,
 )
-from .store_layout import MANIFEST, PREFIX, checkpoint_fingerprint, fingerprint
+from .store_layout import MANIFEST, PREFIX, checkpoint_fingerprint, fingerprint, installed_version
 from .tensor_files import TensorFileError, read_tensor_files
 
 FORMAT = 1

@@ -14,7 +14,6 @@ appended to `results.jsonl` at once; a rerun with the same model, schedule, sett
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import os
 import platform
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from .. import __version__
 from ..engine.cached_step import load_weights
 from ..engine.policies import step_mask
 from ..errors import ConfigError
+from ..models.store_layout import installed_version
 from . import solvers
 from .cachedit import unsupported_reason
 from .compare import compare
@@ -516,14 +516,6 @@ class Sweep(SweepKeys):
             "machine": machine_description(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         }
-
-
-def installed_version(distribution: str) -> str | None:
-    """An optional package's installed version, read from its metadata without importing it (None if absent)."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def machine_description() -> str:
