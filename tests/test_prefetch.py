@@ -146,22 +146,25 @@ def test_no_more_is_read_than_half_the_available_memory_holds(monkeypatch, tmp_p
 
 
 # ---------------------------------------------------------------------------------------------- start-up files
-def _record_in_a_fresh_process(store: pathlib.Path) -> dict:
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> tuple[pathlib.Path, dict]:
+    """A store and the outcome of a fresh process (torch imported) recording its start-up files there."""
+    store = tmp_path_factory.mktemp("store")
     code = (
         "import json, sys, torch; from dicache.models import startup_files; "
         f"print(json.dumps(startup_files.record({str(store)!r})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.splitlines()[-1])
+    return store, json.loads(out.stdout.splitlines()[-1])
 
 
-def test_a_start_lists_the_libraries_it_mapped_and_the_modules_it_read(tmp_path):
+def test_a_start_lists_the_libraries_it_mapped_and_the_modules_it_read(recorded):
     import torch
 
-    saved = _record_in_a_fresh_process(tmp_path)
+    store, saved = recorded
     listing = json.loads(pathlib.Path(saved["path"]).read_text())
-    assert saved["status"] == "saved" and saved["path"] == str(startup_files.listing_path(tmp_path))
+    assert saved["status"] == "saved" and saved["path"] == str(startup_files.listing_path(store))
     files = listing["files"]
     assert len(files) == len(set(files)) == saved["files"]
     assert listing["bytes"] == sum(pathlib.Path(f).stat().st_size for f in files)
@@ -175,7 +178,7 @@ def test_a_start_lists_the_libraries_it_mapped_and_the_modules_it_read(tmp_path)
     assert ours in modules  # each module's file as imported: its .pyc, or its source without one
     assert not [f for f in files if f.endswith(".safetensors")]  # weights are the prefetch's other part
 
-    again = _record_in_a_fresh_process(tmp_path)  # one listing per Python: an existing one is kept
+    again = startup_files.record(store)  # one listing per installation: an existing one is kept
     assert again == {"status": "kept", "path": saved["path"]}
     assert json.loads(pathlib.Path(saved["path"]).read_text()) == listing
 
@@ -194,9 +197,8 @@ def test_the_listed_files_are_read_first_and_those_gone_are_skipped(tmp_path):
     assert startup_files.listed_files(store) == [] and startup_files.listed_files(None) == []
 
 
-def test_the_command_line_reads_the_listed_code_then_the_weights(monkeypatch, tmp_path):
-    store = tmp_path / "store"
-    saved = _record_in_a_fresh_process(store)
+def test_the_command_line_reads_the_listed_code_then_the_weights(monkeypatch, recorded):
+    store, saved = recorded
     monkeypatch.setattr(prefetch, "_current", None)
     run = prefetch.start_prefetch(["serve", "--model", MODEL, "--compile", "--compile-artifact", str(store)])
     assert run.wait(120)
@@ -226,3 +228,18 @@ def test_another_installation_has_its_own_listing(monkeypatch, tmp_path):
     versions = {"torch": "9.9.9", "dicache": None}
     monkeypatch.setattr(startup_files, "installed_version", versions.get)  # a new image: another torch
     assert startup_files.listing_path(tmp_path) != here
+
+
+def test_libraries_are_listed_once_each_in_the_order_they_were_mapped(tmp_path):
+    maps = tmp_path / "maps"  # Linux maps each new library below the last: the first loaded is the highest
+    maps.write_text(
+        "55d0a000-55d0b000 r--p 00000000 fe:00 1  /usr/bin/python3.11\n"
+        "7f0000a00000-7f0000b00000 r-xp 00000000 fe:00 2  /lib/libsecond.so.2\n"
+        "7f0000c00000-7f0000d00000 r--p 00000000 fe:00 3  /site/torch/lib/libfirst.so\n"
+        "7f0000d00000-7f0000e00000 r-xp 00100000 fe:00 3  /site/torch/lib/libfirst.so\n"
+        "7f0000e00000-7f0000e10000 r--s 00000000 fe:00 4  /models/transformer/shard.safetensors\n"
+        "7f0000f00000-7f0000f01000 rw-p 00000000 00:00 0  [stack]\n"
+        "7f0000f10000-7f0000f11000 r--p 00000000 fe:00 5  /tmp/x/libgone.so (deleted)\n"
+    )
+    assert startup_files.mapped_libraries(maps) == ["/site/torch/lib/libfirst.so", "/lib/libsecond.so.2"]
+    assert startup_files.mapped_libraries(tmp_path / "absent") == []

@@ -45,19 +45,21 @@ def listing_path(store: str | os.PathLike) -> pathlib.Path:
 
 
 def mapped_libraries(maps: str | os.PathLike = "/proc/self/maps") -> list[str]:
-    """The shared libraries (`*.so`, `*.so.N`) mapped into this process, each once, in the order `maps` lists them;
-    [] where it cannot be read (not Linux)."""
-    found: dict[str, None] = {}
+    """The shared libraries (`*.so`, `*.so.N`) mapped into this process, each once, highest address first: Linux
+    places each new mapping below the last, so this is about the order they were loaded in, which the next start's
+    read-ahead follows. [] where `maps` cannot be read (not Linux)."""
+    found: dict[str, int] = {}
     try:
         with open(maps) as fh:
             for line in fh:
                 fields = line.split(maxsplit=5)
                 path = fields[5].strip() if len(fields) == 6 else ""
                 if path.startswith("/") and _SHARED_LIBRARY.search(path):
-                    found.setdefault(path)
-    except OSError:
+                    start = int(fields[0].split("-")[0], 16)
+                    found[path] = min(start, found.get(path, start))
+    except (OSError, ValueError):
         return []
-    return list(found)
+    return sorted(found, key=found.__getitem__, reverse=True)
 
 
 def module_files() -> list[str]:
