@@ -82,6 +82,20 @@ def test_cli_rejects_an_unknown_exclusion_before_loading(capsys):
     assert code == 2 and "without --quantization (fp8, int8)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "cache", [{"scm_preset": "fast"}, {"scm_compute_bins": [2, 1, 1, 4], "scm_cache_bins": [1, 3, 1]}], ids=str
+)
+def test_the_warm_up_runs_under_a_step_mask_profile(cache):
+    """A server configured with a step mask (a preset, which needs at least 4 steps, or bins covering 12) warms up
+    with it: the cached generations follow the mask, none fails for its step count."""
+    pipe = Krea2Pipeline.from_pretrained()
+    config = CacheConfig.defaults().merged({"enable_cache": True, **cache})
+    backend = PipelineBackend(pipe, config, variant_defaults(pipe, default_size=(32, 32)))
+    warm = backend.warm_up()
+    assert warm["generations"] == 4 and [run["cache"] for run in warm["runs"]] == [False, True, False, True]
+    backend.close()
+
+
 def _spec(defaults, prompt, variant, seed, enable_cache=True, size=None):
     from dicache.models.krea2.pipeline import PRESETS
 
@@ -110,7 +124,7 @@ def test_compiled_server_warm_up_leaves_nothing_to_compile_for_requests():
     pipe = Krea2Pipeline.from_pretrained()
     backend = PipelineBackend(pipe, CacheConfig(), variant_defaults(pipe, default_size=(64, 64)))
     pipe.compile(backend="eager")  # dynamo's tracing and guards without inductor's codegen: fast on CPU
-    warm = backend.warm_up(steps=3)
+    warm = backend.warm_up()  # the server's own warm-up (`WARM_UP_STEPS`)
     assert warm["generations"] == 4 and warm["graphs_compiled"] > 0
     runs = warm["runs"]  # where the warm-up's seconds went, per generation: the first compiles, the rest reuse
     assert [(run["variant"], run["cache"]) for run in runs] == [

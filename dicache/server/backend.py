@@ -46,6 +46,7 @@ import torch
 from PIL import Image
 
 from .. import api as dicache_api
+from ..engine.policies.step_mask import MIN_PRESET_STEPS
 from ..engine.reduction import PARALLEL_LAYOUT_ATTR
 from ..engine.stats import RequestStats
 from ..models import startup_files
@@ -376,7 +377,10 @@ class PipelineBackend:
         except (ValueError, TypeError):
             return None
 
-    WARM_UP_STEPS = 6
+    WARM_UP_STEPS = MIN_PRESET_STEPS
+    """Steps of each warm-up generation: the fewest a step-mask preset takes (a server may be configured with one);
+    the first step is computed (the cache's warm-up step), the rest computed or cached. No graph depends on the step
+    count, so more steps would only take longer."""
     WARM_UP_PROMPTS = ("warm-up", "a longer warm-up prompt, so that the text length differs from the first one")
 
     def warm_up(self, steps: int = WARM_UP_STEPS) -> dict[str, Any]:
