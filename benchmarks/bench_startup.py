@@ -267,6 +267,7 @@ def serve_run(
     flags += RUN_FLAGS.get(name, [])
     cmd = [sys.executable, "-m", "dicache.cli", "serve", "--model", str(checkpoint), "--device", args.device]
     cmd += ["--port", str(port), "--max-queue", "64", "--timeout", "1800", "--log-level", "info", *flags]
+    cmd += ["--default-size", f"{args.size}x{args.size}"]  # the warm-up's size: the one the requests below ask for
     dropped = drop_page_cache(weight_files(checkpoint) + snapshot_files(store)) if args.drop_caches else "kept"
     row: dict = {"run": name, "page_cache": dropped}
     log_path = args.out / f"serve-{name}.log"
