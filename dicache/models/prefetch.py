@@ -14,8 +14,8 @@ compiled modules an earlier start listed there (`startup_files`: the code the im
 checkpoint folder, in the load's order: the transformer's, the text encoder's and the VAE's weights (from the base
 checkpoint named in `dicache.json` for a partial checkpoint); for the transformer and the text encoder, when the
 artifact store holds quantised weights of this very component (a `weight_snapshot` manifest whose checkpoint
-fingerprint matches), the newest such snapshot instead. A hub id, random
-weights (`--load-format dummy`) or a missing folder read no weights.
+fingerprint matches), the newest such snapshot instead. A hub id, random weights (`--load-format dummy`) or a
+missing folder read no weights.
 
 `argv_request` finds the few options this needs in a command line before the command's parser exists (building it
 imports torch); the flags are the declarations' (`PREFETCH_FLAGS`, checked against them by tests/test_prefetch.py).
@@ -175,13 +175,13 @@ def checkpoint_weight_files(model: str | os.PathLike, store: str | os.PathLike |
 
 class Prefetch:
     """Reads `files` on up to `threads` daemon threads, each file whole and in order (see the module docstring).
-    The first `startup_files` of them (an earlier start's code files: thousands of files, mostly small) are not
-    copied out but handed to the kernel's read-ahead (`POSIX_FADV_WILLNEED`: the kernel reads each whole file into
-    the page cache without a copy into this process), where it has one."""
+    The first `read_ahead` of them (an earlier start's code files: thousands of files, mostly small) are not copied
+    out but handed to the kernel's read-ahead (`POSIX_FADV_WILLNEED`: the kernel reads each whole file into the page
+    cache without a copy into this process), where it has one."""
 
-    def __init__(self, files: Iterable[str | os.PathLike], threads: int = THREADS, startup_files: int = 0) -> None:
+    def __init__(self, files: Iterable[str | os.PathLike], threads: int = THREADS, read_ahead: int = 0) -> None:
         self.files = [pathlib.Path(f) for f in files]
-        self.startup_files = startup_files
+        self.read_ahead = read_ahead
         self._next, self._lock = 0, threading.Lock()
         self._bytes, self._advised, self._errors = 0, 0, 0
         self._started = time.perf_counter()
@@ -208,7 +208,7 @@ class Prefetch:
                     break
                 index, file = self._next, self.files[self._next]
                 self._next += 1
-            advise = index < self.startup_files and hasattr(os, "posix_fadvise")
+            advise = index < self.read_ahead and hasattr(os, "posix_fadvise")
             try:
                 read = _read_ahead(file) if advise else _read_through(file, buffer)
             except OSError:
@@ -240,7 +240,7 @@ class Prefetch:
             return {
                 "files": len(self.files),
                 "GB": round(self._bytes / 1e9, 3),
-                "startup_files": self.startup_files,
+                "startup_files": self.read_ahead,
                 "startup_GB": round(self._advised / 1e9, 3),
                 "unreadable": self._errors,
                 "seconds": round(end - self._started, 2),
@@ -292,7 +292,7 @@ def start_prefetch(argv: Sequence[str]) -> Prefetch | None:
     if not files:
         return None
     listed = set(startup_files.listed_files(request["store"]))
-    _current = Prefetch(files, startup_files=sum(1 for file in files if file in listed)).start()
+    _current = Prefetch(files, read_ahead=sum(1 for file in files if file in listed)).start()
     return _current
 
 

@@ -79,7 +79,8 @@ def startup_files() -> list[str]:
     """What this process has read to start: its mapped shared libraries (the bulk of the bytes), then its modules'
     files."""
     libraries = mapped_libraries()
-    return libraries + [path for path in module_files() if path not in set(libraries)]
+    mapped = set(libraries)
+    return libraries + [path for path in module_files() if path not in mapped]
 
 
 def record(store: str | os.PathLike) -> dict[str, Any]:
