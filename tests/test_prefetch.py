@@ -36,7 +36,8 @@ def test_the_flags_read_early_are_the_declared_ones():
             ["generate", "a fox", "--model", MODEL, "--compile", "--compile-artifact", "/a"],
             {"model": MODEL, "store": "/a"},
         ),
-        (["warmup", "--model", MODEL, "--compile-artifact", "/a"], {"model": MODEL, "store": None}),  # no --compile
+        (["warmup", "--model", MODEL, "--compile-artifact", "/a"], {"model": MODEL, "store": "/a"}),  # compiles
+        (["serve", "--model", MODEL, "--compile-artifact", "/a"], {"model": MODEL, "store": None}),  # no --compile
         (["serve", "--model", MODEL, "--prefetch-weights", "false"], None),
         (["serve", "--model", MODEL, "--prefetch-weights"], {"model": MODEL, "store": None}),
         (["serve", "--model", MODEL, "--load-format", "dummy"], None),

@@ -39,6 +39,8 @@ CHUNK_BYTES = 16 << 20
 THREADS = 4
 COMMANDS = ("serve", "generate", "warmup")
 """The commands whose start reads a checkpoint the prefetch can know from its command line."""
+COMPILING_COMMANDS = ("warmup",)
+"""The commands that compile without `--compile` (`dicache warmup` sets it)."""
 PREFETCH_FLAGS = {
     "model": "--model",
     "load_format": "--load-format",
@@ -54,8 +56,8 @@ SNAPSHOT_COMPONENTS = ("transformer", "text_encoder")
 def argv_request(argv: Sequence[str]) -> dict[str, Any] | None:
     """What a command line asks the prefetch for: {"model", "store"}, the model a local folder whose weights will be
     read (else None: a hub id, the embedded checkpoint, random weights) and the store `--compile-artifact`, else
-    `DICACHE_COMPILE_ARTIFACT`, with `--compile` (else None); None when neither (or another command, or
-    `--prefetch-weights false`). Never raises: the command's own parser reports a bad command line."""
+    `DICACHE_COMPILE_ARTIFACT`, with `--compile` or for `dicache warmup` (else None); None when neither (or another
+    command, or `--prefetch-weights false`). Never raises: the command's own parser reports a bad command line."""
     argv = list(argv)
     command = next((word for word in argv if not word.startswith("-")), None)
     if command not in COMMANDS or "--help" in argv or "-h" in argv:
@@ -75,7 +77,7 @@ def argv_request(argv: Sequence[str]) -> dict[str, Any] | None:
     model = os.path.expanduser(known.model) if known.model is not None else None
     if known.load_format != "auto" or model is None or not pathlib.Path(model).is_dir():
         model = None  # no weights to read; the store's start-up files still are
-    store = artifact_store(known.compile_artifact) if known.compile else None
+    store = artifact_store(known.compile_artifact) if known.compile or command in COMPILING_COMMANDS else None
     if model is None and store is None:
         return None
     return {"model": model, "store": None if store is None else str(store)}
