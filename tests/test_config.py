@@ -145,6 +145,26 @@ def test_from_env_reads_process_environment(monkeypatch):
         CacheConfig.from_env()
 
 
+def test_an_environment_given_is_the_only_one_read(monkeypatch, tmp_path):
+    """`defaults()` and `from_env(environ)` read no process variable: before, the process's RDT and profile came in
+    through the settings sources, labelled "default", and a missing profile made `defaults()` raise."""
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"settings": {"max_warmup_steps": 6}}))
+    monkeypatch.setenv(P + "RDT", "0.7")
+    monkeypatch.setenv(P + "PROFILE", str(profile))
+    assert CacheConfig.from_env().residual_diff_threshold == 0.7  # the process environment, when none is given
+    defaults = CacheConfig.defaults()
+    assert defaults == CacheConfig.from_env({}) and set(defaults.sources().values()) == {"default"}
+    declared = {name: field.default for name, field in CacheConfig.model_fields.items()}
+    assert defaults.residual_diff_threshold == declared["residual_diff_threshold"] != 0.7
+    assert defaults.max_warmup_steps == declared["max_warmup_steps"] != 6
+    given = CacheConfig.from_env({P + "WARMUP": "2"})
+    assert (given.residual_diff_threshold, given.max_warmup_steps) == (declared["residual_diff_threshold"], 2)
+    monkeypatch.setenv(P + "PROFILE", str(tmp_path / "missing.json"))  # gone since start-up: merging reads no file
+    assert CacheConfig.defaults().merged({"max_warmup_steps": 3}).max_warmup_steps == 3
+    assert given.merged({"enable_taylorseer": True}).sources()["max_warmup_steps"] == f"env {P}WARMUP"
+
+
 def test_profile_layer_sits_under_environment(tmp_path):
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps({"settings": {"residual_diff_threshold": 0.05, "max_warmup_steps": 6}}))

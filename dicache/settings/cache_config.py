@@ -22,7 +22,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from ..errors import BlockSplitError
 from ..formatting import clip_repr
 from .catalogue import ENV_PREFIX, PROFILE_ENV, Setting, catalogue, check_keys, config_error, describe_config
-from .sources import EnvironmentSource, ProfileSource, read_environment
+from .sources import EnvironmentSource, ProfileSource, read_environment, sources_reading
 from .sources import load_profile as read_profile
 
 __all__ = [
@@ -446,8 +446,9 @@ class CacheConfig(BaseSettings):
         env_values = read_environment(env, SETTINGS_BY_ENV)
         profile_path = env.get(PROFILE_ENV)
         profile = load_profile(profile_path) if profile_path else {}
-        try:  # model_validate skips the settings sources: the environment and profile were read once, above
-            config = cls.model_validate({**profile, **env_values, **overrides})
+        try:  # the environment and profile were read once, above: the settings sources add nothing
+            with sources_reading({}):
+                config = cls.model_validate({**profile, **env_values, **overrides})
         except ValidationError as exc:
             raise config_error(exc, SETTINGS_BY_KEY, overrides, env_values, profile, profile_path) from None
         sources = {}
@@ -475,7 +476,8 @@ class CacheConfig(BaseSettings):
         check_keys(overrides, SETTINGS_BY_KEY, "override")
         data = {**self.model_dump(), **dict(overrides)}
         try:
-            config = type(self).model_validate(data)
+            with sources_reading({}):  # every value is in `data`: no environment or profile read again
+                config = type(self).model_validate(data)
         except ValidationError as exc:
             raise config_error(exc, SETTINGS_BY_KEY, overrides, {}, {}, None) from None
         config._sources = {**self._sources, **{k: "override" for k in overrides}}

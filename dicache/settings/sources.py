@@ -3,14 +3,18 @@ profile (`SGLANG_CACHE_DIT_PROFILE=path`, the JSON `dicache calibrate` writes), 
 
 Values are not validated here (`CacheConfig` does that, once); names are: an unknown variable under the prefix or an
 unknown profile key is a `ConfigError` listing the valid ones. `EnvironmentSource` / `ProfileSource` are the same
-readers as pydantic-settings sources, for a bare `CacheConfig()`.
+readers as pydantic-settings sources, for a bare `CacheConfig()`; they read the process environment, or inside
+`sources_reading(environ)` that mapping instead (`CacheConfig.from_env` gives them an empty one: it has read its own
+environment and profile already, and `CacheConfig.merged` has every value).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,25 @@ from pydantic_settings import PydanticBaseSettingsSource
 
 from ..errors import ConfigError
 from .catalogue import ENV_PREFIX, PROFILE_ENV, Setting
+
+_SOURCES_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("dicache_settings_sources_environ", default=None)
+
+
+@contextlib.contextmanager
+def sources_reading(environ: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, `EnvironmentSource` and `ProfileSource` read `environ` instead of the process environment
+    (validating a `CacheConfig` runs them: pydantic calls a settings class's own `__init__`)."""
+    token = _SOURCES_ENVIRON.set(environ)
+    try:
+        yield
+    finally:
+        _SOURCES_ENVIRON.reset(token)
+
+
+def _sources_environ() -> Mapping[str, str]:
+    environ = _SOURCES_ENVIRON.get()
+    return os.environ if environ is None else environ
+
 
 IGNORED_ENV_PREFIXES = (ENV_PREFIX + "SECONDARY_",)
 """SGLang defines these for a second transformer (Wan2.2's low-noise expert); Krea-2 has one transformer."""
@@ -85,7 +108,7 @@ class EnvironmentSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return read_environment(os.environ, self.by_env)
+        return read_environment(_sources_environ(), self.by_env)
 
 
 class ProfileSource(PydanticBaseSettingsSource):
@@ -99,5 +122,5 @@ class ProfileSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        path = os.environ.get(PROFILE_ENV)
+        path = _sources_environ().get(PROFILE_ENV)
         return load_profile(path, self.keys) if path else {}
