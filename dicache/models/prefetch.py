@@ -152,8 +152,16 @@ def _snapshot_files(store: pathlib.Path | None, component: str, folder: pathlib.
 def files_to_prefetch(model: str | os.PathLike | None, store: str | os.PathLike | None = None) -> list[pathlib.Path]:
     """The start-up files an earlier start listed in `store` (`startup_files.listed_files`), then the weight files
     a load of the local checkpoint `model` (if any) reads, in its order (module docstring)."""
-    files = startup_files.listed_files(store)
-    return files + (checkpoint_weight_files(model, store) if model is not None else [])
+    code, weights = _prefetch_parts(model, store)
+    return code + weights
+
+
+def _prefetch_parts(
+    model: str | os.PathLike | None, store: str | os.PathLike | None
+) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """`files_to_prefetch` in its two parts: the listed code files, the weight files."""
+    weights = checkpoint_weight_files(model, store) if model is not None else []
+    return startup_files.listed_files(store), weights
 
 
 def checkpoint_weight_files(model: str | os.PathLike, store: str | os.PathLike | None = None) -> list[pathlib.Path]:
@@ -290,11 +298,11 @@ def start_prefetch(argv: Sequence[str]) -> Prefetch | None:
     if request is None:
         return None
     memory = available_memory()
-    files = within(files_to_prefetch(request["model"], request["store"]), memory and int(memory * MEMORY_SHARE))
+    code, weights = _prefetch_parts(request["model"], request["store"])
+    files = within(code + weights, memory and int(memory * MEMORY_SHARE))
     if not files:
         return None
-    listed = set(startup_files.listed_files(request["store"]))
-    _current = Prefetch(files, read_ahead=sum(1 for file in files if file in listed)).start()
+    _current = Prefetch(files, read_ahead=min(len(code), len(files))).start()  # the code files come first
     return _current
 
 
