@@ -12,7 +12,8 @@ the grid's training prompts `fit_prompts`; `tokens`: token subsets on the cached
 file's settings, its predictor as calibrated), the computed steps, the compute fraction (blocks run, token subsets
 counted by their FLOPs), the FLOPs ratio of the whole call (embeddings and final layer included), and the mean and
 worst PSNR against the uncached run on the held-out prompts. With a quantization axis (`quantization: [none, fp8]`:
-the methods `ours-fp8` / `ours-int8`) each weights kind gets its own PSNR columns, measured against the unquantized
+the methods `ours-fp8` / `ours-int8` / `ours-fp8-emulated`; `--quantization none fp8-emulated` runs FP8's arithmetic on
+a CPU) each weights kind gets its own PSNR columns, measured against the unquantized
 uncached run, and the quantized model's uncached row says what the quantization alone costs. Other options go to
 `dicache sweep`.
 """

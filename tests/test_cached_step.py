@@ -498,10 +498,18 @@ def test_fit_masks_replace_the_curved_masks_and_bad_ones_name_the_flag(turbo_run
     search = PredictorSearch(runner, samples, 1, tmp_path / "p", starts=[start], climb=0)
     result = calibrate(runner, samples, [], target_psnr=99.0, criterion="mean", progress=False, predictor=search)
     assert [tuple(step_mask(c.config, 13)) for c in result.candidates] == [start] and search.fits == 1
-    # a short schedule searches every mask: --fit-masks is refused there, naming it
+    # a short schedule: the given masks first (the beam search may not reach them), then the search, each mask once
+    runner = PipelineRunner(turbo_runner.pipe, 5, 1.0, "turbo", 32, 32)
+    start = parse_mask("0,2", 5)
+    search = PredictorSearch(runner, samples, 1, tmp_path / "p5", starts=[start])
+    result = calibrate(runner, samples, [], target_psnr=99.0, criterion="mean", progress=False, predictor=search)
+    masks = [tuple(step_mask(c.config, 5)) for c in result.candidates]
+    assert masks[0] == start and len(set(masks)) == len(masks) == search.fits
+    assert [sum(m) for m in masks] == [2, 4, 4, 4, 4]  # then the search's first round (no 4-step mask met 99 dB)
+    # on the command line; a bad mask names the flag
     argv = ["calibrate", "--steps", "4", "--guidance", "1", "--size", "32", "--prompts", "2", "--device", "cpu"]
-    code = main([*argv, "--fit-masks", "0,1", "--out", str(tmp_path / "x.json"), "--no-progress"])
-    assert code == 2 and "--fit-masks=0,1 is refused at 4 steps" in capsys.readouterr().err
+    code = main([*argv, "--fit-masks", "0,4", "--out", str(tmp_path / "x.json"), "--no-progress"])
+    assert code == 2 and "--fit-masks='0,4' is invalid" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------------ tokens

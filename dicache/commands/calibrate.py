@@ -126,9 +126,9 @@ class CalibrateOptions(FlagOptions):
         None,
         flag="--fit-masks",
         metavar="STEPS",
-        help=f"on schedules of more than {MAX_MASK_STEPS} steps, the fitted predictor's first masks instead of the "
-        "curved masks of --budgets, each the computed steps comma-separated (e.g. 0,1,2,3,5,9,16,25); the climb "
-        "starts from the best of them",
+        help="the fitted predictor's first masks, each the computed steps comma-separated (e.g. 0,1,2,3,5,9,16,25): "
+        f"on schedules of more than {MAX_MASK_STEPS} steps instead of the curved masks of --budgets (the climb "
+        "starts from the best of them); on shorter ones scored before the beam search, which may not reach them",
     )
     fit_ridge: float = option(
         DEFAULT_RIDGE,
@@ -334,11 +334,6 @@ def _predictor_search(
     budgets = getattr(args, "budgets", None) or RECOMMENDED_BUDGETS
     climb = getattr(args, "mask_climb", CLIMB_FITS)
     fit_masks = getattr(args, "fit_masks", None) or []
-    if fit_masks and runner.steps <= MAX_MASK_STEPS:
-        raise CalibrationError(
-            f"--fit-masks={' '.join(fit_masks)} is refused at {runner.steps} steps: it gives the first masks on "
-            f"schedules of more than {MAX_MASK_STEPS} steps (shorter ones search every mask)"
-        )
     starts = [parse_mask(text, runner.steps) for text in fit_masks]
     return PredictorSearch(
         runner,

@@ -103,9 +103,10 @@ class SweepOptions(FlagOptions):
     quantization: list[Literal[("none", *S.QUANTIZED_METHODS)]] | None = option(
         None,
         flag="--quantization",
-        help="the quantization axis: fp8 / int8 add the method ours-fp8 / ours-int8 (the model in FP8 / INT8, uncached "
-        "and with every cell, measured against the bf16 references; needs --dtype bfloat16; FP8 needs a GPU with FP8, "
-        "INT8 runs on the CPU too) (default: none)",
+        help="the quantization axis: fp8 / int8 / fp8-emulated add the method ours-fp8 / ours-int8 / ours-fp8-emulated "
+        "(the model in FP8 / INT8 / FP8 emulated in float32, uncached and with every cell, measured against the bf16 "
+        "references; needs --dtype bfloat16; FP8 needs a GPU with FP8, INT8 and emulated FP8 run on the CPU too) "
+        "(default: none)",
     )
     device: str | None = option(
         None, flag="--device", default_text="cpu", help="torch device for both pipelines, e.g. cuda"

@@ -55,7 +55,8 @@ class QuantizationOptions(FlagOptions):
         help="the transformer blocks' linears in 8 bits, weights stored so (per-row activation and per-channel weight "
         "scales; torchao: `pip install 'dicache[fp8]'`). fp8: FP8 e4m3 GEMMs, needs an Ada/Hopper GPU; attention k, v "
         "and output projections stay bf16 by default. int8: INT8 GEMMs with int32 accumulation, every block linear, "
-        "far closer to bf16 than fp8 (CUDA >= 8.0, or the CPU)",
+        "far closer to bf16 than fp8 (CUDA >= 8.0, or the CPU). fp8-emulated: fp8's linears and arithmetic emulated in "
+        "float32 on any device, no torchao (slow: to calibrate or judge the FP8 model without an FP8 GPU)",
     )
     quantization_exclude: list[str] | None = option(
         None,

@@ -34,8 +34,13 @@ from ..errors import DicacheError
 from .fp8_storage import store_linears_in_fp8
 from .joint_linears import join_linears, joinable_groups, joint_name
 
-QUANTIZATION_METHODS = ("fp8", "int8")
-"""Accepted values of `--quantization` besides none (SGLang's flag name; fp8 is SGLang's value too)."""
+QUANTIZATION_METHODS = ("fp8", "int8", "fp8-emulated")
+"""Accepted values of `--quantization` besides none (SGLang's flag name; fp8 is SGLang's value too). `fp8-emulated`
+selects the linears `fp8` selects and computes what torchao's per-row FP8 GEMM computes, in float32 on any device
+(`fp8_emulation`, exact accumulation): slow, for calibrating and judging the FP8 model where FP8 cannot run."""
+
+EMULATED_METHODS: dict[str, str] = {"fp8-emulated": "fp8"}
+"""Emulated methods and the method whose selection and arithmetic each reproduces."""
 
 FP8_MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (8.9) and Hopper (9.0) or newer."""
@@ -54,7 +59,9 @@ block 4.1 % faster than with q in bf16 too (benchmarks/RESULTS.md "FP8 fidelity 
 DEFAULT_EXCLUDE: dict[str, tuple[str, ...]] = {"fp8": DEFAULT_FP8_EXCLUDE, "int8": ()}
 """Block linears each method keeps in bf16 unless `--quantization-exclude` says otherwise. INT8 keeps none: with
 every block linear in INT8 the embedded checkpoint stays at about 42 dB (Raw 28) / 45 dB (8 steps) against bf16 in
-emulation, against 36 / 39 dB for the FP8 default (benchmarks/RESULTS.md, issue 27)."""
+emulation, against 36 / 39 dB for the FP8 default (benchmarks/RESULTS.md, issue 27). An emulated
+method keeps what the method it emulates keeps."""
+DEFAULT_EXCLUDE.update({emulated: DEFAULT_EXCLUDE[method] for emulated, method in EMULATED_METHODS.items()})
 
 LAYER_GROUPS: dict[str, tuple[str, ...]] = {
     "attn_qkv": ("*.attn.to_q", "*.attn.to_k", "*.attn.to_v"),
@@ -72,10 +79,11 @@ split `attn_qkv`: q is the attention projection FP8 costs least, per FLOP). `-1`
 block's index."""
 
 
-JOIN_PROJECTIONS_DEFAULT: dict[str, bool] = {"fp8": True, "int8": False}
+JOIN_PROJECTIONS_DEFAULT: dict[str, bool] = {"fp8": True, "int8": False, "fp8-emulated": False}
 """Whether each method joins the projections that read one input (`QuantizationSpec.join_projections`). FP8: a
 full-size Krea-2 block 1.9 % faster with q|gate, k|v and gate|up joined (benchmarks/RESULTS.md,
-`probe_fp8_block_compile.py`, 2026-12-03); INT8: not measured, so not joined."""
+`probe_fp8_block_compile.py`, 2026-12-03); INT8: not measured, so not joined. Emulated FP8: joining changes no
+value (per-row activation and per-output-channel weight scales are the same joined or apart), so not joined."""
 
 
 class QuantizationError(DicacheError, RuntimeError):
@@ -217,6 +225,8 @@ def quantize_transformer(
         return []
     if spec.method == "int8":
         int8_linears(model, chosen)
+    elif spec.method in EMULATED_METHODS:
+        emulated_fp8_linears(model, chosen)
     else:
         fp8_linears(model, chosen)
     model.quantization = spec
@@ -321,6 +331,15 @@ def fp8_linears(model: nn.Module, names: set[str]) -> None:
         granularity=PerRow(), activation_value_lb=FP8_ACTIVATION_FLOOR, set_inductor_config=False
     )
     _quantize_linears(model, names, config)
+
+
+def emulated_fp8_linears(model: nn.Module, names: set[str]) -> None:
+    """The linears of `model` named in `names` compute as `fp8_linears` would make them, emulated in float32 on
+    their own device (`fp8_emulation.emulate_fp8`: activations per row, weights per output channel, e4m3, exact
+    accumulation); their parameters stay as they are. Nothing to check: it runs on any device without torchao."""
+    from .fp8_emulation import emulate_fp8
+
+    emulate_fp8(model, sorted(names))
 
 
 INT8_MIN_CAPABILITY = (8, 0)

@@ -25,6 +25,7 @@ METHOD_NAMES = {
     "cache-dit": "cache-dit",
     "ours-fp8": "dicache + FP8",
     "ours-int8": "dicache + INT8",
+    "ours-fp8-emulated": "dicache + FP8 (emulated)",
     "fewer-steps": "fewer steps, Euler",
     "heun": "fewer steps, Heun",
     "curved": "curved step reuse",

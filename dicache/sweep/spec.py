@@ -26,12 +26,13 @@ from .prompts import make_samples as make_samples
 from .prompts import read_prompts as read_prompts
 from .settings import ALIASES, GRID_KEYS, RECOMMENDED_BUDGETS, cell_label, recommended
 
-QUANTIZED_METHODS = {"fp8": "ours-fp8", "int8": "ours-int8"}
+QUANTIZED_METHODS = {"fp8": "ours-fp8", "int8": "ours-int8", "fp8-emulated": "ours-fp8-emulated"}
 """`--quantization` values (besides none) and the method each adds."""
 METHODS = ("ours", "cache-dit", *QUANTIZED_METHODS.values())
 """Cached methods a sweep can run (over the grid's cells; cache-dit over `cachedit_grid` when given). `ours-fp8` /
-`ours-int8` are ours on the model quantized to FP8 / INT8 (`--quantization fp8|int8`), measured against the
-unquantized references; each also runs uncached (`policy never`), which isolates what the quantization alone costs."""
+`ours-int8` / `ours-fp8-emulated` are ours on the model quantized to FP8 / INT8 / emulated FP8 (`--quantization
+fp8|int8|fp8-emulated`), measured against the unquantized references; each also runs uncached (`policy never`),
+which isolates what the quantization alone costs."""
 UNCACHED_CELL_OVERRIDES = {"policy": "never"}
 SOLVER_BASELINES = ("euler", "heun", "curved")
 """Same-compute baselines without a cache (`dicache.sweep.solvers`): fewer-steps Euler, fewer-steps Heun, `curved`."""

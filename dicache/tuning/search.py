@@ -165,9 +165,9 @@ def calibrate(
     `step_masks`: on schedules of at most `MAX_MASK_STEPS` steps, first search per-step masks (`masks.beam_search`,
     every sample, no early stop); each mask scored becomes a candidate after the listed ones.
     `predictor`: also search masks whose cached steps the fitted output predictor answers (`cached_step_method=
-    fitted`), each fitted by `predictor.fit` on its own samples (training prompts, never `samples`' seeds): the
-    beam search on short schedules; on longer ones `predictor.first_masks` (the curved masks of its budgets, or its
-    `starts`), then `climb_masks`
+    fitted`), each fitted by `predictor.fit` on its own samples (training prompts, never `samples`' seeds): on short
+    schedules its `starts`, then the beam search; on longer ones `predictor.first_masks` (the curved masks of its
+    budgets, or its `starts`), then `climb_masks`
     (at most `predictor.climb` more fits); each becomes a candidate.
 
     `reference`: the runner the uncached references come from (default `runner`): the unquantized model when
@@ -203,7 +203,7 @@ def calibrate(
     planned_predicted = 0
     if predictor is not None and refusal is None:
         if runner.steps <= MAX_MASK_STEPS:
-            planned_predicted = max_scored(runner.steps)
+            planned_predicted = max_scored(runner.steps) + len(predictor.starts)
         else:
             long_masks = predictor.first_masks(runner.steps)
             planned_predicted = len(long_masks) + predictor.climb
@@ -288,9 +288,12 @@ def calibrate(
                 per_sample = {i: predictor_overrides(mask, str(path)) for i, path in held_out.items()}
                 return score_overrides(per_sample[0], f"fitted {computed_steps(mask)}", per_sample, mask)
 
-            if runner.steps <= MAX_MASK_STEPS:
-                scored = beam_search(runner.steps, score_predicted, target=target_psnr)
-                bar.total -= n * (planned_predicted - len(scored))
+            if runner.steps <= MAX_MASK_STEPS:  # `starts` (--fit-masks) first, then the search, each mask once
+                known = {mask: score_predicted(mask) for mask in predictor.starts}
+                scored = beam_search(
+                    runner.steps, lambda m: known[m] if m in known else score_predicted(m), target=target_psnr
+                )
+                bar.total -= n * (planned_predicted - len(known) - len({m for m, _ in scored} - set(known)))
                 bar.refresh()
             else:
                 curved = {mask: score_predicted(mask) for mask in long_masks}

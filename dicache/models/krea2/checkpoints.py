@@ -33,7 +33,7 @@ from dicache.models.loading import (
 )
 from dicache.models.weight_snapshot import WeightSnapshots, snapshot_key
 from dicache.quantization import QuantizationError, QuantizationSpec, quantize_text_encoder, quantize_transformer
-from dicache.quantization.weights import quantized_structure
+from dicache.quantization.weights import EMULATED_METHODS, quantized_structure
 
 EMBEDDED_CHECKPOINT = pathlib.Path(__file__).resolve().parents[2] / "assets" / "krea2-tiny"
 """The small trained Krea-2-architecture checkpoint shipped with dicache (the default model)."""
@@ -161,7 +161,9 @@ def load_transformer(
     `outcomes` receives the snapshot's (`transformer`, `transformer_saved`)."""
     clock = clock if clock is not None else _PhaseClock()
     outcomes = outcomes if outcomes is not None else {}
-    store = _snapshot_store(weight_store, quantization is not None, load_format)
+    # an emulated quantization keeps its rounded weights outside the state dict: nothing a snapshot could restore
+    snapshot = quantization is not None and quantization.method not in EMULATED_METHODS
+    store = _snapshot_store(weight_store, snapshot, load_format)
     if store is not None:
         folder = pathlib.Path(resolve_component_dir(path_or_repo_id, "transformer", **hub_kwargs))
         key = snapshot_key("transformer", folder, repr(quantization), dtype)
