@@ -1,10 +1,13 @@
-"""The fitted output predictor on Raw 28 (CFG 4.5, 128 px): one fit variant on one mask, judged on the training
-captions' own seeds (what calibrate scores on) and on the 16 held-out prompts.
+"""The fitted output predictor on Raw 28 (CFG 4.5, 128 px), or on the Turbo student (`--variant turbo`: 8 steps, no
+CFG): one fit variant on one mask, judged on the training captions' own seeds (what calibrate scores on) and on the
+16 held-out prompts. With `--quantization` (e.g. fp8-emulated, in bf16) the predictor is fitted on the quantized model
+steering to the unquantized uncached run and judged against that run, as `dicache calibrate --quantization` does.
 
     python experiments/raw_predictor_probe.py MASK [--fit-seeds 8] [--ridge 1e-3] [--steps 28] [--guidance 4.5]
         MASK: computed steps, e.g. 0,1,2,3,5,9,16,25
     python experiments/raw_predictor_probe.py 0,1,2,3,5,9,15,24 --climb 16 --known build/logs/climb2.log --threads 2
         the hill-climb on the training captions' own seeds (masks in --known logs not refitted), then the best judged
+    python experiments/raw_predictor_probe.py 0,1,3,6 --variant turbo --quantization fp8-emulated --fit-seeds 16
 
 Fit samples: the 6 training captions, seeds seed+1 … seed+k (their uncached batch cached under build/raw-probe/).
 Every run is one batch (`generate_batch`); the references are the uncached batch of the same samples, so a figure
@@ -38,14 +41,20 @@ def mask_of(text: str, steps: int) -> tuple[int, ...]:
 
 
 class Probe:
-    def __init__(self, steps: int = 28, guidance: float = 4.5, size: int = 128) -> None:
-        self.native = NativeRunner.load(str(resolve_model(None, None)))
-        self.schedule = Schedule(steps, guidance, "raw")
-        self.run = BatchRun(self.native, self.schedule, size, size)
+    def __init__(
+        self, steps: int = 28, guidance: float = 4.5, size: int = 128, variant: str = "raw", quantization: str = "none"
+    ) -> None:
+        model = str(resolve_model(None, variant))
+        dtype = torch.bfloat16 if quantization != "none" else None  # a quantized model is judged against bf16
+        self.native = NativeRunner.load(model, dtype=dtype) if dtype else NativeRunner.load(model)
+        served = NativeRunner.load(model, dtype=dtype, quantization=quantization) if dtype else self.native
+        self.schedule = Schedule(steps, guidance, variant)
+        self.run = BatchRun(served, self.schedule, size, size)  # the model fitted and judged
+        self.reference = BatchRun(self.native, self.schedule, size, size)  # its uncached run: trajectory, references
         path = heldout_prompts_file(None)
         self.train = make_samples(read_prompts(path, split="train"), None)
         self.heldout = make_samples(read_prompts(path, split="heldout"), None)[:16]
-        self.tag = f"n{steps}-cfg{guidance:g}-{size}"
+        self.tag = f"{variant}-n{steps}-cfg{guidance:g}-{size}" + (f"-{quantization}" if dtype else "")
         ROOT.mkdir(parents=True, exist_ok=True)
 
     def cached(self, name: str, make):
@@ -60,20 +69,20 @@ class Probe:
         samples = [(p, s + k) for p, s in self.train for k in range(first, first + seeds)]
 
         def make():
-            t = Trajectory.record(self.run, samples)
+            t = Trajectory.record(self.reference, samples)
             return {"x": t.x, "dt": t.dt}
 
         saved = self.cached(f"traj-{first}-{seeds}", make)
         return samples, Trajectory(x=saved["x"], dt=saved["dt"])
 
-    def images(self, samples, config) -> torch.Tensor:
-        latents = self.run(samples, config)
+    def images(self, samples, config, run: BatchRun | None = None) -> torch.Tensor:
+        latents = (run or self.run)(samples, config)
         size = self.run.height
-        return self.native.pipe.decode(latents, size, size, "pt")
+        return self.native.pipe.decode(latents, size, size, "pt").float()
 
     def references(self, which: str) -> torch.Tensor:
         samples = self.train if which == "train" else self.heldout
-        return self.cached(f"ref-{which}", lambda: self.images(samples, None))
+        return self.cached(f"ref-{which}", lambda: self.images(samples, None, self.reference))
 
     def judge(self, path: Path, mask: tuple[int, ...], which: str) -> list[float]:
         samples = self.train if which == "train" else self.heldout
@@ -107,8 +116,10 @@ def main() -> None:
     parser.add_argument("mask")
     parser.add_argument("--fit-seeds", type=int, default=8)
     parser.add_argument("--ridge", type=float, default=1e-3)
-    parser.add_argument("--steps", type=int, default=28)
-    parser.add_argument("--guidance", type=float, default=4.5)
+    parser.add_argument("--variant", default="raw", choices=["raw", "turbo"], help="turbo: the Turbo student")
+    parser.add_argument("--quantization", default="none", help="the fitted and judged model's, e.g. fp8-emulated")
+    parser.add_argument("--steps", type=int, default=None, help="default 28 (raw) / 8 (turbo)")
+    parser.add_argument("--guidance", type=float, default=None, help="default 4.5 (raw) / 1 (turbo)")
     parser.add_argument("--fit-first", type=int, default=1, help="first fit seed offset (0: the judged train seeds)")
     parser.add_argument("--alpha", type=float, default=1.0, help="steering: the share of the correction")
     parser.add_argument("--aim", default="next", choices=["next", "gap"], help="steer to the next step / gap end")
@@ -119,7 +130,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    probe = Probe(args.steps, args.guidance)
+    turbo = args.variant == "turbo"
+    args.steps = args.steps or (8 if turbo else 28)
+    args.guidance = args.guidance or (1.0 if turbo else 4.5)
+    probe = Probe(args.steps, args.guidance, variant=args.variant, quantization=args.quantization)
     mask = mask_of(args.mask, args.steps)
     floor = None if args.weight_floor == "none" else float(args.weight_floor)
     started = time.perf_counter()

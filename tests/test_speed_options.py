@@ -79,7 +79,7 @@ def test_fp8_on_cpu_is_a_clear_error_not_a_silent_fallback(capsys):
 
 def test_cli_rejects_an_unknown_exclusion_before_loading(capsys):
     code = main(["generate", "x", "--device", "cpu", "--quantization-exclude", "attn_gate"])
-    assert code == 2 and "without --quantization (fp8, int8)" in capsys.readouterr().err
+    assert code == 2 and "without --quantization (fp8, int8, fp8-emulated)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import DicacheError
+from .fp8_emulation import emulate_fp8
 from .fp8_storage import store_linears_in_fp8
 from .joint_linears import join_linears, joinable_groups, joint_name
 
@@ -337,8 +338,6 @@ def emulated_fp8_linears(model: nn.Module, names: set[str]) -> None:
     """The linears of `model` named in `names` compute as `fp8_linears` would make them, emulated in float32 on
     their own device (`fp8_emulation.emulate_fp8`: activations per row, weights per output channel, e4m3, exact
     accumulation); their parameters stay as they are. Nothing to check: it runs on any device without torchao."""
-    from .fp8_emulation import emulate_fp8
-
     emulate_fp8(model, sorted(names))
 
 
