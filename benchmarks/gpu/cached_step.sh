@@ -22,7 +22,7 @@
 #             under `forecast`, `fitted` (no forward: one small matmul) and `tokens` 0.1 / 0.2 against a full
 #             forward, with the FLOP share and the graphs compiled after the warm-up                (~4 min each)
 #   fidelity  1) `dicache calibrate --variant turbo --quantization fp8` on the 6 training captions
-#             (benchmarks/grids/turbo_calibration_prompts.json, 16 other seeds for the fits; the mask 0,1,3,6
+#             (benchmarks/grids/turbo_calibration_prompts.json, 32 other seeds for the fits; the mask 0,1,3,6
 #             scored first: `--fit-masks`, which the beam search does not reach), target 35 dB
 #             ($CRITERION, default mean: the issue's target is a mean, its worst prompt reported), against the bf16
 #             uncached run: the profile and its predictor go to $CALIBRATED (default
@@ -104,7 +104,7 @@ fidelity() {
   # exit 2: no candidate met the target (the table says how close each came); the sweep then runs without it
   timeout 300 python3 -m dicache.cli calibrate --variant turbo --quantization "$quantization" --device "$device" \
     --dtype "$([ -n "$cpu" ] && echo float32 || echo bfloat16)" --prompts benchmarks/grids/turbo_calibration_prompts.json \
-    --target-psnr 35 --criterion "$criterion" --fit-seeds 16 --fit-masks 0,1,3,6 --no-progress --out "$calibrated" \
+    --target-psnr 35 --criterion "$criterion" --fit-seeds 32 --fit-masks 0,1,3,6 --no-progress --out "$calibrated" \
     "${small[@]}" || status=$?
   if [ -f "$calibrated" ]; then
     profile=(--profile "$calibrated")
