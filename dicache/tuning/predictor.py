@@ -73,9 +73,10 @@ class PredictorSearch:
         calibration samples (at least 2 prompts); `fit_seeds`: seeds per prompt fitted on; `reference`: the runner
         whose uncached run the fit steers to (default `runner`; the unquantized model when `runner` is the
         quantized one that will be served); `leave_prompt_out`: one fold per prompt (each scored by a fit on all
-        the others) instead of two. On long schedules: `budgets`, the compute fractions whose curved masks are
-        tried (unless `starts` gives the first masks instead); `climb`, the masks the hill-climb from them may score
-        (0: none)."""
+        the others) instead of two. `starts` (`--fit-masks`): masks scored first, before the beam search on short
+        schedules, instead of the curved masks on long ones. On long schedules: `budgets`, the compute fractions
+        whose curved masks are tried (unless `starts` are given); `climb`, the masks the hill-climb from them may
+        score (0: none)."""
         shortage = prompt_shortage(samples)
         if shortage is not None:
             raise CalibrationError(shortage)
