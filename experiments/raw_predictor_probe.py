@@ -45,16 +45,17 @@ class Probe:
         self, steps: int = 28, guidance: float = 4.5, size: int = 128, variant: str = "raw", quantization: str = "none"
     ) -> None:
         model = str(resolve_model(None, variant))
-        dtype = torch.bfloat16 if quantization != "none" else None  # a quantized model is judged against bf16
-        self.native = NativeRunner.load(model, dtype=dtype) if dtype else NativeRunner.load(model)
-        served = NativeRunner.load(model, dtype=dtype, quantization=quantization) if dtype else self.native
+        quantized = quantization != "none"
+        dtype = torch.bfloat16 if quantized else torch.float32  # a quantized model is judged against bf16
+        self.native = NativeRunner.load(model, dtype=dtype)
+        served = NativeRunner.load(model, dtype=dtype, quantization=quantization) if quantized else self.native
         self.schedule = Schedule(steps, guidance, variant)
         self.run = BatchRun(served, self.schedule, size, size)  # the model fitted and judged
         self.reference = BatchRun(self.native, self.schedule, size, size)  # its uncached run: trajectory, references
         path = heldout_prompts_file(None)
         self.train = make_samples(read_prompts(path, split="train"), None)
         self.heldout = make_samples(read_prompts(path, split="heldout"), None)[:16]
-        self.tag = f"{variant}-n{steps}-cfg{guidance:g}-{size}" + (f"-{quantization}" if dtype else "")
+        self.tag = f"{variant}-n{steps}-cfg{guidance:g}-{size}" + (f"-{quantization}" if quantized else "")
         ROOT.mkdir(parents=True, exist_ok=True)
 
     def cached(self, name: str, make):

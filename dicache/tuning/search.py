@@ -293,7 +293,7 @@ def calibrate(
                 scored = beam_search(
                     runner.steps, lambda m: known[m] if m in known else score_predicted(m), target=target_psnr
                 )
-                bar.total -= n * (planned_predicted - len(known) - len({m for m, _ in scored} - set(known)))
+                bar.total -= n * (planned_predicted - len(known.keys() | {m for m, _ in scored}))
                 bar.refresh()
             else:
                 curved = {mask: score_predicted(mask) for mask in long_masks}
