@@ -37,7 +37,15 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_serving import CACHE_MODES, ROOT, VARIANTS, free_port, wait_healthy, write_model_folder  # noqa: E402
+from bench_serving import (  # noqa: E402
+    CACHE_MODES,
+    ROOT,
+    VARIANTS,
+    free_port,
+    wait_healthy,
+    wait_steady,
+    write_model_folder,
+)
 from publish import command_line, markdown_table, publish  # noqa: E402
 
 API_KEY = "bench-ops-7f3c2a9e41d0"
@@ -223,6 +231,7 @@ def run(args) -> dict:
     results["commands"].append(command)
     try:
         results["ready_s"] = round(wait_healthy(url, proc, args.start_timeout), 1)
+        results["text_lengths_s"] = wait_steady(url, args.start_timeout, headers())  # the timed phases: steady
         print(f"ready in {results['ready_s']} s: {command}", flush=True)
         results["auth"] = auth_phase(args, url)
         print(results["auth"], flush=True)

@@ -11,7 +11,9 @@ process as a user sees it). Random weights never pass a real threshold, so "defa
 `sglang` rows force the default settings' pattern (every step the settings allow is cached: an always-passing
 threshold), which is what a trained model with easy steps gets at most. Before its runs each server answers every
 prompt of `PROMPTS` once, untimed, so the runs meet known prompt lengths; `--fresh-prompts` gives every timed request a
-length the server has not met instead (a new length costs its first-call work: RESULTS.md 2026-12-03).
+length the server has not met instead (a new length costs its first-call work: RESULTS.md 2026-12-03). Before
+that, each server's start-up work after ready is waited for (`wait_steady`: the prompt lengths met in the
+background, whose chunks would otherwise delay requests arriving while one runs).
 `--profile PATH` adds a cache mode per settings profile (`dicache calibrate`'s JSON, named by its file name): its
 requests carry the profile's settings (a fitted predictor's file named by its absolute path), as a server started with
 `--profile PATH` runs them. `--fitted-mask 0,1,3,6` adds a timing stand-in of the fitted output predictor on that
@@ -240,6 +242,27 @@ def wait_healthy(url: str, proc, timeout_s: float) -> float:
             pass
         time.sleep(1)
     raise RuntimeError(f"server not healthy after {timeout_s} s")
+
+
+def wait_steady(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> float | None:
+    """Seconds from now until the server's start-up work after ready is finished: the prompt lengths it meets
+    between requests (`--prepare-text-lengths background`, the default; `/v1/server_info` "startup"
+    "text_lengths"). Until then each idle moment runs a chunk of it (about 0.15 s on an H200) that the next request
+    waits for, so the timed runs start after it. None when the server runs none (a CPU server, `before-ready`,
+    `off`). A preparation that failed is steady too: the lengths are then met on demand, as with `off`."""
+    import httpx
+
+    start = time.perf_counter()
+    while True:
+        info = httpx.get(f"{url}/v1/server_info", headers=headers, timeout=30).json()
+        progress = (info.get("startup") or {}).get("text_lengths") or {}
+        if "state" not in progress:
+            return None
+        if progress["state"] != "running":
+            return round(time.perf_counter() - start, 1)
+        if time.perf_counter() - start > timeout_s:
+            raise RuntimeError(f"the server's prompt lengths were still being met after {timeout_s} s: {progress}")
+        time.sleep(0.5)
 
 
 def stop_server(proc) -> None:
@@ -589,6 +612,7 @@ def run(args) -> dict:
                 results["servers"][server] = {
                     "command": command,
                     "ready_s": round(ready_s, 1),
+                    "text_lengths_s": wait_steady(url, args.start_timeout),
                     "peak_GB_after_warmup": memory.peak_gb,
                     "memory_after_warmup": server_memory(url),
                 }
@@ -638,7 +662,13 @@ def markdown(results: dict, args, command: str) -> str:
         + "  ",
         "Server commands: "
         + "; ".join(
-            f"`{s['command']}` (ready in {s['ready_s']} s, {s['peak_GB_after_warmup']} GB after warm-up)"
+            f"`{s['command']}` (ready in {s['ready_s']} s"
+            + (
+                f", its prompt lengths met {s['text_lengths_s']} s later, before the timed runs"
+                if s.get("text_lengths_s") is not None
+                else ""
+            )
+            + f", {s['peak_GB_after_warmup']} GB after warm-up)"
             for s in results["servers"].values()
         )
         + "  ",

@@ -85,3 +85,38 @@ def test_a_bad_profile_is_refused_naming_it(tmp_path, capsys):
         with pytest.raises(SystemExit):
             bench_serving.main(["--tiny", "--device", "cpu", "--fitted-mask", bad])
         assert f"--fitted-mask {bad!r} is invalid" in capsys.readouterr().err
+
+
+def test_the_timed_runs_start_once_the_prompt_lengths_met_after_ready_are_done(tmp_path):
+    """`wait_steady` against a real server: None where nothing runs after ready (a CPU server); while the
+    background preparation (`--prepare-text-lengths background`) is still meeting lengths it waits, naming it when
+    its time runs out; it returns once every length is met."""
+    import threading
+
+    from server_helpers import backend_with_env, pipeline_source
+
+    from dicache.commands.serve import parse_serve_argv, settings_from_args
+    from dicache.server import create_app
+    from dicache.server.background import BackgroundServer
+    from dicache.server.text_lengths import TextLengthPreparation
+
+    backend = backend_with_env(pipeline_source(tmp_path), {}, variant="turbo")
+    gate, met = threading.Event(), []
+
+    def prepare(chunk):  # a chunk of the GPU's work, held until the gate opens
+        gate.wait(30)
+        met.extend(chunk)
+
+    try:
+        with BackgroundServer(create_app(backend, settings_from_args(parse_serve_argv([])))) as server:
+            assert bench_serving.wait_steady(server.url, 5) is None
+            backend.startup = {"phases_s": {}}
+            backend.text_lengths = TextLengthPreparation(prepare, range(1, 7), backend.busy).start()
+            with pytest.raises(RuntimeError, match=r"still being met after 1 s: .*'state': 'running'"):
+                bench_serving.wait_steady(server.url, 1)
+            threading.Timer(0.5, gate.set).start()
+            assert bench_serving.wait_steady(server.url, 30) >= 0
+            assert met == [6, 5, 4, 3, 2, 1] and backend.text_lengths.progress()["state"] == "done"
+    finally:
+        gate.set()
+        backend.close()

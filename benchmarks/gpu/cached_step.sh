@@ -37,8 +37,10 @@
 #             ($CALIBRATED when that file exists) and timing stand-ins of the fitted predictor on the masks
 #             $FITTED_MASKS (default "0,1,3,6 0,1,2,4,6"). The predictor is per channel (64 latent channels, as
 #             full-size Krea-2), so the student's fit loads on the full-size model: there the time is what counts,
-#             the quality is the fidelity step's. Target: <= 0.6 s at concurrency 1. A fresh machine's server is
-#             ready after about 6 min (371 s on 2026-12-04)                                            (~8 min)
+#             the quality is the fidelity step's. Target: <= 0.6 s at concurrency 1. A fresh machine's server was
+#             ready after 371 s on 2026-12-04, before issue 41's start-up work (97.5 s with a real checkpoint on
+#             2026-12-05, docs/startup.md); the timed runs start once its prompt lengths, met in the background
+#             after ready, are all met (about 22 s more: bench_serving's `wait_steady`)                (~8 min)
 #
 # Suggested calls (a machine is given back 30 s after a call, so each call starts a fresh one, a minute or two
 # each; ~22 min of commands, ~26 min in all):
