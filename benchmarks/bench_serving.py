@@ -254,7 +254,9 @@ def wait_steady(url: str, timeout_s: float, headers: dict[str, str] | None = Non
 
     start = time.perf_counter()
     while True:
-        info = httpx.get(f"{url}/v1/server_info", headers=headers, timeout=30).json()
+        answer = httpx.get(f"{url}/v1/server_info", headers=headers, timeout=30)
+        answer.raise_for_status()  # e.g. a keyed server asked without its key: not "nothing to wait for"
+        info = answer.json()
         progress = (info.get("startup") or {}).get("text_lengths") or {}
         if "state" not in progress:
             return None

@@ -90,9 +90,10 @@ def test_a_bad_profile_is_refused_naming_it(tmp_path, capsys):
 def test_the_timed_runs_start_once_the_prompt_lengths_met_after_ready_are_done(tmp_path):
     """`wait_steady` against a real server: None where nothing runs after ready (a CPU server); while the
     background preparation (`--prepare-text-lengths background`) is still meeting lengths it waits, naming it when
-    its time runs out; it returns once every length is met."""
+    its time runs out; it returns once every length is met. A keyed server asked without its key is an error."""
     import threading
 
+    import httpx
     from server_helpers import backend_with_env, pipeline_source
 
     from dicache.commands.serve import parse_serve_argv, settings_from_args
@@ -117,6 +118,11 @@ def test_the_timed_runs_start_once_the_prompt_lengths_met_after_ready_are_done(t
             threading.Timer(0.5, gate.set).start()
             assert bench_serving.wait_steady(server.url, 30) >= 0
             assert met == [6, 5, 4, 3, 2, 1] and backend.text_lengths.progress()["state"] == "done"
+        keyed = settings_from_args(parse_serve_argv(["--api-key", "k-123"]))
+        with BackgroundServer(create_app(backend, keyed)) as server:  # a refused question is an error, not "none"
+            with pytest.raises(httpx.HTTPStatusError, match="401"):
+                bench_serving.wait_steady(server.url, 5)
+            assert bench_serving.wait_steady(server.url, 5, {"Authorization": "Bearer k-123"}) >= 0
     finally:
         gate.set()
         backend.close()
