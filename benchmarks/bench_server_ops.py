@@ -231,7 +231,7 @@ def run(args) -> dict:
     results["commands"].append(command)
     try:
         results["ready_s"] = round(wait_healthy(url, proc, args.start_timeout), 1)
-        results["text_lengths_s"] = wait_steady(url, args.start_timeout, headers())  # the timed phases: steady
+        results["lengths_after_ready_s"] = wait_steady(url, args.start_timeout, headers())  # the timed phases: steady
         print(f"ready in {results['ready_s']} s: {command}", flush=True)
         results["auth"] = auth_phase(args, url)
         print(results["auth"], flush=True)

@@ -614,7 +614,7 @@ def run(args) -> dict:
                 results["servers"][server] = {
                     "command": command,
                     "ready_s": round(ready_s, 1),
-                    "text_lengths_s": wait_steady(url, args.start_timeout),
+                    "lengths_after_ready_s": wait_steady(url, args.start_timeout),
                     "peak_GB_after_warmup": memory.peak_gb,
                     "memory_after_warmup": server_memory(url),
                 }
@@ -666,8 +666,8 @@ def markdown(results: dict, args, command: str) -> str:
         + "; ".join(
             f"`{s['command']}` (ready in {s['ready_s']} s"
             + (
-                f", its prompt lengths met {s['text_lengths_s']} s later, before the timed runs"
-                if s.get("text_lengths_s") is not None
+                f", its prompt lengths met {s['lengths_after_ready_s']} s later, before the timed runs"
+                if s.get("lengths_after_ready_s") is not None
                 else ""
             )
             + f", {s['peak_GB_after_warmup']} GB after warm-up)"

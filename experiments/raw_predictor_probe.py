@@ -132,8 +132,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     turbo = args.variant == "turbo"
-    args.steps = args.steps or (8 if turbo else 28)
-    args.guidance = args.guidance or (1.0 if turbo else 4.5)
+    args.steps = args.steps if args.steps is not None else (8 if turbo else 28)
+    args.guidance = args.guidance if args.guidance is not None else (1.0 if turbo else 4.5)
     probe = Probe(args.steps, args.guidance, variant=args.variant, quantization=args.quantization)
     mask = mask_of(args.mask, args.steps)
     floor = None if args.weight_floor == "none" else float(args.weight_floor)

@@ -226,8 +226,8 @@ def quantize_transformer(
         return []
     if spec.method == "int8":
         int8_linears(model, chosen)
-    elif spec.method in EMULATED_METHODS:
-        emulated_fp8_linears(model, chosen)
+    elif spec.method in EMULATED_METHODS:  # float32 on any device: activations per row, weights per channel
+        emulate_fp8(model, sorted(chosen))
     else:
         fp8_linears(model, chosen)
     model.quantization = spec
@@ -332,13 +332,6 @@ def fp8_linears(model: nn.Module, names: set[str]) -> None:
         granularity=PerRow(), activation_value_lb=FP8_ACTIVATION_FLOOR, set_inductor_config=False
     )
     _quantize_linears(model, names, config)
-
-
-def emulated_fp8_linears(model: nn.Module, names: set[str]) -> None:
-    """The linears of `model` named in `names` compute as `fp8_linears` would make them, emulated in float32 on
-    their own device (`fp8_emulation.emulate_fp8`: activations per row, weights per output channel, e4m3, exact
-    accumulation); their parameters stay as they are. Nothing to check: it runs on any device without torchao."""
-    emulate_fp8(model, sorted(names))
 
 
 INT8_MIN_CAPABILITY = (8, 0)
