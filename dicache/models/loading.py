@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -163,7 +164,9 @@ def materialize_random(
             target = torch.float32 if keep_fp32 is not None and keep_fp32(name) else dtype
             param.data = param.data.to(target)
     generator = torch.Generator(device=device).manual_seed(0)
-    done: set[int] = set()
+    # parameters drawn already (tied ones are drawn once), by id with a weak reference: `on_part` may free a part's
+    # parameters (quantising replaces them), and a later parameter given a freed one's id must still be drawn
+    done: dict[int, weakref.ref] = {}
     groups = set(parts)
     current: str | None = None
     for name, owner in module.named_modules():
@@ -175,9 +178,10 @@ def materialize_random(
             current = name
         owner.to_empty(device=device, recurse=False)
         for param_name, param in owner.named_parameters(recurse=False):
-            if not param.is_floating_point() or id(param) in done:
+            drawn = done.get(id(param))
+            if not param.is_floating_point() or (drawn is not None and drawn() is param):
                 continue
-            done.add(id(param))
+            done[id(param)] = weakref.ref(param)
             if param.dim() >= 2:
                 fan_in = param[0].numel()
                 param.normal_(0.0, fan_in**-0.5, generator=generator)
