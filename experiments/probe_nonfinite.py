@@ -1,5 +1,5 @@
 """Where a full-size random-weight Krea-2 (`--load-format dummy`) first gives NaN or inf: text embeddings, each
-transformer block, each step's latents; eager, then compiled as `dicache serve --compile` runs it. A GPU probe:
+transformer module, each step's latents; eager, then compiled as `dicache serve --compile` runs it. A GPU probe:
 
     python experiments/probe_nonfinite.py [--quantization fp8] [--text-encoder-quantization fp8] [--steps 4 8]
 """
@@ -21,6 +21,7 @@ from dicache.models.krea2.pipeline import Krea2Pipeline  # noqa: E402
 
 
 def first_bad(value):
+    """The first floating tensor of `value` (a tensor or a tuple of them) holding NaN or inf, else None."""
     tensors = [value] if torch.is_tensor(value) else [v for v in (value or ()) if torch.is_tensor(v)]
     for t in tensors:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -29,7 +30,8 @@ def first_bad(value):
 
 
 def watch(pipe, log):
-    """Forward hooks on every transformer submodule of interest: the first non-finite output's module name."""
+    """Forward hooks on the transformer's modules down to four name levels (a block's linears): `log["first"]` gets
+    the first module whose output holds NaN or inf, with its input's and output's magnitudes."""
     handles = []
     for name, module in pipe.transformer.named_modules():
         if name.count(".") > 3:

@@ -462,6 +462,63 @@ def test_long_schedules_climb_from_the_best_curved_mask_cheapest_budget_first():
     assert len(climb_masks(curved, score, target=13.0, budget=4)) == 4
 
 
+def test_short_schedules_climb_below_the_cheapest_count_meeting_the_target():
+    from dicache.tuning.masks import computed_steps
+    from dicache.tuning.predictor import climb_below_target
+
+    weights = (0, 1, 5, 2, 8, 3, 4, 0)  # a mask's score: the sum of its computed steps' weights
+    scored = []
+
+    def score(mask):
+        scored.append(mask)
+        return float(sum(w for w, f in zip(weights, mask) if f))
+
+    def mask(*steps):
+        return tuple(1 if i in steps else 0 for i in range(8))
+
+    # what a beam search left: 5 steps meet 14 dB, the best 4-step mask found (11) does not, nor 3 or 2 steps
+    beam = {mask(0, 2, 4, 5, 6): 20.0, mask(0, 2, 3, 6): 11.0, mask(0, 1, 2, 5): 9.0, mask(0, 1, 6): 5.0}
+    beam[mask(0, 4)] = 8.0
+    found = climb_below_target(beam, score, target=14.0, budget=100)
+    assert [m for m, _ in found] == scored and len(set(scored)) == len(scored) and not set(scored) & set(beam)
+    counts = [sum(m) for m, _ in found]
+    assert counts == sorted(counts, reverse=True) and set(counts) == {4, 3}  # below 5, from the top; never 2
+    # 4 steps: [0, 2, 3, 6] (11) moves step 2 by +2 to [0, 3, 4, 6] (14: meets it), the scan going on to
+    # [0, 4, 5, 6] (15), a local best
+    assert [computed_steps(m) for m, _ in found[:3]] == [[0, 1, 3, 6], [0, 3, 4, 6], [0, 4, 5, 6]]
+    assert max(v for m, v in found if sum(m) == 4) == 15.0
+    assert max(v for m, v in found if sum(m) == 3) < 14.0  # 3 steps cannot meet it: the climb stops there
+    assert len(climb_below_target(beam, score, target=14.0, budget=3)) == 3
+    # no count meets the target: the costliest count is climbed, and nothing below it
+    assert {sum(m) for m, _ in climb_below_target(beam, score, target=100.0, budget=100)} == {5}
+    assert climb_below_target({}, score, target=14.0, budget=100) == []
+
+
+def test_calibrate_on_a_short_schedule_scores_the_climb_after_the_beam_search(turbo_runner, tmp_path, monkeypatch):
+    import dicache.tuning.search as search_module
+    from dicache.engine.policies import step_mask
+    from dicache.tuning import PipelineRunner, calibrate
+    from dicache.tuning.predictor import PredictorSearch, parse_mask
+
+    runner = PipelineRunner(turbo_runner.pipe, 5, 1.0, "turbo", 32, 32)
+    samples = [("dog face", 3), ("red apple", 5)]
+    climbed = parse_mask("0,3", 5)  # a mask the beam search (stopping after its first round) never scores
+    seen = {}
+
+    def climb(known, score, *, target, budget):
+        seen.update(known=dict(known), target=target, budget=budget)
+        return [(climbed, score(climbed))]
+
+    monkeypatch.setattr(search_module, "climb_below_target", climb)
+    search = PredictorSearch(runner, samples, 1, tmp_path / "p", climb=7)
+    result = calibrate(runner, samples, [], target_psnr=99.0, criterion="mean", progress=False, predictor=search)
+    masks = [tuple(step_mask(c.config, 5)) for c in result.candidates]
+    assert set(seen["known"]) == set(masks[:-1]) and seen["target"] == 99.0 and seen["budget"] == 7
+    assert masks[-1] == climbed and len(set(masks)) == len(masks) == search.fits  # scored like every fitted mask
+    files = {i: Path(c.fitted_predictor).name for i, c in result.candidates[-1].sample_configs.items()}
+    assert files == {i: f"mask-10010-without-{i}.safetensors" for i in (0, 1)}
+
+
 def test_calibrate_on_a_long_schedule_fits_the_curved_masks_then_climbs(turbo_runner, tmp_path):
     from dicache.engine.policies import step_mask
     from dicache.tuning import PipelineRunner, calibrate
@@ -501,7 +558,7 @@ def test_fit_masks_replace_the_curved_masks_and_bad_ones_name_the_flag(turbo_run
     # a short schedule: the given masks first (the beam search may not reach them), then the search, each mask once
     runner = PipelineRunner(turbo_runner.pipe, 5, 1.0, "turbo", 32, 32)
     start = parse_mask("0,2", 5)
-    search = PredictorSearch(runner, samples, 1, tmp_path / "p5", starts=[start])
+    search = PredictorSearch(runner, samples, 1, tmp_path / "p5", starts=[start], climb=0)
     result = calibrate(runner, samples, [], target_psnr=99.0, criterion="mean", progress=False, predictor=search)
     masks = [tuple(step_mask(c.config, 5)) for c in result.candidates]
     assert masks[0] == start and len(set(masks)) == len(masks) == search.fits

@@ -118,9 +118,10 @@ class CalibrateOptions(FlagOptions):
         CLIMB_FITS,
         flag="--mask-climb",
         ge=0,
-        help=f"on schedules of more than {MAX_MASK_STEPS} steps, the fitted predictor's masks: after the curved masks "
-        "of --budgets, at most this many more fits hill-climbing from the best of them (one computed step moved by "
-        "±1/±2 at a time; cheapest budget first, until one meets the target); 0: the curved masks only",
+        help="the fitted predictor's masks: at most this many more fits hill-climbing (one computed step moved by "
+        f"±1/±2 at a time); on schedules of more than {MAX_MASK_STEPS} steps from the best curved masks of --budgets "
+        "(cheapest budget first, until one meets the target), on shorter ones from the beam search's best masks "
+        "below the cheapest budget meeting the target; 0: no climb",
     )
     fit_masks: list[str] | None = option(
         None,

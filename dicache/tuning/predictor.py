@@ -3,7 +3,8 @@ calibration prompts with other seeds (`sweep.fitting`) and scored on prompts its
 the profile.
 
 `predictor_overrides(mask, path)` is the candidate; `PredictorSearch` fits and writes them; the masks tried are
-the beam search's on short schedules (`masks.beam_search`, as the whole-step masks) and, on longer ones,
+the beam search's on short schedules (`masks.beam_search`, as the whole-step masks, then `climb_below_target`: a
+hill-climb below the cheapest budget meeting the target) and, on longer ones,
 `long_schedule_masks` (curved masks) and then `climb_masks` (a hill-climb from the best of them, cheapest budget
 first, until one meets the target), each scored on held-out folds like every predictor candidate.
 """
@@ -22,7 +23,8 @@ from .errors import CalibrationError
 from .masks import Mask, hill_climb, mask_bins
 
 CLIMB_FITS = 24
-"""Masks `climb_masks` may score by default (`dicache calibrate --mask-climb`)."""
+"""Masks `climb_masks` (long schedules) or `climb_below_target` (short ones) may score by default (`dicache calibrate
+--mask-climb`)."""
 
 
 def predictor_overrides(mask: Sequence[int], path: str | None = None) -> dict[str, Any]:
@@ -75,8 +77,8 @@ class PredictorSearch:
         quantized one that will be served); `leave_prompt_out`: one fold per prompt (each scored by a fit on all
         the others) instead of two. `starts` (`--fit-masks`): masks scored first, before the beam search on short
         schedules, instead of the curved masks on long ones. On long schedules: `budgets`, the compute fractions
-        whose curved masks are tried (unless `starts` are given); `climb`, the masks the hill-climb from them may
-        score (0: none)."""
+        whose curved masks are tried (unless `starts` are given). `climb`: the masks the hill-climb after them (long
+        schedules) or after the beam search (short ones) may score (0: none)."""
         shortage = prompt_shortage(samples)
         if shortage is not None:
             raise CalibrationError(shortage)
@@ -127,6 +129,38 @@ class PredictorSearch:
     def held_out_paths(self, mask: Mask) -> dict[int, Path]:
         """Per calibration sample index, the predictor of `mask` fitted without its fold's prompts."""
         return {i: self.fit(mask, without=self.fold(i)) for i in range(len(self.samples))}
+
+
+def climb_below_target(
+    scored: Mapping[Mask, float | None],
+    score: Callable[[Mask], float | None],
+    *,
+    target: float,
+    budget: int,
+) -> list[tuple[Mask, float | None]]:
+    """After the beam search of a short schedule (`scored`: mask -> criterion PSNR, None where it could not run),
+    which keeps a few masks per computed-step count and so can pass by a cheaper mask that meets `target` one moved
+    step away: per count, from the one below the cheapest count meeting `target` (the costliest count scored when
+    none does) downwards, a `masks.hill_climb` from that count's best mask; stops at a count whose climb does not
+    meet `target` (a cheaper one would not either) or when `budget` scores are spent. Returns the masks scored here,
+    in order."""
+    known = dict(scored)
+    valid = {m: v for m, v in known.items() if v is not None}
+    if not valid:
+        return []
+    meeting = [sum(m) for m, v in valid.items() if v >= target]
+    top = min(meeting) - 1 if meeting else max(sum(m) for m in valid)
+    found: list[tuple[Mask, float | None]] = []
+    for count in sorted({sum(m) for m in valid if sum(m) <= top}, reverse=True):
+        if len(found) >= budget:
+            break
+        start = max((m for m in valid if sum(m) == count), key=lambda m: (valid[m], m))
+        climbed = hill_climb(start, score, known=known, budget=budget - len(found))
+        known.update(climbed)
+        found += climbed
+        if max([valid[start], *(v for _, v in climbed if v is not None)]) < target:
+            break
+    return found
 
 
 def prompt_shortage(samples: Sequence[tuple[str, int]]) -> str | None:

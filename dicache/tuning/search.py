@@ -17,7 +17,7 @@ from ..sweep.settings import label
 from .candidates import CANDIDATES, check_candidate
 from .errors import CalibrationError
 from .masks import MAX_MASK_STEPS, Mask, beam_search, computed_steps, mask_overrides, max_scored
-from .predictor import PredictorSearch, climb_masks, predictor_overrides
+from .predictor import PredictorSearch, climb_below_target, climb_masks, predictor_overrides
 from .runner import Runner
 
 Criterion = Literal["min", "mean"]
@@ -166,9 +166,9 @@ def calibrate(
     every sample, no early stop); each mask scored becomes a candidate after the listed ones.
     `predictor`: also search masks whose cached steps the fitted output predictor answers (`cached_step_method=
     fitted`), each fitted by `predictor.fit` on its own samples (training prompts, never `samples`' seeds): on short
-    schedules its `starts`, then the beam search; on longer ones `predictor.first_masks` (the curved masks of its
-    budgets, or its `starts`), then `climb_masks`
-    (at most `predictor.climb` more fits); each becomes a candidate.
+    schedules its `starts`, then the beam search, then `climb_below_target`; on longer ones `predictor.first_masks`
+    (the curved masks of its budgets, or its `starts`), then `climb_masks` (either climb at most `predictor.climb`
+    more fits); each becomes a candidate.
 
     `reference`: the runner the uncached references come from (default `runner`): the unquantized model when
     `runner` runs the quantized one that will be served, so that the PSNR counts both errors.
@@ -203,7 +203,7 @@ def calibrate(
     planned_predicted = 0
     if predictor is not None and refusal is None:
         if runner.steps <= MAX_MASK_STEPS:
-            planned_predicted = max_scored(runner.steps) + len(predictor.starts)
+            planned_predicted = max_scored(runner.steps) + len(predictor.starts) + predictor.climb
         else:
             long_masks = predictor.first_masks(runner.steps)
             planned_predicted = len(long_masks) + predictor.climb
@@ -293,7 +293,9 @@ def calibrate(
                 scored = beam_search(
                     runner.steps, lambda m: known[m] if m in known else score_predicted(m), target=target_psnr
                 )
-                bar.total -= n * (planned_predicted - len(known.keys() | {m for m, _ in scored}))
+                known.update(scored)
+                climbed = climb_below_target(known, score_predicted, target=target_psnr, budget=predictor.climb)
+                bar.total -= n * (planned_predicted - len(known.keys() | {m for m, _ in climbed}))
                 bar.refresh()
             else:
                 curved = {mask: score_predicted(mask) for mask in long_masks}
