@@ -462,9 +462,9 @@ def test_long_schedules_climb_from_the_best_curved_mask_cheapest_budget_first():
     assert len(climb_masks(curved, score, target=13.0, budget=4)) == 4
 
 
-def test_short_schedules_climb_below_the_cheapest_count_meeting_the_target():
+def test_short_schedules_search_below_the_cheapest_count_meeting_the_target():
     from dicache.tuning.masks import computed_steps
-    from dicache.tuning.predictor import climb_below_target
+    from dicache.tuning.predictor import masks_of, search_below_target
 
     weights = (0, 1, 5, 2, 8, 3, 4, 0)  # a mask's score: the sum of its computed steps' weights
     scored = []
@@ -476,25 +476,32 @@ def test_short_schedules_climb_below_the_cheapest_count_meeting_the_target():
     def mask(*steps):
         return tuple(1 if i in steps else 0 for i in range(8))
 
+    assert len(masks_of(8, 4)) == 35 and masks_of(4, 2) == [(1, 1, 0, 0), (1, 0, 1, 0), (1, 0, 0, 1)]
     # what a beam search left: 5 steps meet 14 dB, the best 4-step mask found (11) does not, nor 3 or 2 steps
     beam = {mask(0, 2, 4, 5, 6): 20.0, mask(0, 2, 3, 6): 11.0, mask(0, 1, 2, 5): 9.0, mask(0, 1, 6): 5.0}
     beam[mask(0, 4)] = 8.0
-    found = climb_below_target(beam, score, target=14.0, budget=100)
+    found = search_below_target(beam, score, target=14.0, budget=100)
     assert [m for m, _ in found] == scored and len(set(scored)) == len(scored) and not set(scored) & set(beam)
-    counts = [sum(m) for m, _ in found]
-    assert counts == sorted(counts, reverse=True) and set(counts) == {4, 3}  # below 5, from the top; never 2
-    # 4 steps: [0, 2, 3, 6] (11) moves step 2 by +2 to [0, 3, 4, 6] (14: meets it), the scan going on to
-    # [0, 4, 5, 6] (15), a local best
-    assert [computed_steps(m) for m, _ in found[:3]] == [[0, 1, 3, 6], [0, 3, 4, 6], [0, 4, 5, 6]]
-    assert max(v for m, v in found if sum(m) == 4) == 15.0
-    assert max(v for m, v in found if sum(m) == 3) < 14.0  # 3 steps cannot meet it: the climb stops there
-    assert len(climb_below_target(beam, score, target=14.0, budget=3)) == 3
-    # no count meets the target: the costliest count is climbed, and nothing below it
-    assert {sum(m) for m, _ in climb_below_target(beam, score, target=100.0, budget=100)} == {5}
-    assert climb_below_target({}, score, target=14.0, budget=100) == []
+    # every 4-step mask not scored yet (33), nearest [0, 2, 3, 6] first; 17 meets it, so every 3-step one (20);
+    # none of those meets it: never 2 steps
+    assert [sum(m) for m, _ in found] == [4] * 33 + [3] * 20
+    assert all(sum(a != b for a, b in zip(m, mask(0, 2, 3, 6))) == 2 for m, _ in found[:9])
+    assert max(v for m, v in found if sum(m) == 4) == 17.0 and max(v for m, v in found if sum(m) == 3) == 13.0
+    # a count whose unscored masks do not fit in the budget left is climbed: from [0, 2, 3, 6] (11), step 2 moved
+    # by +2 to [0, 3, 4, 6] (14: meets it), the scan going on to [0, 4, 5, 6] (15), a local best
+    scored.clear()
+    climbed = search_below_target(beam, score, target=14.0, budget=10)
+    assert [computed_steps(m) for m, _ in climbed[:3]] == [[0, 1, 3, 6], [0, 3, 4, 6], [0, 4, 5, 6]]
+    assert len(climbed) == 10 and [m for m, _ in climbed] == scored
+    assert [sum(m) for m, _ in search_below_target(beam, score, target=14.0, budget=40)][:34] == [4] * 33 + [3]
+    # no count meets the target: the costliest count is searched, and nothing below it
+    assert {sum(m) for m, _ in search_below_target(beam, score, target=100.0, budget=100)} == {5}
+    assert search_below_target({}, score, target=14.0, budget=100) == []
 
 
-def test_calibrate_on_a_short_schedule_scores_the_climb_after_the_beam_search(turbo_runner, tmp_path, monkeypatch):
+def test_calibrate_on_a_short_schedule_scores_the_masks_below_target_after_the_beam_search(
+    turbo_runner, tmp_path, monkeypatch
+):
     import dicache.tuning.search as search_module
     from dicache.engine.policies import step_mask
     from dicache.tuning import PipelineRunner, calibrate
@@ -509,7 +516,7 @@ def test_calibrate_on_a_short_schedule_scores_the_climb_after_the_beam_search(tu
         seen.update(known=dict(known), target=target, budget=budget)
         return [(climbed, score(climbed))]
 
-    monkeypatch.setattr(search_module, "climb_below_target", climb)
+    monkeypatch.setattr(search_module, "search_below_target", climb)
     search = PredictorSearch(runner, samples, 1, tmp_path / "p", climb=7)
     result = calibrate(runner, samples, [], target_psnr=99.0, criterion="mean", progress=False, predictor=search)
     masks = [tuple(step_mask(c.config, 5)) for c in result.candidates]

@@ -118,10 +118,11 @@ class CalibrateOptions(FlagOptions):
         CLIMB_FITS,
         flag="--mask-climb",
         ge=0,
-        help="the fitted predictor's masks: at most this many more fits hill-climbing (one computed step moved by "
-        f"±1/±2 at a time); on schedules of more than {MAX_MASK_STEPS} steps from the best curved masks of --budgets "
-        "(cheapest budget first, until one meets the target), on shorter ones from the beam search's best masks "
-        "below the cheapest budget meeting the target; 0: no climb",
+        help="the fitted predictor's masks: at most this many more fits after the first ones. On schedules of more "
+        f"than {MAX_MASK_STEPS} steps a hill-climb (one computed step moved by ±1/±2 at a time) from the best curved "
+        "masks of --budgets, cheapest budget first, until one meets the target; on shorter ones, after the beam "
+        "search, the size below the cheapest one meeting the target: each of its masks not scored yet when they "
+        "fit, else the same climb; 0: none",
     )
     fit_masks: list[str] | None = option(
         None,

@@ -3,14 +3,15 @@ calibration prompts with other seeds (`sweep.fitting`) and scored on prompts its
 the profile.
 
 `predictor_overrides(mask, path)` is the candidate; `PredictorSearch` fits and writes them; the masks tried are
-the beam search's on short schedules (`masks.beam_search`, as the whole-step masks, then `climb_below_target`: a
-hill-climb below the cheapest budget meeting the target) and, on longer ones,
+the beam search's on short schedules (`masks.beam_search`, as the whole-step masks, then `search_below_target`:
+the sizes below the cheapest one meeting the target, whole when affordable) and, on longer ones,
 `long_schedule_masks` (curved masks) and then `climb_masks` (a hill-climb from the best of them, cheapest budget
 first, until one meets the target), each scored on held-out folds like every predictor candidate.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from .errors import CalibrationError
 from .masks import Mask, hill_climb, mask_bins
 
 CLIMB_FITS = 24
-"""Masks `climb_masks` (long schedules) or `climb_below_target` (short ones) may score by default (`dicache calibrate
+"""Masks `climb_masks` (long schedules) or `search_below_target` (short ones) may score by default (`dicache calibrate
 --mask-climb`)."""
 
 
@@ -131,7 +132,7 @@ class PredictorSearch:
         return {i: self.fit(mask, without=self.fold(i)) for i in range(len(self.samples))}
 
 
-def climb_below_target(
+def search_below_target(
     scored: Mapping[Mask, float | None],
     score: Callable[[Mask], float | None],
     *,
@@ -139,28 +140,43 @@ def climb_below_target(
     budget: int,
 ) -> list[tuple[Mask, float | None]]:
     """After the beam search of a short schedule (`scored`: mask -> criterion PSNR, None where it could not run),
-    which keeps a few masks per computed-step count and so can pass by a cheaper mask that meets `target` one moved
-    step away: per count, from the one below the cheapest count meeting `target` (the costliest count scored when
-    none does) downwards, a `masks.hill_climb` from that count's best mask; stops at a count whose climb does not
-    meet `target` (a cheaper one would not either) or when `budget` scores are spent. Returns the masks scored here,
-    in order."""
+    which keeps a few masks per computed-step count and so can pass by a cheaper mask meeting `target`: per count,
+    from the one below the cheapest count meeting `target` (the costliest count scored when none does) downwards,
+    every mask of that count not scored yet when they fit in what is left of `budget` (nearest to the count's best
+    mask first), else a `masks.hill_climb` from that best mask. Stops at a count that does not meet `target` (a
+    cheaper one would not either) or when `budget` scores are spent. Returns the masks scored here, in order."""
     known = dict(scored)
     valid = {m: v for m, v in known.items() if v is not None}
     if not valid:
         return []
+    num_steps = len(next(iter(valid)))
     meeting = [sum(m) for m, v in valid.items() if v >= target]
     top = min(meeting) - 1 if meeting else max(sum(m) for m in valid)
     found: list[tuple[Mask, float | None]] = []
     for count in sorted({sum(m) for m in valid if sum(m) <= top}, reverse=True):
-        if len(found) >= budget:
+        left = budget - len(found)
+        if left < 1:
             break
         start = max((m for m in valid if sum(m) == count), key=lambda m: (valid[m], m))
-        climbed = hill_climb(start, score, known=known, budget=budget - len(found))
-        known.update(climbed)
-        found += climbed
-        if max([valid[start], *(v for _, v in climbed if v is not None)]) < target:
+        unscored = [m for m in masks_of(num_steps, count) if m not in known]
+        if len(unscored) <= left:
+            unscored.sort(key=lambda m: (sum(a != b for a, b in zip(m, start)), m))
+            searched = [(m, score(m)) for m in unscored]
+        else:
+            searched = hill_climb(start, score, known=known, budget=left)
+        known.update(searched)
+        found += searched
+        if max([valid[start], *(v for _, v in searched if v is not None)]) < target:
             break
     return found
+
+
+def masks_of(num_steps: int, count: int) -> list[Mask]:
+    """Every mask of `num_steps` steps computing `count` of them, step 0 among them."""
+    return [
+        tuple(1 if i == 0 or i in rest else 0 for i in range(num_steps))
+        for rest in itertools.combinations(range(1, num_steps), count - 1)
+    ]
 
 
 def prompt_shortage(samples: Sequence[tuple[str, int]]) -> str | None:

@@ -17,7 +17,7 @@ from ..sweep.settings import label
 from .candidates import CANDIDATES, check_candidate
 from .errors import CalibrationError
 from .masks import MAX_MASK_STEPS, Mask, beam_search, computed_steps, mask_overrides, max_scored
-from .predictor import PredictorSearch, climb_below_target, climb_masks, predictor_overrides
+from .predictor import PredictorSearch, climb_masks, predictor_overrides, search_below_target
 from .runner import Runner
 
 Criterion = Literal["min", "mean"]
@@ -166,7 +166,7 @@ def calibrate(
     every sample, no early stop); each mask scored becomes a candidate after the listed ones.
     `predictor`: also search masks whose cached steps the fitted output predictor answers (`cached_step_method=
     fitted`), each fitted by `predictor.fit` on its own samples (training prompts, never `samples`' seeds): on short
-    schedules its `starts`, then the beam search, then `climb_below_target`; on longer ones `predictor.first_masks`
+    schedules its `starts`, then the beam search, then `search_below_target`; on longer ones `predictor.first_masks`
     (the curved masks of its budgets, or its `starts`), then `climb_masks` (either climb at most `predictor.climb`
     more fits); each becomes a candidate.
 
@@ -294,8 +294,8 @@ def calibrate(
                     runner.steps, lambda m: known[m] if m in known else score_predicted(m), target=target_psnr
                 )
                 known.update(scored)
-                climbed = climb_below_target(known, score_predicted, target=target_psnr, budget=predictor.climb)
-                bar.total -= n * (planned_predicted - len(known.keys() | {m for m, _ in climbed}))
+                below = search_below_target(known, score_predicted, target=target_psnr, budget=predictor.climb)
+                bar.total -= n * (planned_predicted - len(known.keys() | {m for m, _ in below}))
                 bar.refresh()
             else:
                 curved = {mask: score_predicted(mask) for mask in long_masks}
