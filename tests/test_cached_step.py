@@ -5,6 +5,7 @@ Krea-2 pipeline."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -433,16 +434,26 @@ def test_the_predictor_search_refuses_one_prompt_naming_why():
         PredictorSearch(None, [("dog face", 3)], 2, "unused")
 
 
+WEIGHTS = (0, 1, 5, 2, 8, 3, 4, 0)
+
+
+def weighted_score(scored: list) -> Callable:
+    """A mask search's score on numbers: the sum of the computed steps' weights `WEIGHTS`; each mask scored is
+    appended to `scored`."""
+
+    def score(mask):
+        scored.append(mask)
+        return float(sum(w for w, f in zip(WEIGHTS, mask) if f))
+
+    return score
+
+
 def test_long_schedules_climb_from_the_best_curved_mask_cheapest_budget_first():
     from dicache.tuning.masks import computed_steps
     from dicache.tuning.predictor import climb_masks
 
-    weights = (0, 1, 5, 2, 8, 3, 4, 0)  # a mask's score: the sum of its computed steps' weights
     scored = []
-
-    def score(mask):
-        scored.append(mask)
-        return float(sum(w for w, f in zip(weights, mask) if f))
+    score = weighted_score(scored)
 
     three, four = (1, 1, 0, 0, 0, 0, 1, 0), (1, 1, 1, 0, 0, 1, 0, 0)
     noisy = (1, 0, 1, 0, 0, 0, 1, 0)  # scored 4 with the curved masks (9 if scored again): its score is kept
@@ -466,12 +477,8 @@ def test_short_schedules_search_below_the_cheapest_count_meeting_the_target():
     from dicache.tuning.masks import computed_steps
     from dicache.tuning.predictor import masks_of, search_below_target
 
-    weights = (0, 1, 5, 2, 8, 3, 4, 0)  # a mask's score: the sum of its computed steps' weights
     scored = []
-
-    def score(mask):
-        scored.append(mask)
-        return float(sum(w for w, f in zip(weights, mask) if f))
+    score = weighted_score(scored)
 
     def mask(*steps):
         return tuple(1 if i in steps else 0 for i in range(8))
