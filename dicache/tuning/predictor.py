@@ -78,8 +78,8 @@ class PredictorSearch:
         quantized one that will be served); `leave_prompt_out`: one fold per prompt (each scored by a fit on all
         the others) instead of two. `starts` (`--fit-masks`): masks scored first, before the beam search on short
         schedules, instead of the curved masks on long ones. On long schedules: `budgets`, the compute fractions
-        whose curved masks are tried (unless `starts` are given). `climb`: the masks the hill-climb after them (long
-        schedules) or after the beam search (short ones) may score (0: none)."""
+        whose curved masks are tried (unless `starts` are given). `climb`: the most masks scored after them (long
+        schedules: `climb_masks`) or after the beam search (short ones: `search_below_target`); 0: none."""
         shortage = prompt_shortage(samples)
         if shortage is not None:
             raise CalibrationError(shortage)
