@@ -474,8 +474,8 @@ def test_long_schedules_climb_from_the_best_curved_mask_cheapest_budget_first():
 
 
 def test_short_schedules_search_below_the_cheapest_count_meeting_the_target():
-    from dicache.tuning.masks import computed_steps
-    from dicache.tuning.predictor import masks_of, search_below_target
+    from dicache.tuning.masks import computed_steps, masks_of
+    from dicache.tuning.predictor import search_below_target
 
     scored = []
     score = weighted_score(scored)

@@ -15,6 +15,7 @@ Pure: the scoring (generating the samples) is the caller's.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -66,6 +67,14 @@ def mask_overrides(mask: Sequence[int]) -> dict[str, Any]:
 def computed_steps(mask: Sequence[int]) -> list[int]:
     """The indices a mask computes."""
     return [i for i, flag in enumerate(mask) if flag]
+
+
+def masks_of(num_steps: int, count: int) -> list[Mask]:
+    """Every mask of `num_steps` steps computing `count` of them, step 0 among them."""
+    return [
+        tuple(1 if i == 0 or i in rest else 0 for i in range(num_steps))
+        for rest in itertools.combinations(range(1, num_steps), count - 1)
+    ]
 
 
 def fewer(mask: Mask) -> list[Mask]:

@@ -11,7 +11,6 @@ first, until one meets the target), each scored on held-out folds like every pre
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from ..engine.policies import curved_mask
 from ..sweep.fitting import BatchRun, Trajectory, fit_predictor, fit_samples
 from ..sweep.settings import RECOMMENDED_BUDGETS
 from .errors import CalibrationError
-from .masks import Mask, hill_climb, mask_bins
+from .masks import Mask, hill_climb, mask_bins, masks_of
 
 CLIMB_FITS = 24
 """Masks `climb_masks` (long schedules) or `search_below_target` (short ones) may score by default (`dicache calibrate
@@ -169,14 +168,6 @@ def search_below_target(
         if max([valid[start], *(v for _, v in searched if v is not None)]) < target:
             break
     return found
-
-
-def masks_of(num_steps: int, count: int) -> list[Mask]:
-    """Every mask of `num_steps` steps computing `count` of them, step 0 among them."""
-    return [
-        tuple(1 if i == 0 or i in rest else 0 for i in range(num_steps))
-        for rest in itertools.combinations(range(1, num_steps), count - 1)
-    ]
 
 
 def prompt_shortage(samples: Sequence[tuple[str, int]]) -> str | None:
