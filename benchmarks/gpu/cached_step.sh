@@ -46,7 +46,8 @@
 # each; ~22 min of commands, ~26 min in all):
 #   1) `bash benchmarks/gpu/cached_step.sh wheels fidelity tests`                                     (~6 min)
 #   2) `CALIBRATED=.calibrated/turbo-fp8.json bash benchmarks/gpu/cached_step.sh wheels serve`, carry
-#      [".whl", ".calibrated"]: first copy call 1's $OUT/calibrated/ (the profile and its predictor folder) to
+#      [".whl", ".calibrated"] (or CALIBRATED=benchmarks/results/profiles/turbo-fp8.json: the H100 call 1 of
+#      2026-12-05, committed): first copy call 1's $OUT/calibrated/ (the profile and its predictor folder) to
 #      .calibrated/ in the checkout (`echo /.calibrated/ >> .git/info/exclude`); without it the stand-ins still run
 #                                                                                                      (~8 min)
 #   3) `bash benchmarks/gpu/cached_step.sh wheels speed`                                              (~8 min)
