@@ -226,9 +226,16 @@ def test_another_installation_has_its_own_listing(monkeypatch, tmp_path):
         and here.name.startswith(startup_files.PREFIX)
         and here == startup_files.listing_path(tmp_path)
     )
-    versions = {"torch": "9.9.9", "dicache": None}
-    monkeypatch.setattr(startup_files, "installed_version", versions.get)  # a new image: another torch
-    assert startup_files.listing_path(tmp_path) != here
+    packages = tmp_path / "site"  # a new image: one more package, then another version of it
+    (packages / "newpackage-1.0.dist-info").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(packages))
+    with_one_more = startup_files.listing_path(tmp_path)
+    (packages / "newpackage-1.0.dist-info").rename(packages / "newpackage-1.1.dist-info")
+    assert len({here, with_one_more, startup_files.listing_path(tmp_path)}) == 3
+    assert "newpackage-1.1.dist-info" in startup_files.installed_distributions()
+    assert startup_files.installed_distributions([str(packages), str(tmp_path / "gone")]) == [
+        "newpackage-1.1.dist-info"
+    ]
 
 
 def test_libraries_are_listed_once_each_in_the_order_they_were_mapped(tmp_path):

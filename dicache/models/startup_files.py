@@ -5,7 +5,8 @@ of compiled modules; on a node whose page cache is cold (a rescheduled pod) each
 disk, a few pages at a time. A server started with `--compile` and a compile-artifact store writes, once its warm-up
 is done, the list of what it used (`record`): every shared library mapped into the process (torch's, CUDA's,
 cuDNN's, Triton's, the extension modules') and every module's compiled file, in `STORE/startup-files-<digest>.json`,
-the digest naming this installation (Python, torch and dicache versions). The next start's prefetch
+the digest naming this installation (the interpreter and every installed distribution with its version). The next
+start's prefetch
 (`dicache.models.prefetch`) hands those files to the kernel's read-ahead before it reads the weights, while the
 process is still importing.
 
@@ -25,23 +26,38 @@ import pathlib
 import re
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
-
-from .store_layout import installed_version
 
 log = logging.getLogger("dicache.models.startup_files")
 
 PREFIX = "startup-files-"
 _SHARED_LIBRARY = re.compile(r"\.so(\.[0-9.]+)?$")
+_METADATA = (".dist-info", ".egg-info")
 
 
 def listing_path(store: str | os.PathLike) -> pathlib.Path:
     """Where `store` keeps the listing of this installation's start-up files: `startup-files-<digest>.json`, the
-    digest (16 hex digits of a SHA-256) naming the interpreter (executable, version, prefix) and the installed torch
-    and dicache versions, so that another image or virtual environment has its own."""
-    installation = [sys.executable, sys.version, sys.prefix, installed_version("torch"), installed_version("dicache")]
+    digest (16 hex digits of a SHA-256) naming the interpreter (executable, version, prefix) and every installed
+    distribution with its version (`installed_distributions`), so that another image or virtual environment, or an
+    image that changed any package, has its own."""
+    installation = [sys.executable, sys.version, sys.prefix, installed_distributions()]
     digest = hashlib.sha256(json.dumps(installation).encode()).hexdigest()[:16]
     return pathlib.Path(store) / f"{PREFIX}{digest}.json"
+
+
+def installed_distributions(path: Sequence[str] | None = None) -> list[str]:
+    """The distributions installed in the folders of `path` (default `sys.path`) as their metadata folders name
+    them (`name-version.dist-info`, `.egg-info`), each folder's sorted, in `path`'s order: a listing of a few folders,
+    no metadata read, so that the prefetch can key the listing before torch is imported."""
+    found: list[str] = []
+    for folder in sys.path if path is None else path:
+        try:
+            names = os.listdir(folder or ".")
+        except OSError:  # a zip file, a folder gone
+            continue
+        found += sorted(name for name in names if name.endswith(_METADATA))
+    return found
 
 
 def mapped_libraries(maps: str | os.PathLike = "/proc/self/maps") -> list[str]:
