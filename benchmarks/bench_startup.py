@@ -55,6 +55,7 @@ from bench_serving import (  # noqa: E402
     one_request,
     request_body,
     stop_server,
+    wait_healthy,
     wait_steady,
     write_model_folder,
 )
@@ -243,23 +244,6 @@ def fresh_env(root: pathlib.Path) -> dict[str, str]:
     return env
 
 
-def wait_healthy(url: str, proc, timeout_s: float) -> float | None:
-    """Seconds until /health answers 200 (None: the process ended or the time ran out)."""
-    import httpx
-
-    start = time.perf_counter()
-    while time.perf_counter() - start < timeout_s:
-        if proc.poll() is not None:
-            return None
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.perf_counter() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    return None
-
-
 def serve_run(
     args, name: str, checkpoint: pathlib.Path, store: pathlib.Path, work: pathlib.Path, budget: float
 ) -> dict:
@@ -286,10 +270,11 @@ def serve_run(
         proc.log = log
         url = f"http://127.0.0.1:{port}"
         try:
-            healthy = wait_healthy(url, proc, budget)
-            row["healthy_s"] = None if healthy is None else round(healthy, 1)
-            if healthy is None:
-                row["error"] = f"not healthy within {budget:.0f} s (exit {proc.poll()}); see {log_path.name}"
+            try:
+                row["healthy_s"] = round(wait_healthy(url, proc, budget), 1)
+            except RuntimeError as exc:
+                row["healthy_s"] = None
+                row["error"] = f"{exc} (exit {proc.poll()}); see {log_path.name}"
                 return row
             info = httpx.get(f"{url}/v1/server_info", timeout=30).json()
             startup = info.get("startup") or {}
