@@ -5,6 +5,7 @@ Servers listen on 127.0.0.1 only; every loop is bounded and every server stops b
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -402,6 +403,22 @@ def test_background_tasks_run_for_the_app_lifetime(backend):
         assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
         assert seen == ["started, queue running: True, draining: False"]
     assert seen[1:] == ["cancelled"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process start time is read from /proc")
+def test_the_process_start_is_timed_to_a_clock_tick_not_to_the_boot_times_second():
+    """The start-up phases count from the process's start (`process_start_time`): a child process's is after the
+    moment it was launched (less a clock tick) and before its first line ran. Adding its clock ticks to the whole
+    second of `/proc/stat`'s boot time put it up to a second before the launch."""
+    child = (
+        "import time; first = time.time()\n"
+        "import json; from dicache.server.startup import process_start_time\n"
+        "print(json.dumps([process_start_time(), first]))"
+    )
+    for _ in range(3):
+        launched = time.time()
+        start, first = json.loads(subprocess.run([sys.executable, "-c", child], capture_output=True, check=True).stdout)
+        assert launched - 0.02 <= start <= first + 0.01
 
 
 def test_cli_reports_its_start_up_phases_imports_and_what_it_read_while_importing(tmp_path):
