@@ -7,18 +7,8 @@
 #   bash benchmarks/gpu/fast_path.sh STEP [STEP ...]
 #   # STEP: wheels | check | host | textenc | fp8 | int8 | joins | attention | speed | speedint8 | length | serve | serveint8 | workers | fresh | alloc | all
 #
-# The machine has torch 2.11 but not torchao, fastapi, uvicorn, pydantic(-settings): carry them as wheels in .whl
-# (made here, on any x86-64 or Arm machine with pip; about 6.4 MB, within the 64 MiB a call carries):
-#
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
-#     torchao==0.18.0 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 pydantic==2.14.4 pydantic-core==2.50.5 \
-#     pydantic-settings==2.16.3 annotated-types==0.8.0 typing-inspection==0.4.5 python-dotenv==1.2.4
-#
-# (fastapi 0.165 also needs opentelemetry-api, which needs importlib-metadata and lazy-importer; typing-extensions
-# 4.16 for pydantic-core: add `opentelemetry-api==1.45.2 importlib-metadata==10.2.0 lazy-importer typing-extensions==4.16.0`)
+# The machine has torch 2.11 but not torchao, fastapi, uvicorn, pydantic(-settings): carry them as wheels in .whl,
+# made here by `bash benchmarks/gpu/wheels.sh` (once per checkout; about 6.6 MB, within the 64 MiB a call carries),
 # and run the steps in few calls with carry [".whl"]. Steps and what each measures (the targets were issue 27's):
 #   check    the GPU tests: FP8 and INT8 linears, the server's phases on CUDA streams of their own giving the bytes of
 #            the pipeline call, alone and with requests in flight, prompt lengths prepared on the denoise thread, the

@@ -8,8 +8,8 @@
 #
 #   bash benchmarks/gpu/faults_and_soak.sh
 #
-# Needs the serve extra (fastapi, uvicorn, pydantic, prometheus_client, httpx), carried as wheels as for
-# gpu_issue27.sh.
+# Needs the serve extra (fastapi, uvicorn, pydantic; prometheus_client and httpx are on the machine), carried as
+# wheels: `bash benchmarks/gpu/wheels.sh` once per checkout, carry [".whl"].
 set -u
 OUT=${OUT:-$PWD/out-issue45}
 mkdir -p "$OUT"

@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu/startup.sh STEP [STEP ...]
 #   # STEP: wheels | serve | tests | generate | artifact
 #
-# Wheels: those of benchmarks/gpu/fast_path.sh's header (torchao, fastapi, uvicorn, pydantic...) plus nvidia-ml-py
-# (the GPU health metrics; pure Python): add `nvidia-ml-py==13.615.71` to its `pip download` line, carry [".whl"].
+# Wheels (carry [".whl"]): `bash benchmarks/gpu/wheels.sh` once per checkout makes them (torchao, the serve extra,
+# nvidia-ml-py for the GPU health metrics).
 #
 #   serve     bench_startup.py --runs cold artifact artifact-before: a full-size random checkpoint written to local
 #             disk (about 34 GB, ~1 min), the disk's read rate with the page cache dropped, then fresh `dicache serve`
