@@ -236,6 +236,8 @@ def test_another_installation_has_its_own_listing(monkeypatch, tmp_path):
     assert startup_files.installed_distributions([str(packages), str(tmp_path / "gone")]) == [
         "newpackage-1.1.dist-info"
     ]
+    monkeypatch.chdir(packages)  # `python -m` in a folder with metadata in it: the same key as anywhere else
+    assert startup_files.installed_distributions(["", str(packages)]) == []
 
 
 def test_libraries_are_listed_once_each_in_the_order_they_were_mapped(tmp_path):

@@ -49,11 +49,17 @@ def listing_path(store: str | os.PathLike) -> pathlib.Path:
 def installed_distributions(path: Sequence[str] | None = None) -> list[str]:
     """The distributions installed in the folders of `path` (default `sys.path`) as their metadata folders name
     them (`name-version.dist-info`, `.egg-info`), each folder's sorted, in `path`'s order: a listing of a few folders,
-    no metadata read, so that the prefetch can key the listing before torch is imported."""
+    no metadata read, so that the prefetch can key the listing before torch is imported. The working directory is
+    left out (`python -m` puts it on `sys.path`; a source checkout's own `.egg-info` would make the key depend on
+    where the command ran)."""
+    here = os.path.realpath(os.getcwd())
     found: list[str] = []
     for folder in sys.path if path is None else path:
+        folder = os.path.realpath(folder or ".")
+        if folder == here:
+            continue
         try:
-            names = os.listdir(folder or ".")
+            names = os.listdir(folder)
         except OSError:  # a zip file, a folder gone
             continue
         found += sorted(name for name in names if name.endswith(_METADATA))
