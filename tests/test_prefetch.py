@@ -6,6 +6,7 @@ line's entry starting it before the commands' parser exists."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -228,16 +229,29 @@ def test_another_installation_has_its_own_listing(monkeypatch, tmp_path):
     )
     packages = tmp_path / "site"  # a new image: one more package, then another version of it
     (packages / "newpackage-1.0.dist-info").mkdir(parents=True)
-    monkeypatch.syspath_prepend(str(packages))
+    folders = startup_files.installation_folders()
+    monkeypatch.setattr(startup_files, "installation_folders", lambda: [*folders, str(packages)])
     with_one_more = startup_files.listing_path(tmp_path)
     (packages / "newpackage-1.0.dist-info").rename(packages / "newpackage-1.1.dist-info")
     assert len({here, with_one_more, startup_files.listing_path(tmp_path)}) == 3
-    assert "newpackage-1.1.dist-info" in startup_files.installed_distributions()
+    assert startup_files.installed_distributions()[-1] == "newpackage-1.1.dist-info"
     assert startup_files.installed_distributions([str(packages), str(tmp_path / "gone")]) == [
         "newpackage-1.1.dist-info"
     ]
-    monkeypatch.chdir(packages)  # `python -m` in a folder with metadata in it: the same key as anywhere else
-    assert startup_files.installed_distributions(["", str(packages)]) == []
+
+
+def test_every_process_of_one_installation_has_the_same_listing(tmp_path):
+    """The key does not follow a process's `sys.path` or working directory: a child with another folder of package
+    metadata on its path, run from a folder holding more (a source checkout's `.egg-info`), finds this (test runner)
+    process's listing."""
+    (tmp_path / "checkout.egg-info").mkdir()
+    (tmp_path / "extra" / "extra-1.0.dist-info").mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "extra"), os.environ.get("PYTHONPATH", "")])}
+    code = "from dicache.models import startup_files; print(startup_files.listing_path('store'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, check=True
+    )
+    assert out.stdout.strip() == str(startup_files.listing_path("store"))
 
 
 def test_libraries_are_listed_once_each_in_the_order_they_were_mapped(tmp_path):

@@ -25,6 +25,7 @@ import os
 import pathlib
 import re
 import sys
+import sysconfig
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -46,21 +47,23 @@ def listing_path(store: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(store) / f"{PREFIX}{digest}.json"
 
 
-def installed_distributions(path: Sequence[str] | None = None) -> list[str]:
-    """The distributions installed in the folders of `path` (default `sys.path`) as their metadata folders name
-    them (`name-version.dist-info`, `.egg-info`), each folder's sorted, in `path`'s order: a listing of a few folders,
-    no metadata read, so that the prefetch can key the listing before torch is imported. The working directory is
-    left out (`python -m` puts it on `sys.path`; a source checkout's own `.egg-info` would make the key depend on
-    where the command ran)."""
-    here = os.path.realpath(os.getcwd())
+def installation_folders() -> list[str]:
+    """The interpreter's own package folders (`sysconfig`'s purelib and platlib: the image's or the virtual
+    environment's site-packages), the same in every process of one installation whatever its `sys.path` or working
+    directory (a test runner's, a Ray worker's, `python -m` in a source checkout)."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys(paths[name] for name in ("purelib", "platlib")))
+
+
+def installed_distributions(folders: Sequence[str] | None = None) -> list[str]:
+    """The distributions installed in `folders` (default `installation_folders()`) as their metadata folders name
+    them (`name-version.dist-info`, `.egg-info`), each folder's sorted: a listing of a folder or two, no metadata
+    read, so that the prefetch can key the listing before torch is imported."""
     found: list[str] = []
-    for folder in sys.path if path is None else path:
-        folder = os.path.realpath(folder or ".")
-        if folder == here:
-            continue
+    for folder in installation_folders() if folders is None else folders:
         try:
             names = os.listdir(folder)
-        except OSError:  # a zip file, a folder gone
+        except OSError:  # a folder gone
             continue
         found += sorted(name for name in names if name.endswith(_METADATA))
     return found
