@@ -6,9 +6,8 @@ disk, a few pages at a time. A server started with `--compile` and a compile-art
 is done, the list of what it used (`record`): every shared library mapped into the process (torch's, CUDA's,
 cuDNN's, Triton's, the extension modules') and every module's compiled file, in `STORE/startup-files-<digest>.json`,
 the digest naming this installation (the interpreter and every installed distribution with its version). The next
-start's prefetch
-(`dicache.models.prefetch`) hands those files to the kernel's read-ahead before it reads the weights, while the
-process is still importing.
+start's prefetch (`dicache.models.prefetch`) hands those files to the kernel's read-ahead before it reads the
+weights, while the process is still importing.
 
 A listing is written once (an existing one is kept; a read-only store is one log line); a listed file that no
 longer exists is skipped (`listed_files`). Nothing here imports torch: the prefetch reads the listing before torch is

@@ -28,14 +28,15 @@ from .gpu_health import GpuHealth
 GB = 1e9
 
 
-def process_start_time(stat: str = "/proc/self/stat") -> float | None:
+def process_start_time() -> float | None:
     """This process's start as Unix time, to a clock tick (10 ms), None where unknown (not Linux).
 
-    `stat`'s start time counts clock ticks since boot; the time since boot now is `CLOCK_BOOTTIME` (nanoseconds), so
-    the start is that long before now. (The boot time in `/proc/stat` is whole seconds: adding the ticks to it put
-    the start up to a second early, and every phase measured from it, `imports` first, that much longer.)"""
+    `/proc/self/stat`'s start time counts clock ticks since boot; the time since boot now is `CLOCK_BOOTTIME`
+    (nanoseconds), so the start is that long before now. (The boot time in `/proc/stat` is whole seconds: adding the
+    ticks to it put the start up to a second early, and every phase measured from it, `imports` first, that much
+    longer.)"""
     try:
-        with open(stat) as fh:
+        with open("/proc/self/stat") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
         ticks = int(fields[19])  # starttime, the 22nd field: clock ticks after boot
         since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
