@@ -9,8 +9,9 @@
 #   # STEP: wheels | tests | speed | fidelity | serve
 #   CPU=1 bash benchmarks/gpu/cached_step.sh tests speed fidelity serve   # the logic check on a CPU (minutes)
 #
-# Wheels (carry [".whl"]): `bash benchmarks/gpu/wheels.sh` once per checkout makes them. Every step needs pydantic and pydantic-settings (dicache's settings); FP8 needs torchao (speed, fidelity, serve);
-# the sweep pytorch-msssim (fidelity); the server fastapi, starlette, uvicorn and their dependencies (serve).
+# Wheels (carry [".whl"]): `bash benchmarks/gpu/wheels.sh` once per checkout makes them. Every step needs pydantic
+# and pydantic-settings (dicache's settings); FP8 needs torchao (speed, fidelity, serve); the sweep pytorch-msssim
+# (fidelity); the server fastapi, starlette, uvicorn and their dependencies (serve).
 #
 #   tests     pytest -m gpu tests/test_cached_step_gpu.py: every cached-step method (forecast, tokens 0.1 / 0.2,
 #             fitted) under torch.compile on the embedded Turbo student compiles nothing after its warm-up, and

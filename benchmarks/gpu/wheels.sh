@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The wheels a device call carries (`carry: [".whl"]`): the packages the GPU machine lacks (its Python 3.12 and torch
 # 2.11 are there; torchao, the serve extra and a few pure-Python helpers are not), downloaded here for x86-64 into
-# .whl (about 9 MB; a call carries at most 64 MiB with the working tree). Run once per checkout, in the repository:
+# .whl (about 6.6 MB; a call carries at most 64 MiB with the working tree). Run once per checkout, in the repository:
 #
 #   bash benchmarks/gpu/wheels.sh          # then every step script's `wheels` step installs them into /tmp/site
 #
-# One pinned list for every script of benchmarks/gpu/ (fast_path, startup, cached_step, faults_and_soak): torchao (FP8),
-# fastapi, starlette, uvicorn and pydantic(-settings) with their needs (fastapi 0.165 imports opentelemetry-api), pynvml
-# (nvidia-ml-py: the GPU health metrics) and pytorch-msssim (the sweep's SSIM).
+# One pinned list for every script of benchmarks/gpu/ (fast_path, startup, cached_step, faults_and_soak): torchao
+# (FP8), fastapi, starlette, uvicorn and pydantic(-settings) with their needs (fastapi 0.165 imports
+# opentelemetry-api), pynvml (nvidia-ml-py: the GPU health metrics) and pytorch-msssim (the sweep's SSIM).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx "/.whl/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo "/.whl/" >> .git/info/exclude; }
