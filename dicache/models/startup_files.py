@@ -26,7 +26,6 @@ import re
 import sys
 import sysconfig
 import time
-from collections.abc import Sequence
 from typing import Any
 
 log = logging.getLogger("dicache.models.startup_files")
@@ -54,12 +53,12 @@ def installation_folders() -> list[str]:
     return list(dict.fromkeys(paths[name] for name in ("purelib", "platlib")))
 
 
-def installed_distributions(folders: Sequence[str] | None = None) -> list[str]:
-    """The distributions installed in `folders` (default `installation_folders()`) as their metadata folders name
-    them (`name-version.dist-info`, `.egg-info`), each folder's sorted: a listing of a folder or two, no metadata
-    read, so that the prefetch can key the listing before torch is imported."""
+def installed_distributions() -> list[str]:
+    """The distributions installed in `installation_folders()` as their metadata folders name them
+    (`name-version.dist-info`, `.egg-info`), each folder's sorted: a listing of a folder or two, no metadata read, so
+    that the prefetch can key the listing before torch is imported."""
     found: list[str] = []
-    for folder in installation_folders() if folders is None else folders:
+    for folder in installation_folders():
         try:
             names = os.listdir(folder)
         except OSError:  # a folder gone
