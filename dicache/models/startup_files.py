@@ -2,12 +2,12 @@
 
 Importing torch with CUDA, the server and transformers maps hundreds of MB of shared libraries and reads thousands
 of compiled modules; on a node whose page cache is cold (a rescheduled pod) each first touch of a page waits on the
-disk, a few pages at a time. A server started with `--compile` and a compile-artifact store writes, once its warm-up
-is done, the list of what it used (`record`): every shared library mapped into the process (torch's, CUDA's,
-cuDNN's, Triton's, the extension modules') and every module's compiled file, in `STORE/startup-files-<digest>.json`,
-the digest naming this installation (the interpreter and every installed distribution with its version). The next
-start's prefetch (`dicache.models.prefetch`) hands those files to the kernel's read-ahead before it reads the
-weights, while the process is still importing.
+disk, a few pages at a time. A server started with `--compile` and a compile-artifact store writes, once its warm-up is
+done, the list of what it used (`record`): every shared library mapped into the process (torch's, CUDA's, cuDNN's,
+Triton's, the extension modules') and every module's compiled file, in `STORE/startup-files-<digest>.json`, the digest
+naming this installation (the interpreter and every distribution in its site-packages with its version). The next
+start's prefetch (`dicache.models.prefetch`) hands those files to the kernel's read-ahead before it reads the weights,
+while the process is still importing.
 
 A listing is written once (an existing one is kept; a read-only store is one log line); a listed file that no
 longer exists is skipped (`listed_files`). Nothing here imports torch: the prefetch reads the listing before torch is
