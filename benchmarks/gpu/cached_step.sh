@@ -34,12 +34,13 @@
 #             --text-encoder-quantization fp8`, full-size random weights, `--load-format dummy`), Turbo at
 #             concurrency 1 (5 requests) and 20 (20 requests): today's recommended setting, the calibrated profile
 #             ($CALIBRATED when that file exists) and timing stand-ins of the fitted predictor on the masks
-#             $FITTED_MASKS (default "0,1,3,6 0,1,2,4,6"). The predictor is per channel (64 latent channels, as
-#             full-size Krea-2), so the student's fit loads on the full-size model: there the time is what counts,
-#             the quality is the fidelity step's. Target: <= 0.6 s at concurrency 1. A fresh machine's server was
-#             ready after 371 s on 2026-12-04, before issue 41's start-up work (97.5 s with a real checkpoint on
-#             2026-12-05, docs/startup.md); the timed runs start once its prompt lengths, met in the background
-#             after ready, are all met (about 22 s more: bench_serving's `wait_steady`)                (~8 min)
+#             $FITTED_MASKS (default "0,1,3,6 0,1,2,4,6"; empty: none; the committed profile is 0,1,3,6). The
+#             predictor is per channel (64 latent channels, as full-size Krea-2), so the student's fit loads on the
+#             full-size model: there the time is what counts, the quality is the fidelity step's. Target:
+#             <= 0.6 s at concurrency 1. A fresh machine's server was ready after 371 s on 2026-12-04, before issue
+#             41's start-up work (97.5 s with a real checkpoint on 2026-12-05, docs/startup.md); the timed runs
+#             start once its prompt lengths, met in the background after ready, are all met (about 22 s more:
+#             bench_serving's `wait_steady`)                                                             (~8 min)
 #
 # Suggested calls (a machine is given back 30 s after a call, so each call starts a fresh one, a minute or two
 # each; ~22 min of commands, ~26 min in all):
@@ -129,7 +130,7 @@ serve() {
   else
     echo "no calibrated profile at $calibrated (run fidelity first, or set CALIBRATED): the stand-ins run alone"
   fi
-  for mask in ${FITTED_MASKS:-0,1,3,6 0,1,2,4,6}; do masks+=(--fitted-mask "$mask"); done
+  for mask in ${FITTED_MASKS-0,1,3,6 0,1,2,4,6}; do masks+=(--fitted-mask "$mask"); done  # FITTED_MASKS= : none
   if [ -n "$cpu" ]; then
     small=(--tiny --device cpu --servers none --no-compile --requests-c1 1 --requests-c20 0 --start-timeout 300)
   else
