@@ -26,8 +26,9 @@
 #             process without and then with its artifact (wall time of each)                             (~6 min)
 #   artifact  on a machine still warm from `serve` (checkpoint and artifact kept): the artifact runs again (~3 min)
 #
-# Suggested calls: 1) `wheels serve`; 2) `wheels tests generate`; 3) spare: `wheels artifact` on the same machine if
-# call 1 skipped its artifact runs (a fresh machine has no artifact: `wheels serve` again).
+# Suggested calls: 1) `wheels serve` (`RUNS="cold artifact" DEADLINE=330` when device time is short); 2) `wheels tests
+# generate`; 3) spare: `wheels artifact` on the same machine if call 1 skipped its artifact runs (a fresh machine has
+# no artifact: `wheels serve` again).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/startup.sh STEP ... (see the header)" >&2; exit 2; }
