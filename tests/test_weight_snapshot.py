@@ -55,6 +55,15 @@ def _same_weights(a: Krea2Pipeline, b: Krea2Pipeline) -> bool:
     )
 
 
+def _metadata(pipe: Krea2Pipeline) -> dict[str, tuple]:
+    """What torch.compile's caches key a graph's parameters on: each one's type, dtype, shape, strides and whether
+    it requires grad (a snapshot that changed one would miss every graph compiled without it)."""
+    return {
+        name: (type(t).__name__, t.dtype, tuple(t.shape), t.stride(), t.requires_grad)
+        for name, t in pipe.transformer.named_parameters()
+    }
+
+
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
 
@@ -88,6 +97,7 @@ def test_a_saved_snapshot_loads_without_quantising_and_gives_the_same_weights_an
     assert second.load_reads["transformer"]["bytes"] == first.weight_snapshots["transformer_saved"]["bytes"]
     assert second.transformer.quantization == QuantizationSpec("int8")
     assert _same_weights(second, pipe) and _same_weights(first, pipe)
+    assert _metadata(second) == _metadata(pipe) == _metadata(first)
     assert not any(p.is_meta for p in second.transformer.parameters())
     assert torch.equal(_image(second), image) and torch.equal(_image(first), image)
     assert _warnings(caplog) == []

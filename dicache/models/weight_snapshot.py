@@ -123,8 +123,10 @@ def unflatten(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str]) -> 
 
 def assign_state(module: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
     """Put `state` into `module` (built on the meta device, in its quantised structure) as its own tensors: exactly
-    the names and logical shapes of `module_tensors`, else ValueError naming them. A torchao tensor becomes a
-    parameter that needs no gradient, as torchao's `quantize_` leaves it."""
+    the names and logical shapes of `module_tensors`, else ValueError naming them. A parameter keeps the
+    `requires_grad` the module built for it has (a torchao tensor none, as torchao's `quantize_` leaves it; a plain
+    weight the module's default), as loading and quantising the checkpoint gives it: the compile caches key a graph
+    on it, so a snapshot that changed it would miss every graph a process without the snapshot compiled."""
     expected = module_tensors(module)
     missing, unknown = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
     wrong = [k for k in expected.keys() & state.keys() if tuple(expected[k].shape) != tuple(state[k].shape)]
@@ -137,7 +139,8 @@ def assign_state(module: nn.Module, state: Mapping[str, torch.Tensor], source: s
         owner_name, _, name = key.rpartition(".")
         owner = module.get_submodule(owner_name)
         if name in owner._parameters:
-            setattr(owner, name, nn.Parameter(tensor, requires_grad=False))
+            grad = type(tensor) is torch.Tensor and owner._parameters[name].requires_grad
+            setattr(owner, name, nn.Parameter(tensor, requires_grad=grad))
         else:
             owner._buffers[name] = tensor
     still_meta = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
