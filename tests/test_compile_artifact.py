@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from dicache.models.compile_artifact import DIGEST_CHARS, MANIFEST, PAYLOAD, ArtifactKey, load_artifact, save_artifact
-from dicache.models.store_layout import ARTIFACT_ENV, artifact_store
+from dicache.models.store_layout import ARTIFACT_ENV, PREFIX, artifact_store
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KEY = ArtifactKey({"torch": "2.13.0", "gpu": "NVIDIA H200", "shapes": "[1024, 1024]"})
@@ -190,6 +190,18 @@ def test_an_empty_store_is_one_line_at_info(tmp_path, caches, caplog):
     assert load_artifact(tmp_path / "nothing-here", KEY).status == "absent"
     (record,) = _records(caplog)
     assert record.levelno == logging.INFO
+
+
+def test_weight_snapshots_beside_the_artifacts_are_not_other_keys(tmp_path, caches, caplog):
+    """A first start saves its quantised weights before its warm-up: the store then holds a snapshot's folder and
+    manifest but no artifact, which is `absent` at INFO, not a mismatch naming the snapshot's key."""
+    snapshot = tmp_path / "store" / f"{PREFIX}0123456789abcdef"
+    snapshot.mkdir(parents=True)
+    (snapshot / MANIFEST).write_text(json.dumps({"format": 1, "key": {"component": "transformer"}, "shards": {}}))
+    caplog.set_level(logging.INFO, LOGGER)
+    assert load_artifact(tmp_path / "store", KEY).status == "absent"
+    (record,) = _records(caplog)
+    assert record.levelno == logging.INFO and "none here yet" in record.getMessage()
 
 
 # ---------------------------------------------------------------------------------------------- the start-up

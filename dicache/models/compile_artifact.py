@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .store_layout import MANIFEST, installed_version
+from .store_layout import MANIFEST, PREFIX, installed_version
 
 FORMAT = 1
 """The manifest's format version; another version is read as a mismatch."""
@@ -240,12 +240,13 @@ def _read_manifest(path: pathlib.Path) -> dict:
 
 
 def _manifests(store: pathlib.Path) -> list[dict]:
-    """The readable manifests of `store`'s artifacts (none when the store does not exist)."""
+    """The readable manifests of `store`'s artifacts (none when the store does not exist); the weight snapshots kept
+    beside them (`PREFIX` folders, `weight_snapshot`) are not artifacts."""
     if not store.is_dir():
         return []
     found = []
     for child in sorted(store.iterdir()):
-        if child.name.startswith(".") or not (child / MANIFEST).is_file():
+        if child.name.startswith((".", PREFIX)) or not (child / MANIFEST).is_file():
             continue
         try:
             found.append(_read_manifest(child / MANIFEST))
