@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import startup_files
+from . import artifact_bytecode, startup_files
 from .store_layout import MANIFEST, PREFIX, artifact_store, checkpoint_fingerprint
 
 CHUNK_BYTES = 16 << 20
@@ -159,9 +159,11 @@ def files_to_prefetch(model: str | os.PathLike | None, store: str | os.PathLike 
 def _prefetch_parts(
     model: str | os.PathLike | None, store: str | os.PathLike | None
 ) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
-    """`files_to_prefetch` in its two parts: the listed code files, the weight files."""
+    """`files_to_prefetch` in its two parts: the listed code files and the store's bytecode for them
+    (`artifact_bytecode`), the weight files."""
     weights = checkpoint_weight_files(model, store) if model is not None else []
-    return startup_files.listed_files(store), weights
+    bytecode = artifact_bytecode.files(startup_files.listing_path(store)) if store is not None else []
+    return startup_files.listed_files(store) + bytecode, weights
 
 
 def checkpoint_weight_files(model: str | os.PathLike, store: str | os.PathLike | None = None) -> list[pathlib.Path]:

@@ -49,7 +49,7 @@ from .. import api as dicache_api
 from ..engine.policies.step_mask import MIN_PRESET_STEPS
 from ..engine.reduction import PARALLEL_LAYOUT_ATTR
 from ..engine.stats import RequestStats
-from ..models import startup_files
+from ..models import artifact_bytecode, startup_files
 from ..models.compile_artifact import (
     ArtifactKey,
     compile_counters,
@@ -641,7 +641,8 @@ def ready_to_serve(
     `warm_up`, the artifact of this backend's key (`PipelineBackend.compile_key`) is put into the compile caches
     before the warm-up, so that the warm-up compiles from them; when there was none, the caches are saved to the
     store after the warm-up (when it can be written); the list of the code files this start read goes there too
-    unless one is there (`startup_files.record`: the next start's prefetch reads them ahead). Each outcome is one log
+    unless one is there (`startup_files.record`: the next start's prefetch reads them ahead), and a subprocess compiles
+    the bytecode of its modules there (`artifact_bytecode`: the next start compiles no source). Each outcome is one log
     line; a missing, foreign or unreadable artifact never stops the start. `timeline`: where the phases are recorded
     (`startup.StartupTimeline`; default a new one); the result is `backend.startup`, which `/v1/server_info`
     shows."""
@@ -669,6 +670,7 @@ def ready_to_serve(
         timeline.details["compile_artifact_saved"] = saved.to_dict()
     if store is not None:  # the code this start read, for the next start's prefetch to read ahead
         timeline.details["startup_files"] = startup_files.record(store)
+        artifact_bytecode.write_in_background(startup_files.listing_path(store))  # unless the store holds it
     release_cached_memory(backend.pipe.device)
     freeze_start_up_objects()
     backend.startup = timeline.to_dict()

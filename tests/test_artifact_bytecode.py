@@ -1,0 +1,133 @@
+"""Bytecode in the compile-artifact store (`dicache.models.artifact_bytecode`): written by one start, read by the next
+instead of compiling sources, never stale, and read ahead by the prefetch."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from dicache.models import artifact_bytecode, prefetch, startup_files
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# A fresh interpreter that may not write bytecode (as an image without .pyc files and PYTHONDONTWRITEBYTECODE),
+# takes the store's bytecode as `dicache` does at its entry, counts the sources it compiles and imports the package.
+IMPORTER = """
+import json, sys
+import importlib.machinery as machinery
+from dicache.models import artifact_bytecode
+compiled = []
+original = machinery.SourceFileLoader.source_to_code
+def counting(self, data, path, *args, **kwargs):
+    compiled.append(path)
+    return original(self, data, path, *args, **kwargs)
+machinery.SourceFileLoader.source_to_code = counting
+used = artifact_bytecode.use(sys.argv[2])
+sys.path.insert(0, sys.argv[1])
+import pkg.a, pkg.b
+print(json.dumps({"used": str(used) if used else None, "compiled": sorted(compiled), "value": pkg.b.VALUE}))
+"""
+
+
+def _package(root: pathlib.Path, value: int) -> list[str]:
+    package = root / "pkg"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("A = [i * i for i in range(10)]\n")
+    (package / "b.py").write_text(f"from pkg.a import A\nVALUE = {value} + len(A)\n")
+    return [str(p) for p in sorted(package.glob("*.py"))]
+
+
+def _import(code: pathlib.Path, listing: pathlib.Path) -> dict:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTER, str(code), str(listing)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+def test_a_start_with_the_stores_bytecode_compiles_no_source_and_a_changed_source_is_compiled_again(tmp_path):
+    code, store = tmp_path / "code", tmp_path / "store"
+    sources = _package(code, 1)
+    listing = startup_files.listing_path(store)
+    folder = artifact_bytecode.folder_for(listing)
+    assert folder.parent == store and folder.name.startswith(artifact_bytecode.PREFIX)
+    assert folder.name.split("-")[-1] == listing.stem.split("-")[-1]  # the listing's installation digest
+
+    without = _import(code, listing)  # no bytecode yet: every module compiled from its source, nothing changed
+    assert without["used"] is None and len(without["compiled"]) == 3 and without["value"] == 11
+
+    assert artifact_bytecode.write(folder, sources) == {"status": "saved", "files": 3, "failed": 0}
+    assert artifact_bytecode.write(folder, sources)["status"] == "kept"
+    assert not list(store.glob(".*"))  # no staging folder left
+    assert artifact_bytecode.files(listing) == sorted(artifact_bytecode.cache_path(folder, s) for s in sources)
+
+    with_bytecode = _import(code, listing)
+    assert with_bytecode == {"used": str(folder), "compiled": [], "value": 11}
+
+    (code / "pkg" / "b.py").write_text("from pkg.a import A\nVALUE = 100 + len(A)\n")  # changed since it was written
+    changed = _import(code, listing)
+    assert changed["compiled"] == [str(code / "pkg" / "b.py")] and changed["value"] == 110  # never stale bytecode
+
+
+def test_a_source_that_does_not_compile_is_left_out(tmp_path):
+    sources = _package(tmp_path / "code", 1)
+    broken = tmp_path / "code" / "pkg" / "broken.py"
+    broken.write_text("def (:\n")
+    result = artifact_bytecode.write(tmp_path / "out", [*sources, str(broken)])
+    assert result == {"status": "saved", "files": 3, "failed": 1}
+
+
+def test_the_server_start_writes_it_in_a_subprocess_once_and_the_prefetch_reads_it(tmp_path):
+    store = tmp_path / "store"
+    listing = startup_files.listing_path(store)
+    store.mkdir()
+    writer = artifact_bytecode.write_in_background(listing)
+    assert writer is not None
+    assert artifact_bytecode.write_in_background(listing) is None  # one writer at a time
+    assert writer.wait(timeout=300) == 0
+    folder = artifact_bytecode.folder_for(listing)
+    written = artifact_bytecode.files(listing)
+    assert __file__ in {str(p) for p in map(pathlib.Path, artifact_bytecode.module_sources())}
+    assert artifact_bytecode.cache_path(folder, __file__) in written  # this very module among them
+    assert not list(store.glob(".*"))  # its sources list removed when done
+    assert artifact_bytecode.write_in_background(listing) is None  # written once
+
+    code, weights = prefetch._prefetch_parts(None, store)
+    assert set(written) <= set(code) and weights == []
+
+
+def test_an_unwritable_store_is_one_line_and_nothing_else(caplog):
+    listing = startup_files.listing_path("/sys/dicache-bytecode")
+    with caplog.at_level("WARNING", "dicache.models.artifact_bytecode"):
+        assert artifact_bytecode.write_in_background(listing) is None
+    (record,) = [r for r in caplog.records if r.name == "dicache.models.artifact_bytecode"]
+    assert "cannot write" in record.getMessage()
+    assert artifact_bytecode.use(listing) is None and artifact_bytecode.files(listing) == []
+
+
+def test_the_command_lines_entry_takes_the_stores_bytecode_before_the_commands_import(tmp_path, monkeypatch):
+    from dicache import cli
+
+    store = tmp_path / "store"
+    folder = artifact_bytecode.folder_for(startup_files.listing_path(store))
+    folder.mkdir(parents=True)
+    seen = []
+
+    class Parser:  # stands for the subcommands' parser, which the entry builds after taking the bytecode
+        def parse_args(self, argv):
+            seen.append(sys.pycache_prefix)
+            return type("Args", (), {"run": lambda self, args: 0})()
+
+    monkeypatch.setattr(cli, "build_parser", Parser)
+    monkeypatch.setattr(cli, "start_prefetch", lambda argv: None)
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    cli.main(["serve", "--compile", "--compile-artifact", str(store)])
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    cli.main(["serve", "--compile-artifact", str(store)])  # without --compile no store is used: nothing changes
+    assert seen == [str(folder), None]
