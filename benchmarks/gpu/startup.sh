@@ -29,12 +29,20 @@
 # Suggested calls: 1) `wheels serve` (`RUNS="cold artifact" DEADLINE=330` when device time is short); 2) `wheels tests
 # generate`; 3) spare: `wheels artifact` on the same machine if call 1 skipped its artifact runs (a fresh machine has
 # no artifact: `wheels serve` again).
+#
+# `PROBE=1`: the serve processes run under experiments/startup_probe (every thread's stack each 50 ms, the compile
+# caches' key details), packed into $OUT/probe.tgz at the end (one file: the device returns few); read it with
+# `python experiments/startup_probe/summarise.py DIR`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu/startup.sh STEP ... (see the header)" >&2; exit 2; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/startup-out}
 mkdir -p "$out"
+if [ "${PROBE:-0}" = 1 ]; then
+  export DICACHE_PROBE_OUT="$out/probe" PYTHONPATH="$PWD/experiments/startup_probe:$PYTHONPATH"
+  trap '[ -d "$out/probe" ] && tar czf "$out/probe.tgz" -C "$out" probe && rm -rf "$out/probe"' EXIT
+fi
 results=$out/RESULTS.md
 checkpoint=${CHECKPOINT:-/var/tmp/dicache-startup/krea2}  # local disk, not /tmp if that is a RAM file system
 
