@@ -53,7 +53,7 @@ for name in sys.argv[2].split(","):
     importlib.import_module(name)
 seconds = time.perf_counter() - start
 if len(sys.argv) > 3:  # write the store's bytecode of what was imported
-    print(json.dumps(artifact_bytecode.write(sys.argv[3], artifact_bytecode.module_sources())))
+    print(json.dumps(artifact_bytecode.write(sys.argv[3], artifact_bytecode.module_sources()[0])))
 print(json.dumps({"seconds": seconds, "modules": len(sys.modules)}))
 """
 

@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 from dicache.models import artifact_bytecode, prefetch, startup_files
 
@@ -83,20 +84,32 @@ def test_a_source_that_does_not_compile_is_left_out(tmp_path):
     assert result == {"status": "saved", "files": 3, "failed": 1}
 
 
+def _module(name: str, source: str, cached: str | None) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__file__, module.__cached__ = source, cached
+    return module
+
+
 def test_the_server_start_writes_it_in_a_subprocess_once_and_the_prefetch_reads_it(tmp_path):
+    sources = _package(tmp_path / "code", 1)
+    compiled = [_module(f"m{i}", s, str(tmp_path / "absent.pyc")) for i, s in enumerate(sources)]  # no bytecode
+    with_bytecode = [_module("m", sources[0], __file__)]  # its `__cached__` file exists
+    assert artifact_bytecode.module_sources(compiled) == (sources, 3)
+    assert artifact_bytecode.module_sources(with_bytecode) == ([sources[0]], 0)
+
     store = tmp_path / "store"
-    listing = startup_files.listing_path(store)
     store.mkdir()
-    writer = artifact_bytecode.write_in_background(listing)
+    listing = startup_files.listing_path(store)
+    assert artifact_bytecode.write_in_background(listing, with_bytecode) is None  # nothing was compiled: not needed
+    writer = artifact_bytecode.write_in_background(listing, compiled)
     assert writer is not None
-    assert artifact_bytecode.write_in_background(listing) is None  # one writer at a time
+    assert artifact_bytecode.write_in_background(listing, compiled) is None  # one writer at a time
     assert writer.wait(timeout=300) == 0
     folder = artifact_bytecode.folder_for(listing)
     written = artifact_bytecode.files(listing)
-    assert __file__ in {str(p) for p in map(pathlib.Path, artifact_bytecode.module_sources())}
-    assert artifact_bytecode.cache_path(folder, __file__) in written  # this very module among them
+    assert written == sorted(artifact_bytecode.cache_path(folder, s) for s in sources)
     assert not list(store.glob(".*"))  # its sources list removed when done
-    assert artifact_bytecode.write_in_background(listing) is None  # written once
+    assert artifact_bytecode.write_in_background(listing, compiled) is None  # written once
 
     code, weights = prefetch._prefetch_parts(None, store)
     assert set(written) <= set(code) and weights == []
@@ -104,8 +117,9 @@ def test_the_server_start_writes_it_in_a_subprocess_once_and_the_prefetch_reads_
 
 def test_an_unwritable_store_is_one_line_and_nothing_else(caplog):
     listing = startup_files.listing_path("/sys/dicache-bytecode")
+    compiled = [_module("m", __file__, "/nonexistent/m.pyc")]
     with caplog.at_level("WARNING", "dicache.models.artifact_bytecode"):
-        assert artifact_bytecode.write_in_background(listing) is None
+        assert artifact_bytecode.write_in_background(listing, compiled) is None
     (record,) = [r for r in caplog.records if r.name == "dicache.models.artifact_bytecode"]
     assert "cannot write" in record.getMessage()
     assert artifact_bytecode.use(listing) is None and artifact_bytecode.files(listing) == []

@@ -1,12 +1,12 @@
 """Python bytecode kept in the compile-artifact store, so that a fresh process does not compile its modules' sources.
 
-An installation without `.pyc` files (installed with `pip --no-compile`, or an image that strips them) whose
-processes may not write them (`PYTHONDONTWRITEBYTECODE`, a read-only image) compiles every module's source on every
-start: about 2.5 s of a 30 s start-up of `dicache serve` on an H100 machine, by a sampling probe
-(`experiments/startup_probe`). The first start that writes the start-up files' listing (`startup_files.record`) also
-has a subprocess compile the sources of every module it imported into `STORE/bytecode-<digest>/` (the digest is the
-listing's: this installation), laid out as `sys.pycache_prefix` expects; a later start with that store (`use`, from
-the command line's entry, before torch is imported) sets `sys.pycache_prefix` there, and the import system reads the
+An installation without `.pyc` files (installed with `pip --no-compile`, or an image that strips them) whose processes
+may not write them (`PYTHONDONTWRITEBYTECODE`, a read-only image) compiles every module's source on every start: about
+2.5 s of a 30 s start-up of `dicache serve` on an H100 machine, by a sampling probe (`experiments/startup_probe`). The
+first start that writes the start-up files' listing (`startup_files.record`) also has a subprocess compile the sources
+of every module it imported into `STORE/bytecode-<digest>/` (the digest is the listing's: this installation), when
+some of them had no bytecode, laid out as `sys.pycache_prefix` expects; a later start with that store (`use`, from the
+command line's entry, before torch is imported) sets `sys.pycache_prefix` there, and the import system reads the
 bytecode instead of compiling.
 
 Contract:
@@ -46,14 +46,19 @@ def folder_for(listing: str | os.PathLike) -> pathlib.Path:
     return listing.parent / f"{PREFIX}{digest}"
 
 
-def module_sources() -> list[str]:
-    """The source file of every imported module that has one (`.py`; extension modules and frozen ones excluded)."""
+def module_sources(modules: Iterable[Any] | None = None) -> tuple[list[str], int]:
+    """The source file of every module of `modules` (default: every imported one) that has one (`.py`; extension
+    modules and frozen ones excluded), and how many of them were imported without bytecode (their `__cached__` file
+    does not exist: the import system compiled the source)."""
     found: dict[str, None] = {}
-    for module in list(sys.modules.values()):
+    compiled = 0
+    for module in list(sys.modules.values()) if modules is None else modules:
         path = getattr(module, "__file__", None)
-        if isinstance(path, str) and path.endswith(".py") and os.path.isfile(path):
-            found.setdefault(os.path.abspath(path))
-    return list(found)
+        if isinstance(path, str) and path.endswith(".py") and os.path.isfile(path) and path not in found:
+            found[os.path.abspath(path)] = None
+            cached = getattr(module, "__cached__", None)
+            compiled += not (isinstance(cached, str) and os.path.isfile(cached))
+    return list(found), compiled
 
 
 def cache_path(prefix: str | os.PathLike, source: str) -> pathlib.Path:
@@ -97,17 +102,21 @@ def write(folder: str | os.PathLike, sources: Iterable[str]) -> dict[str, Any]:
     return {"status": "saved", "files": written, "failed": failed}
 
 
-def write_in_background(listing: str | os.PathLike) -> subprocess.Popen | None:
-    """Start a subprocess that writes this process's module sources' bytecode beside `listing` (`write`), unless the
-    folder is there. The server goes on serving meanwhile (another core, not this process's interpreter). Returns the
-    process (None when nothing was started: the folder is there, or another process is writing it); never raises: a
-    failure to start it is one log line."""
+def write_in_background(listing: str | os.PathLike, modules: Iterable[Any] | None = None) -> subprocess.Popen | None:
+    """Start a subprocess that writes the bytecode of `modules`' sources (default: every imported module) beside
+    `listing` (`write`), when this process compiled some of them from their sources (an installation with its
+    `.pyc` files needs none) and the folder is not there. The server goes on serving meanwhile (another core, not this
+    process's interpreter). Returns the process (None when nothing was started: no source compiled, the folder is
+    there, or another process is writing it); never raises: a failure to start it is one log line."""
     folder = folder_for(listing)
     if folder.is_dir() or _writer_running(folder):
         return None
+    paths, compiled = module_sources(modules)
+    if not compiled:
+        return None
     sources = folder.with_name(f".{folder.name}.sources.{os.getpid()}.json")
     try:
-        sources.write_text(json.dumps(module_sources()))
+        sources.write_text(json.dumps(paths))
         command = [sys.executable, "-m", "dicache.models.artifact_bytecode", str(folder), str(sources)]
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
