@@ -145,3 +145,21 @@ def test_the_command_lines_entry_takes_the_stores_bytecode_before_the_commands_i
     monkeypatch.setattr(sys, "pycache_prefix", None)
     cli.main(["serve", "--compile-artifact", str(store)])  # without --compile no store is used: nothing changes
     assert seen == [str(folder), None]
+
+
+def test_dicache_warmup_waits_for_the_writer_before_it_exits(capsys):
+    """A Job's pod ends with `dicache warmup`: it waits for the bytecode's writer, and gives up after its timeout."""
+    from dicache.commands.warmup import wait_for_bytecode
+
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for_bytecode(quick)
+    assert quick.returncode == 0 and "bytecode written" in capsys.readouterr().out
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        wait_for_bytecode(slow, timeout=0.2)
+        assert slow.poll() is None and "not written within 0 s" in capsys.readouterr().out
+    finally:
+        slow.kill()
+        slow.wait()
+    wait_for_bytecode(None)
+    assert capsys.readouterr().out == ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
 
 from ..errors import ConfigError, DicacheError
 from ..models import prefetch
@@ -24,6 +25,24 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
+
+
+BYTECODE_WAIT_S = 600
+"""How long `dicache warmup` waits for the store's bytecode to be written before it exits (a Job's pod ends with it)."""
+
+
+def wait_for_bytecode(writer: subprocess.Popen | None, timeout: float = BYTECODE_WAIT_S) -> None:
+    """Wait for the subprocess writing the store's bytecode (`artifact_bytecode.write_in_background`), so that a Job
+    ending with this process does not kill it; past `timeout` (or on its failure) say so and go on: the artifact is
+    whole without it, and a later start writes it."""
+    if writer is None:
+        return
+    try:
+        status = writer.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"dicache warmup: the modules' bytecode was not written within {timeout:.0f} s; left out", flush=True)
+        return
+    print(f"dicache warmup: the modules' bytecode {'written' if status == 0 else 'not written'}", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         backend.close()
     finally:
         ctx.shutdown()
+    wait_for_bytecode(backend.bytecode_writer)
     loaded = startup.get("compile_artifact", {})
     saved = startup.get("compile_artifact_saved", {})
     if loaded.get("status") == "loaded":

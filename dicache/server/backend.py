@@ -244,6 +244,7 @@ class PipelineBackend:
         self._in_flight, self._in_flight_lock = 0, threading.Lock()
         self.text_lengths: TextLengthPreparation | None = None  # `prepare_text_lengths(background=True)`
         self.startup: dict[str, Any] | None = None  # `ready_to_serve`'s phases
+        self.bytecode_writer: Any = None  # `ready_to_serve`'s subprocess writing the store's bytecode, if any
         self._digests = ThreadPoolExecutor(1, thread_name_prefix="dicache-digest")
         self._install_stop_checks()
 
@@ -670,7 +671,7 @@ def ready_to_serve(
         timeline.details["compile_artifact_saved"] = saved.to_dict()
     if store is not None:  # the code this start read, for the next start's prefetch to read ahead
         timeline.details["startup_files"] = startup_files.record(store)
-        artifact_bytecode.write_in_background(startup_files.listing_path(store))  # unless the store holds it
+        backend.bytecode_writer = artifact_bytecode.write_in_background(startup_files.listing_path(store))
     release_cached_memory(backend.pipe.device)
     freeze_start_up_objects()
     backend.startup = timeline.to_dict()
