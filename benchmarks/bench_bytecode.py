@@ -58,17 +58,18 @@ print(json.dumps({"seconds": seconds, "modules": len(sys.modules)}))
 """
 
 
-def run(listing: str, env: dict[str, str], *extra: str) -> dict:
-    """One fresh interpreter importing `MODULES`, taking the bytecode beside `listing` ("-": none)."""
+def run(store: str, env: dict[str, str], *extra: str) -> list[dict]:
+    """One fresh interpreter importing `MODULES`, taking `store`'s bytecode ("-": none); its JSON lines (the
+    imports' last; with a folder in `extra`, the bytecode written there first)."""
     result = subprocess.run(
-        [sys.executable, "-c", IMPORT, listing, ",".join(MODULES), *extra],
+        [sys.executable, "-c", IMPORT, store, ",".join(MODULES), *extra],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
         check=True,
     )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in result.stdout.strip().splitlines()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,37 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--results", default=None, help="the results page to append to (benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
-    from dicache.models import artifact_bytecode, startup_files
+    from dicache.models import artifact_bytecode
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="dicache-bench-bytecode-"))
     empty = work / "empty-prefix"
     empty.mkdir()
-    listing = startup_files.listing_path(work / "store")
+    store = work / "store"
     base = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(ROOT)}
     base.pop("PYTHONPYCACHEPREFIX", None)
     no_bytecode = {**base, "PYTHONPYCACHEPREFIX": str(empty)}
-    folder = artifact_bytecode.folder_for(listing)
-    folder.parent.mkdir(parents=True)
-    written = json.loads(
-        subprocess.run(
-            [sys.executable, "-c", IMPORT, "-", ",".join(MODULES), str(folder)],
-            env=no_bytecode,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=True,
-        ).stdout.splitlines()[0]
-    )
+    store.mkdir()
+    written = run("-", no_bytecode, str(artifact_bytecode.folder(store)))[0]
     cases = {
         "no bytecode (every source compiled)": ("-", no_bytecode),
-        "the store's bytecode (`artifact_bytecode`)": (str(listing), base),
+        "the store's bytecode (`artifact_bytecode`)": (str(store), base),
         "the installation's own `__pycache__`": ("-", base),
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     modules = 0
     for _ in range(args.rounds):
         for name, (source, env) in cases.items():
-            result = run(source, env)
+            result = run(source, env)[-1]
             times[name].append(result["seconds"])
             modules = result["modules"]
     baseline = statistics.median(times["no bytecode (every source compiled)"])

@@ -42,11 +42,11 @@ def _package(root: pathlib.Path, value: int) -> list[str]:
     return [str(p) for p in sorted(package.glob("*.py"))]
 
 
-def _import(code: pathlib.Path, listing: pathlib.Path) -> dict:
+def _import(code: pathlib.Path, store: pathlib.Path) -> dict:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(ROOT)}
     env.pop("PYTHONPYCACHEPREFIX", None)
     result = subprocess.run(
-        [sys.executable, "-c", IMPORTER, str(code), str(listing)], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", IMPORTER, str(code), str(store)], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout)
@@ -55,24 +55,24 @@ def _import(code: pathlib.Path, listing: pathlib.Path) -> dict:
 def test_a_start_with_the_stores_bytecode_compiles_no_source_and_a_changed_source_is_compiled_again(tmp_path):
     code, store = tmp_path / "code", tmp_path / "store"
     sources = _package(code, 1)
-    listing = startup_files.listing_path(store)
-    folder = artifact_bytecode.folder_for(listing)
+    folder = artifact_bytecode.folder(store)
     assert folder.parent == store and folder.name.startswith(artifact_bytecode.PREFIX)
+    listing = startup_files.listing_path(store)
     assert folder.name.split("-")[-1] == listing.stem.split("-")[-1]  # the listing's installation digest
 
-    without = _import(code, listing)  # no bytecode yet: every module compiled from its source, nothing changed
+    without = _import(code, store)  # no bytecode yet: every module compiled from its source, nothing changed
     assert without["used"] is None and len(without["compiled"]) == 3 and without["value"] == 11
 
     assert artifact_bytecode.write(folder, sources) == {"status": "saved", "files": 3, "failed": 0}
     assert artifact_bytecode.write(folder, sources)["status"] == "kept"
     assert not list(store.glob(".*"))  # no staging folder left
-    assert artifact_bytecode.files(listing) == sorted(artifact_bytecode.cache_path(folder, s) for s in sources)
+    assert artifact_bytecode.files(store) == sorted(artifact_bytecode.cache_path(folder, s) for s in sources)
 
-    with_bytecode = _import(code, listing)
+    with_bytecode = _import(code, store)
     assert with_bytecode == {"used": str(folder), "compiled": [], "value": 11}
 
     (code / "pkg" / "b.py").write_text("from pkg.a import A\nVALUE = 100 + len(A)\n")  # changed since it was written
-    changed = _import(code, listing)
+    changed = _import(code, store)
     assert changed["compiled"] == [str(code / "pkg" / "b.py")] and changed["value"] == 110  # never stale bytecode
 
 
@@ -99,37 +99,36 @@ def test_the_server_start_writes_it_in_a_subprocess_once_and_the_prefetch_reads_
 
     store = tmp_path / "store"
     store.mkdir()
-    listing = startup_files.listing_path(store)
-    assert artifact_bytecode.write_in_background(listing, with_bytecode) is None  # nothing was compiled: not needed
-    writer = artifact_bytecode.write_in_background(listing, compiled)
+    assert artifact_bytecode.write_in_background(store, with_bytecode) is None  # nothing was compiled: not needed
+    writer = artifact_bytecode.write_in_background(store, compiled)
     assert writer is not None
-    assert artifact_bytecode.write_in_background(listing, compiled) is None  # one writer at a time
+    assert artifact_bytecode.write_in_background(store, compiled) is None  # one writer at a time
     assert writer.wait(timeout=300) == 0
-    folder = artifact_bytecode.folder_for(listing)
-    written = artifact_bytecode.files(listing)
+    folder = artifact_bytecode.folder(store)
+    written = artifact_bytecode.files(store)
     assert written == sorted(artifact_bytecode.cache_path(folder, s) for s in sources)
     assert not list(store.glob(".*"))  # its sources list removed when done
-    assert artifact_bytecode.write_in_background(listing, compiled) is None  # written once
+    assert artifact_bytecode.write_in_background(store, compiled) is None  # written once
 
     code, weights = prefetch._prefetch_parts(None, store)
     assert set(written) <= set(code) and weights == []
 
 
 def test_an_unwritable_store_is_one_line_and_nothing_else(caplog):
-    listing = startup_files.listing_path("/sys/dicache-bytecode")
+    store = "/sys/dicache-bytecode"
     compiled = [_module("m", __file__, "/nonexistent/m.pyc")]
     with caplog.at_level("WARNING", "dicache.models.artifact_bytecode"):
-        assert artifact_bytecode.write_in_background(listing, compiled) is None
+        assert artifact_bytecode.write_in_background(store, compiled) is None
     (record,) = [r for r in caplog.records if r.name == "dicache.models.artifact_bytecode"]
     assert "cannot write" in record.getMessage()
-    assert artifact_bytecode.use(listing) is None and artifact_bytecode.files(listing) == []
+    assert artifact_bytecode.use(store) is None and artifact_bytecode.files(store) == []
 
 
 def test_the_command_lines_entry_takes_the_stores_bytecode_before_the_commands_import(tmp_path, monkeypatch):
     from dicache import cli
 
     store = tmp_path / "store"
-    folder = artifact_bytecode.folder_for(startup_files.listing_path(store))
+    folder = artifact_bytecode.folder(store)
     folder.mkdir(parents=True)
     seen = []
 

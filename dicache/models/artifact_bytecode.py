@@ -34,16 +34,17 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from . import startup_files
+
 log = logging.getLogger("dicache.models.artifact_bytecode")
 
 PREFIX = "bytecode-"
 
 
-def folder_for(listing: str | os.PathLike) -> pathlib.Path:
-    """The bytecode folder beside a start-up files' listing (`startup_files.listing_path`): the same digest."""
-    listing = pathlib.Path(listing)
-    digest = listing.stem.rsplit("-", 1)[-1]
-    return listing.parent / f"{PREFIX}{digest}"
+def folder(store: str | os.PathLike) -> pathlib.Path:
+    """This installation's bytecode folder in `store`: `bytecode-<digest>`, the digest of the start-up files' listing
+    (`startup_files.installation_digest`)."""
+    return pathlib.Path(store) / f"{PREFIX}{startup_files.installation_digest()}"
 
 
 def module_sources(modules: Iterable[Any] | None = None) -> tuple[list[str], int]:
@@ -54,8 +55,11 @@ def module_sources(modules: Iterable[Any] | None = None) -> tuple[list[str], int
     compiled = 0
     for module in list(sys.modules.values()) if modules is None else modules:
         path = getattr(module, "__file__", None)
-        if isinstance(path, str) and path.endswith(".py") and os.path.isfile(path) and path not in found:
-            found[os.path.abspath(path)] = None
+        if not (isinstance(path, str) and path.endswith(".py") and os.path.isfile(path)):
+            continue
+        path = os.path.abspath(path)
+        if path not in found:
+            found[path] = None
             cached = getattr(module, "__cached__", None)
             compiled += not (isinstance(cached, str) and os.path.isfile(cached))
     return list(found), compiled
@@ -71,19 +75,18 @@ def cache_path(prefix: str | os.PathLike, source: str) -> pathlib.Path:
         sys.pycache_prefix = saved
 
 
-def write(folder: str | os.PathLike, sources: Iterable[str]) -> dict[str, Any]:
-    """Compile `sources` into `folder` (a `sys.pycache_prefix` tree), atomically: into a sibling first, renamed when
-    done; an existing folder is kept. Returns {"status": "saved" | "kept", "files", "failed"} (a source that does not
+def write(target: str | os.PathLike, sources: Iterable[str]) -> dict[str, Any]:
+    """Compile `sources` into `target` (a `sys.pycache_prefix` tree), atomically: into a sibling first, renamed when
+    done; an existing one is kept. Returns {"status": "saved" | "kept", "files", "failed"} (a source that does not
     compile is left out: the import system compiles it, and reports its error, where it is imported)."""
-    folder = pathlib.Path(folder)
-    if folder.is_dir():
+    target = pathlib.Path(target)
+    if target.is_dir():
         return {"status": "kept", "files": 0, "failed": 0}
-    staging = folder.with_name(f".{folder.name}.{os.getpid()}")
+    staging = target.with_name(f".{target.name}.{os.getpid()}")
     written = failed = 0
     try:
         for source in sources:
-            target = cache_path(folder, source)
-            staged = staging / target.relative_to(folder)
+            staged = staging / cache_path(target, source).relative_to(target)
             try:
                 py_compile.compile(
                     source,
@@ -96,33 +99,33 @@ def write(folder: str | os.PathLike, sources: Iterable[str]) -> dict[str, Any]:
             except (py_compile.PyCompileError, OSError, ValueError):
                 failed += 1
         staging.mkdir(parents=True, exist_ok=True)
-        os.replace(staging, folder)
+        os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"status": "saved", "files": written, "failed": failed}
 
 
-def write_in_background(listing: str | os.PathLike, modules: Iterable[Any] | None = None) -> subprocess.Popen | None:
-    """Start a subprocess that writes the bytecode of `modules`' sources (default: every imported module) beside
-    `listing` (`write`), when this process compiled some of them from their sources (an installation with its
+def write_in_background(store: str | os.PathLike, modules: Iterable[Any] | None = None) -> subprocess.Popen | None:
+    """Start a subprocess that writes the bytecode of `modules`' sources (default: every imported module) into
+    `folder(store)` (`write`), when this process compiled some of them from their sources (an installation with its
     `.pyc` files needs none) and the folder is not there. The server goes on serving meanwhile (another core, not this
     process's interpreter). Returns the process (None when nothing was started: no source compiled, the folder is
     there, or another process is writing it); never raises: a failure to start it is one log line."""
-    folder = folder_for(listing)
-    if folder.is_dir() or _writer_running(folder):
+    target = folder(store)
+    if target.is_dir() or _writer_running(target):
         return None
     paths, compiled = module_sources(modules)
     if not compiled:
         return None
-    sources = folder.with_name(f".{folder.name}.sources.{os.getpid()}.json")
+    sources = target.with_name(f".{target.name}.sources.{os.getpid()}.json")
     try:
         sources.write_text(json.dumps(paths))
-        command = [sys.executable, "-m", "dicache.models.artifact_bytecode", str(folder), str(sources)]
+        command = [sys.executable, "-m", "dicache.models.artifact_bytecode", str(target), str(sources)]
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
         with contextlib.suppress(OSError):
             sources.unlink(missing_ok=True)
-        log.warning("bytecode: cannot write %s (%s); later starts compile their modules' sources", folder, exc)
+        log.warning("bytecode: cannot write %s (%s); later starts compile their modules' sources", target, exc)
         return None
 
 
@@ -130,43 +133,40 @@ WRITER_STALE_S = 600.0
 """A writer's sources file older than this is taken for one that died: another writer may start."""
 
 
-def _writer_running(folder: pathlib.Path) -> bool:
-    """Whether another process is writing `folder` (its sources file, which the writer removes when done, is there
+def _writer_running(target: pathlib.Path) -> bool:
+    """Whether another process is writing `target` (its sources file, which the writer removes when done, is there
     and recent)."""
     with contextlib.suppress(OSError):
-        for marker in folder.parent.glob(f".{folder.name}.sources.*.json"):
+        for marker in target.parent.glob(f".{target.name}.sources.*.json"):
             if time.time() - marker.stat().st_mtime < WRITER_STALE_S:
                 return True
     return False
 
 
-def use(listing: str | os.PathLike | None) -> pathlib.Path | None:
-    """Read bytecode from the folder beside `listing` (`sys.pycache_prefix`) when it is there; returns the folder, or
-    None (nothing changed). Call before the modules it holds are imported."""
-    if listing is None:
+def use(store: str | os.PathLike | None) -> pathlib.Path | None:
+    """Read bytecode from `folder(store)` (`sys.pycache_prefix`) when it is there; returns the folder, or None
+    (nothing changed). Call before the modules it holds are imported."""
+    target = folder(store) if store is not None else None
+    if target is None or not target.is_dir():
         return None
-    folder = folder_for(listing)
-    if not folder.is_dir():
-        return None
-    sys.pycache_prefix = str(folder)
-    return folder
+    sys.pycache_prefix = str(target)
+    return target
 
 
-def files(listing: str | os.PathLike | None) -> list[pathlib.Path]:
-    """Every bytecode file of the folder beside `listing` (for the prefetch to read ahead); [] when there is none."""
-    if listing is None or not folder_for(listing).is_dir():
-        return []
-    return sorted(folder_for(listing).rglob("*.pyc"))
+def files(store: str | os.PathLike | None) -> list[pathlib.Path]:
+    """Every bytecode file of `folder(store)` (for the prefetch to read ahead); [] when there is none."""
+    target = folder(store) if store is not None else None
+    return sorted(target.rglob("*.pyc")) if target is not None and target.is_dir() else []
 
 
 def main(argv: list[str]) -> int:
     """`python -m dicache.models.artifact_bytecode FOLDER SOURCES.json`: `write` (the subprocess of
     `write_in_background`, which removes SOURCES.json)."""
-    folder, sources = pathlib.Path(argv[0]), pathlib.Path(argv[1])
+    target, sources = pathlib.Path(argv[0]), pathlib.Path(argv[1])
     try:
-        result = write(folder, json.loads(sources.read_text()))
+        result = write(target, json.loads(sources.read_text()))
     except (OSError, ValueError) as exc:
-        print(f"bytecode: cannot write {folder}: {exc}", file=sys.stderr)
+        print(f"bytecode: cannot write {target}: {exc}", file=sys.stderr)
         return 1
     finally:
         with contextlib.suppress(OSError):

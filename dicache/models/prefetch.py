@@ -162,7 +162,7 @@ def _prefetch_parts(
     """`files_to_prefetch` in its two parts: the listed code files and the store's bytecode for them
     (`artifact_bytecode`), the weight files."""
     weights = checkpoint_weight_files(model, store) if model is not None else []
-    bytecode = artifact_bytecode.files(startup_files.listing_path(store)) if store is not None else []
+    bytecode = artifact_bytecode.files(store)
     return startup_files.listed_files(store) + bytecode, weights
 
 

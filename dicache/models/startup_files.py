@@ -35,14 +35,18 @@ _SHARED_LIBRARY = re.compile(r"\.so(\.[0-9.]+)?$")
 _METADATA = (".dist-info", ".egg-info")
 
 
-def listing_path(store: str | os.PathLike) -> pathlib.Path:
-    """Where `store` keeps the listing of this installation's start-up files: `startup-files-<digest>.json`, the
-    digest (16 hex digits of a SHA-256) naming the interpreter (executable, version, prefix) and every installed
-    distribution with its version (`installed_distributions`), so that another image or virtual environment, or an
-    image that changed any package, has its own."""
+def installation_digest() -> str:
+    """16 hex digits of a SHA-256 naming this installation: the interpreter (executable, version, prefix) and every
+    installed distribution with its version (`installed_distributions`), so that another image or virtual
+    environment, or an image that changed any package, has its own."""
     installation = [sys.executable, sys.version, sys.prefix, installed_distributions()]
-    digest = hashlib.sha256(json.dumps(installation).encode()).hexdigest()[:16]
-    return pathlib.Path(store) / f"{PREFIX}{digest}.json"
+    return hashlib.sha256(json.dumps(installation).encode()).hexdigest()[:16]
+
+
+def listing_path(store: str | os.PathLike) -> pathlib.Path:
+    """Where `store` keeps the listing of this installation's start-up files: `startup-files-<digest>.json`
+    (`installation_digest`)."""
+    return pathlib.Path(store) / f"{PREFIX}{installation_digest()}.json"
 
 
 def installation_folders() -> list[str]:

@@ -671,7 +671,7 @@ def ready_to_serve(
         timeline.details["compile_artifact_saved"] = saved.to_dict()
     if store is not None:  # the code this start read, for the next start's prefetch to read ahead
         timeline.details["startup_files"] = startup_files.record(store)
-        backend.bytecode_writer = artifact_bytecode.write_in_background(startup_files.listing_path(store))
+        backend.bytecode_writer = artifact_bytecode.write_in_background(store)
     release_cached_memory(backend.pipe.device)
     freeze_start_up_objects()
     backend.startup = timeline.to_dict()
