@@ -57,6 +57,7 @@ from bench_serving import (  # noqa: E402
     stop_server,
     wait_healthy,
     wait_steady,
+    where_time_goes,
     write_model_folder,
 )
 from publish import command_line, markdown_table, publish  # noqa: E402
@@ -284,16 +285,20 @@ def serve_run(
             row["text_lengths"] = startup.get("text_lengths")  # in the background: how far at the first request
             memory.phase = "first"
             body = request_body(PROMPT, "turbo", "off", args.size, 0)
-            first = one_request(url, body).seconds
-            answered = time.time()
+            first_answer = one_request(url, body)
+            first, answered = first_answer.seconds, time.time()
             row["first_request_s"] = round(first, 3)
             row["first_answer_s"] = round(answered - startup.get("process_start_unix", launched), 1)
             # the steady state: once the prompt lengths met in the background after ready are all met (until then a
             # request may wait for one of their chunks)
             row["lengths_after_first_s"] = wait_steady(url, budget)
-            steady = [one_request(url, {**body, "seed": i})[0] for i in range(1, args.requests + 1)]
+            steady_answers = [one_request(url, {**body, "seed": i}) for i in range(1, args.requests + 1)]
+            steady = [a.seconds for a in steady_answers]
             row["steady_s"] = round(statistics.median(steady), 3)
             row["first_vs_steady"] = round(first / statistics.median(steady), 3)
+            # where the first request's extra time went: its phases against the steady requests' means
+            row["first_where"] = where_time_goes([first_answer])
+            row["steady_where"] = where_time_goes(steady_answers)
             memory.phase = "serving"
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 list(pool.map(lambda i: one_request(url, {**body, "seed": 100 + i}), range(args.burst)))
@@ -421,6 +426,11 @@ def markdown(results: dict, args, command: str) -> str:
                 f"- {row['run']}: imports {json.dumps(startup.get('imports'))}; quantised weights {snapshots}; read "
                 f"while importing {prefetched}; prompt lengths when ready {json.dumps(row.get('text_lengths'))}"
             )
+            if row.get("first_where"):
+                lines.append(
+                    f"- {row['run']}: the first request's seconds {json.dumps(row['first_where'])}; the steady "
+                    f"requests' means {json.dumps(row.get('steady_where'))}"
+                )
             lines.append(
                 f"- {row['run']}: GPU memory per process while starting (GB, nvidia-smi): "
                 f"{json.dumps(row.get('gpu_processes_start_GB'))}; torch/NVML per phase "

@@ -26,7 +26,30 @@ def test_every_length_is_met_once_longest_first_in_chunks():
     preparation = TextLengthPreparation(chunks.append, [5, 9, 3, 9, 7, 4], busy=lambda: False, chunk=2).start()
     assert preparation.wait(10)
     assert chunks == [[9, 7], [5, 4], [3]]
-    assert preparation.progress() == {"lengths": 5, "of": 5, "seconds": pytest.approx(0, abs=0.5), "state": "done"}
+    assert preparation.progress() == {
+        "lengths": 5,
+        "of": 5,
+        "ahead_of_requests": 0,
+        "seconds": pytest.approx(0, abs=0.5),
+        "state": "done",
+    }
+
+
+def test_lengths_claimed_ahead_of_a_request_are_skipped_by_the_thread():
+    """A request's lengths are claimed once (the backend meets them ahead of its denoising); the thread meets only
+    the rest, and a length already met or claimed, or not a prompt length, is not claimed again."""
+    in_flight, chunks = threading.Event(), []
+    in_flight.set()
+    preparation = TextLengthPreparation(chunks.append, range(3, 9), busy=in_flight.is_set, idle_poll_s=0.01)
+    preparation.start()
+    assert preparation.claim([5, 7, 5, 40]) == [5, 7]
+    assert preparation.claim([7, 5]) == []
+    in_flight.clear()
+    assert preparation.wait(10)
+    assert chunks == [[8], [6], [4], [3]]  # one length a chunk by default
+    assert preparation.claim([4]) == []  # ended: nothing left to claim
+    report = preparation.progress()
+    assert (report["lengths"], report["of"], report["ahead_of_requests"]) == (6, 6, 2)
 
 
 def test_no_chunk_starts_while_a_generation_is_in_flight():
@@ -62,7 +85,13 @@ def test_close_stops_after_the_chunk_in_flight():
     release.set()  # the chunk in flight ends; no other starts
     closing.join(10)
     assert chunks == [[9, 8]]
-    assert preparation.progress() == {"lengths": 2, "of": 10, "seconds": pytest.approx(0.1, abs=5), "state": "stopped"}
+    assert preparation.progress() == {
+        "lengths": 2,
+        "of": 10,
+        "ahead_of_requests": 0,
+        "seconds": pytest.approx(0.1, abs=5),
+        "state": "stopped",
+    }
 
 
 def test_a_failing_chunk_is_logged_once_and_reported(caplog):
@@ -139,6 +168,45 @@ def test_background_lengths_run_on_the_denoise_thread_between_requests_and_chang
         backend.close()
 
 
+def test_a_request_has_its_own_lengths_met_on_the_denoise_thread_ahead_of_its_denoising(pipe, one_torch_thread):
+    """While the background preparation runs, a request of the default size whose prompt lengths (prompt and
+    negative prompt, Raw's CFG) are not met has them met on the denoise thread before its own denoising, once;
+    the next request of those lengths meets none, and the bytes are those of a backend that met none."""
+    backend = PipelineBackend(pipe, CacheConfig.defaults(), variant_defaults(pipe, "raw", (32, 32)), staged=True)
+    try:
+        request = _spec("a lighthouse at dusk", 5)
+        before = backend.generate(request)
+        stages, order = backend.stages(), []
+        original = pipe.prepare_text_lengths
+
+        def recorded(*size, lengths=None):
+            order.append(("prepare", sorted(lengths), threading.current_thread()))
+            return original(*size, lengths=lengths)
+
+        hook = pipe.transformer.register_forward_pre_hook(
+            lambda *_: order.append(("denoise", None, threading.current_thread()))
+        )
+        held = threading.Event()  # the background thread waits: only the request meets lengths here
+        held.set()
+        backend.text_lengths = TextLengthPreparation(print, pipe.text_lengths(), held.is_set).start()
+        try:
+            pipe.prepare_text_lengths = recorded
+            answers = [backend.generate(request) for _ in range(2)]
+        finally:
+            del pipe.prepare_text_lengths
+            hook.remove()
+            backend.text_lengths.close(0)
+        tokens = sorted(pipe.text_encoder.num_valid_tokens(["a lighthouse at dusk", ""]))
+        denoise = stages.thread_of("denoise")
+        assert order[0] == ("prepare", tokens, denoise)  # before the first request's first transformer call
+        assert [entry[0] for entry in order].count("prepare") == 1  # the second request's lengths were met
+        assert {thread for _, _, thread in order} == {denoise}
+        assert backend.text_lengths.progress()["ahead_of_requests"] == 2
+        assert all(a.images_b64 == before.images_b64 for a in answers)
+    finally:
+        backend.close()
+
+
 def test_lengths_outside_the_prompt_lengths_are_refused(pipe):
     lengths = pipe.text_lengths()
     with pytest.raises(ValueError, match=rf"lengths \[{lengths.stop}\] are not prompt lengths"):
@@ -164,7 +232,8 @@ def test_ready_to_serve_starts_the_background_preparation_after_ready_and_close_
     backend = Backend()
     ready_to_serve(backend, warm_up=False, prepare_text_lengths="background", report=lines.append)
     assert lines[-2:] == [
-        "prompt lengths prepared in the background: {'lengths': 3, 'of': 3, 'seconds': 0.0, 'state': 'done'}",
+        "prompt lengths prepared in the background: "
+        "{'lengths': 3, 'of': 3, 'ahead_of_requests': 0, 'seconds': 0.0, 'state': 'done'}",
         "preparing prompt lengths in the background, between requests",
     ]
     assert backend.startup_report()["text_lengths"]["state"] == "done"

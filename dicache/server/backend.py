@@ -32,6 +32,7 @@ import contextvars
 import gc
 import hashlib
 import io
+import logging
 import os
 import threading
 import time
@@ -77,6 +78,8 @@ from .stages import GenerationStages, inline
 from .startup import StartupTimeline
 from .stop_points import install_stop_points
 from .text_lengths import TextLengthPreparation
+
+log = logging.getLogger("dicache.server")
 
 
 class GenerationStopped(Exception):
@@ -290,6 +293,7 @@ class PipelineBackend:
         raise failure  # a fresh exception: its traceback starts here and holds no tensor
 
     def _phases(self, spec: GenerationSpec, run: Callable[..., Any], start: float) -> GenerationResult:
+        self._meet_lengths_ahead(spec)
         run = self._releasing_on_oom(run)
         encoded = run("encode", self._encode, spec)
         latents, stats, denoise_s = run("denoise", self._denoise, spec, encoded)
@@ -314,12 +318,16 @@ class PipelineBackend:
 
         return guarded
 
+    def _plan(self, spec: GenerationSpec) -> Any:
+        """The pipeline's plan of `spec`'s call (one prompt)."""
+        return self.pipe.plan_call(
+            1, spec.height, spec.width, spec.num_inference_steps, spec.guidance_scale, spec.n, "pt", spec.variant
+        )
+
     def _encode(self, spec: GenerationSpec) -> _Encoded:
         """Phase 1: the call's plan, its text conditioning and its starting noise (seeded on the CPU)."""
         start = time.perf_counter()
-        plan = self.pipe.plan_call(
-            1, spec.height, spec.width, spec.num_inference_steps, spec.guidance_scale, spec.n, "pt", spec.variant
-        )
+        plan = self._plan(spec)
         cond, uncond = self.pipe.condition(plan, [spec.prompt], spec.negative_prompt)
         latents = self.pipe.starting_latents(plan, seed=spec.seed)
         return _Encoded(plan, cond, uncond, latents, _seconds_since(start, latents))
@@ -480,6 +488,31 @@ class PipelineBackend:
         start = time.perf_counter()
         lengths = prepare()
         return {"lengths": lengths, "seconds": round(time.perf_counter() - start, 2)}
+
+    def _meet_lengths_ahead(self, spec: GenerationSpec) -> None:
+        """While the background preparation runs (`prepare_text_lengths(background=True)`): the request's prompt
+        lengths (its prompt's, and its negative prompt's with CFG) that are not met yet are queued on the denoise
+        thread now, so that they are met while the prompt is encoded rather than in the request's denoising. Only
+        for the shape the preparation meets (the default size, one image); a failure is logged and leaves the length
+        to the request."""
+        preparation, stages = self.text_lengths, self._stages
+        if preparation is None or stages is None or spec.n != 1:
+            return
+        if (spec.height, spec.width) != (self.defaults.height, self.defaults.width):
+            return
+        prompts = [spec.prompt] + ([spec.negative_prompt or ""] if self._plan(spec).cfg else [])
+        lengths = preparation.claim(self.pipe.text_encoder.num_valid_tokens(prompts))
+        if not lengths:
+            return
+        size = (self.defaults.height, self.defaults.width)
+
+        def meet() -> None:
+            try:
+                self.pipe.prepare_text_lengths(*size, lengths=lengths)
+            except Exception:  # the request meets them itself, as with no preparation
+                log.exception("meeting prompt lengths %s ahead of a request failed", lengths)
+
+        stages.submit("denoise", meet)
 
     def startup_report(self) -> dict[str, Any] | None:
         """`startup` (the phases `ready_to_serve` recorded) with the background preparation's progress now."""

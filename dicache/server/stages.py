@@ -30,7 +30,7 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -64,12 +64,17 @@ class GenerationStages:
             torch.cuda.set_device(self.device)
 
     def run(self, phase: str, fn: Callable[..., _T], *args: Any) -> _T:
+        return self.submit(phase, fn, *args).result()
+
+    def submit(self, phase: str, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        """`run` without waiting: `fn` is queued on the phase's thread (after what is queued there already, before
+        what comes later) and the future gives its result once its GPU work is finished."""
         if self._closed:
             raise RuntimeError("GenerationStages: closed")
         if phase not in self._executors:
             raise ValueError(f"phase={phase!r} is invalid: must be one of {', '.join(self._executors)}")
         context = contextvars.copy_context()
-        return self._executors[phase].submit(context.run, self._in_phase, phase, fn, args).result()
+        return self._executors[phase].submit(context.run, self._in_phase, phase, fn, args)
 
     def _in_phase(self, phase: str, fn: Callable[..., _T], args: tuple) -> _T:
         stream = self._streams[phase]
