@@ -66,7 +66,7 @@ serve() {
 tests() {
   timeout 240 python3 -m pytest -m gpu tests/test_compile_artifact.py tests/test_gpu_health.py tests/test_weight_snapshot.py \
     tests/test_text_lengths.py tests/test_server_stages.py -p no:cacheprovider \
-    -q -s 2>&1 | tee "$out/gpu-tests.log" | tail -n 40
+    -s -rA 2>&1 | tee "$out/gpu-tests.log" | tail -n 40
 }
 
 generate() {

@@ -30,6 +30,7 @@ import py_compile
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -121,12 +122,15 @@ def write_in_background(store: str | os.PathLike, modules: Iterable[Any] | None 
     try:
         sources.write_text(json.dumps(paths))
         command = [sys.executable, "-m", "dicache.models.artifact_bytecode", str(target), str(sources)]
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        writer = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
         with contextlib.suppress(OSError):
             sources.unlink(missing_ok=True)
         log.warning("bytecode: cannot write %s (%s); later starts compile their modules' sources", target, exc)
         return None
+    # reaped when it ends (no zombie left while the server runs); `wait` still works for a caller that waits for it
+    threading.Thread(target=writer.wait, name="dicache-bytecode-reaper", daemon=True).start()
+    return writer
 
 
 WRITER_STALE_S = 600.0
