@@ -187,3 +187,53 @@ def test_every_block_is_drawn_when_each_handed_block_is_quantised():
     materialize_random(parts, device="cpu", dtype=torch.bfloat16, parts=parts.block_names(), on_part=quantize_block)
     assert undrawn == []
     assert type(parts.transformer_blocks[-1].attn.to_q.weight).__name__ == "Int8Tensor"  # every block quantised
+
+
+def test_the_text_encoders_model_code_is_imported_on_a_thread_while_the_transformer_loads(monkeypatch):
+    """transformers' model code for the text encoder is imported on its own thread, started before the transformer
+    is read, and the loading waits for it before building the text encoder; the loaded model is unchanged."""
+    import threading
+
+    from dicache.models.krea2 import checkpoints
+
+    events = []
+    real_import, real_load = checkpoints._import_text_encoder_code, checkpoints.load_transformer
+
+    def recording_import():
+        events.append(("imports", threading.current_thread().name))
+        real_import()
+
+    def recording_load(*args, **kwargs):
+        started = [name for kind, name in events if kind == "thread started"]
+        events.append(("transformer", started))
+        return real_load(*args, **kwargs)
+
+    real_start = threading.Thread.start
+
+    def recording_start(thread):
+        events.append(("thread started", thread.name))
+        real_start(thread)
+
+    monkeypatch.setattr(checkpoints, "_import_text_encoder_code", recording_import)
+    monkeypatch.setattr(checkpoints, "load_transformer", recording_load)
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
+    pipe = Krea2Pipeline.from_pretrained(quantization="int8")
+    monkeypatch.undo()
+    assert ("transformer", ["dicache-text-encoder-imports"]) in events  # started before the transformer's read
+    assert ("imports", "dicache-text-encoder-imports") in events
+    imports = [event for event in events if event[0] == "imports"]
+    assert imports[-1] == ("imports", "MainThread")  # then waited for, in place, before the text encoder is built
+    reference = Krea2Pipeline.from_pretrained(quantization="int8")
+    a, b = _state(pipe.text_encoder.text_encoder), _state(reference.text_encoder.text_encoder)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_with_torchao_installed_but_not_imported_the_text_encoders_code_is_imported_in_place(monkeypatch):
+    """Hiding torchao on another thread would hide it from the main thread too: then no thread is started."""
+    import sys
+
+    from dicache.models.krea2 import checkpoints
+
+    monkeypatch.delitem(sys.modules, "torchao", raising=False)
+    monkeypatch.setattr(checkpoints.importlib.util, "find_spec", lambda name, *a: object())
+    assert checkpoints._import_text_encoder_code_meanwhile(None) is None

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import pathlib
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -92,6 +95,8 @@ def load_components(
 
     weights = dict(dtype=dtype, device=device, load_format=load_format, **hub_kwargs)
     clock = _PhaseClock()
+    text_listed = _component_listed(index, "text_encoder") and _component_listed(index, "tokenizer")
+    text_code = _import_text_encoder_code_meanwhile(quantization) if text_listed else None
     transformer = load_transformer(
         path_or_repo_id,
         quantization,
@@ -104,11 +109,12 @@ def load_components(
     scheduler = FlowMatchEulerScheduler.from_pretrained(path_or_repo_id, subfolder="scheduler", **hub_kwargs)
     text_encoder = None
     text_source = source("tokenizer", "text_encoder")
-    if _component_listed(index, "text_encoder") and _component_listed(index, "tokenizer") and text_source:
+    if text_listed and text_source:
         folder = pathlib.Path(resolve_component_dir(text_source, "text_encoder", **hub_kwargs))
-        with clock.phase("imports"), hidden_packages("torchao"):  # as `Krea2TextEncoder.from_pretrained` imports it
-            # transformers' model code: seconds, not the weights' reading
-            from transformers import AutoTokenizer, Qwen3VLModel  # noqa: F401 - the text encoder is built of them
+        with clock.phase("imports"):  # transformers' model code: seconds, not the weights' reading
+            if text_code is not None:
+                text_code.join()  # imported while the transformer loaded; what is left of it is waited for here
+            _import_text_encoder_code()
         text_encoder = load_text_encoder(
             text_source,
             text_encoder_quantization,
@@ -140,6 +146,34 @@ def load_components(
         default_size=(int(size[0]), int(size[1])),
         sample_prompts=extras.get("sample_prompts", base_extras.get("sample_prompts")),
     )
+
+
+def _import_text_encoder_code() -> None:
+    """Import transformers' model code the text encoder is built of, torchao hidden from it
+    (`Krea2TextEncoder.from_pretrained` imports it the same way)."""
+    with hidden_packages("torchao"):
+        from transformers import AutoTokenizer, Qwen3VLModel  # noqa: F401
+
+
+def _import_text_encoder_code_meanwhile(quantization: QuantizationSpec | None) -> threading.Thread | None:
+    """Start importing the text encoder's model code (`_import_text_encoder_code`, seconds of Python) on a thread,
+    so that it runs while the transformer is read (the main thread mostly waits for the disk then). Only where hiding
+    torchao from it changes nothing another thread could see: torchao imported already (it is imported here first
+    when `quantization` will need it) or not installed; otherwise None and the import runs in its place, as before.
+    A failure on the thread is left to the import in its place, which raises it."""
+    if quantization is not None and quantization.method not in EMULATED_METHODS:
+        with contextlib.suppress(ImportError):
+            import torchao  # noqa: F401 - the transformer's quantisation imports it anyway
+    if "torchao" not in sys.modules and importlib.util.find_spec("torchao") is not None:
+        return None
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            _import_text_encoder_code()
+
+    thread = threading.Thread(target=run, name="dicache-text-encoder-imports", daemon=True)
+    thread.start()
+    return thread
 
 
 def load_transformer(
