@@ -185,6 +185,48 @@ def test_a_start_lists_the_libraries_it_mapped_and_the_modules_it_read(recorded)
     assert json.loads(pathlib.Path(saved["path"]).read_text()) == listing
 
 
+def test_a_later_start_answers_packages_distributions_from_the_listing(recorded, monkeypatch):
+    """The listing keeps `importlib.metadata.packages_distributions()` as the recording process computed it; a later
+    start of this installation answers the call from it (the metadata is not read: transformers' import asks for it)
+    and each answer is a fresh copy; a store without it changes nothing."""
+    import importlib.metadata
+
+    store, _ = recorded
+    computed = importlib.metadata.packages_distributions
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", computed)  # restored after the test
+    expected = computed()
+    assert startup_files.use_known_distributions(None) is False
+    assert startup_files.use_known_distributions(store.parent / "elsewhere") is False
+    assert importlib.metadata.packages_distributions is computed
+
+    assert startup_files.use_known_distributions(store) is True
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: pytest.fail("the metadata was read"))
+    answer = importlib.metadata.packages_distributions()
+    assert answer == expected and "torch" in answer
+    answer["torch"].append("changed")
+    assert importlib.metadata.packages_distributions() == expected  # a fresh copy per call
+    assert importlib.metadata.packages_distributions.computed is computed
+
+
+def test_the_command_lines_entry_answers_packages_distributions_from_the_store(recorded, monkeypatch):
+    import importlib.metadata
+
+    from dicache import cli
+
+    store, _ = recorded
+    computed = importlib.metadata.packages_distributions
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", computed)
+    monkeypatch.setattr(cli, "start_prefetch", lambda argv: None)
+    parsed = type("Args", (), {"run": None})()
+    monkeypatch.setattr(
+        cli, "build_parser", lambda: type("P", (), {"parse_args": lambda self, a: parsed, "print_help": print})()
+    )
+    cli.main(["serve", "--compile-artifact", str(store)])  # without --compile no store is used: nothing changes
+    assert importlib.metadata.packages_distributions is computed
+    cli.main(["serve", "--compile", "--compile-artifact", str(store)])
+    assert importlib.metadata.packages_distributions.computed is computed
+
+
 def test_the_listed_files_are_read_first_and_those_gone_are_skipped(tmp_path):
     store = tmp_path / "store"
     code = tmp_path / "libexample.so.1"

@@ -69,6 +69,26 @@ def test_no_chunk_starts_while_a_generation_is_in_flight():
     assert started == [([8, 7, 6], False), ([5, 4, 3], False)]
 
 
+def test_a_chunk_waits_for_a_lull_of_idle_s_after_ready_and_after_each_generation():
+    """No chunk in the first `idle_s` after start (requests follow a server's ready at once), nor within `idle_s`
+    of the last generation; then the chunks follow one another while the server stays idle."""
+    in_flight, started = threading.Event(), []
+    preparation = TextLengthPreparation(
+        lambda part: started.append((part, time.monotonic())), [4, 3], in_flight.is_set, idle_s=0.6, idle_poll_s=0.01
+    )
+    begun = time.monotonic()
+    preparation.start()
+    time.sleep(0.3)
+    in_flight.set()  # a generation from 0.3 s to 0.5 s
+    time.sleep(0.2)
+    ended = time.monotonic()
+    in_flight.clear()
+    assert preparation.wait(10)
+    assert [part for part, _ in started] == [[4], [3]]
+    assert started[0][1] - ended >= 0.6 and started[0][1] - begun >= 1.1
+    assert started[1][1] - started[0][1] < 0.3  # no second lull between chunks
+
+
 def test_close_stops_after_the_chunk_in_flight():
     release, running, chunks = threading.Event(), threading.Event(), []
 

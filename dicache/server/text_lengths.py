@@ -10,8 +10,9 @@ is not met yet has it met on the denoise thread while its prompt is encoded (`cl
 will meet them: the server's denoise thread), `busy()` says whether a generation is in flight. Contract:
 - the lengths are met longest first (`Krea2Transformer.prepare_text_lengths` says why), each exactly once, in
   chunks of at most `chunk`;
-- a chunk starts only when `busy()` is false, checked just before it starts; while busy, the thread waits
-  `idle_poll_s` and asks again;
+- a chunk starts only when `busy()` is false, checked just before it starts, and has been false for `idle_s`
+  (asked every `idle_poll_s`; the first wait counts from `start()`): the lengths fill lulls in the traffic, and the
+  requests that follow the server's ready, or each other closely, find no chunk in flight;
 - `claim(lengths)` returns those of `lengths` neither met nor claimed yet and marks them claimed: the caller meets
   them (the backend, ahead of the request that needs them) and the thread skips them;
 - `close()` stops it after the chunk in flight (the server's shutdown); an error of `prepare` ends it, is logged
@@ -30,6 +31,10 @@ from typing import Any
 
 log = logging.getLogger("dicache.server")
 
+IDLE_S = 2.0
+"""Seconds without a generation in flight before a chunk starts (from ready for the first chunk): a server that has
+just become ready is sent requests at once, and a chunk in flight made the first of them 10-27 % slower."""
+
 CHUNK_LENGTHS = 1
 """Lengths per chunk: 50-75 ms of work on an H200 at 1024², the longest a request that arrives while one runs waits
 for it (a chunk of two left the first request after ready 10-27 % slower than the steady state on an H100)."""
@@ -45,6 +50,7 @@ class TextLengthPreparation:
         busy: Callable[[], bool],
         *,
         chunk: int = CHUNK_LENGTHS,
+        idle_s: float = IDLE_S,
         idle_poll_s: float = 0.05,
         on_done: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
@@ -52,7 +58,8 @@ class TextLengthPreparation:
             raise ValueError(f"TextLengthPreparation: chunk={chunk!r} must be >= 1")
         self.lengths = sorted(set(lengths), reverse=True)
         self._all = frozenset(self.lengths)
-        self._prepare, self._busy, self.chunk, self.idle_poll_s = prepare, busy, chunk, idle_poll_s
+        self._prepare, self._busy, self.chunk = prepare, busy, chunk
+        self.idle_s, self.idle_poll_s = idle_s, idle_poll_s
         self._on_done = on_done
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -84,12 +91,25 @@ class TextLengthPreparation:
             self._taken.update(part)
         return part
 
+    def _wait_for_a_lull(self, quiet_since: float | None) -> float | None:
+        """Wait until `busy()` has been false for `idle_s` (`quiet_since`: when it was last seen turning false, None
+        while busy) or the thread is stopped; returns the new `quiet_since`."""
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self._busy():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            if quiet_since is not None and now - quiet_since >= self.idle_s:
+                break
+            self._stop.wait(self.idle_poll_s)
+        return quiet_since
+
     def _run(self) -> None:
+        quiet_since: float | None = time.monotonic()
         try:
             while True:
-                while self._busy():
-                    if self._stop.wait(self.idle_poll_s):
-                        break
+                quiet_since = self._wait_for_a_lull(quiet_since)
                 if self._stop.is_set():
                     self._finish("stopped")
                     return
