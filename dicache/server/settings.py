@@ -24,8 +24,9 @@ API_KEY_ENV = "DICACHE_API_KEY"
 """The API key's environment variable (`--api-key` wins over it)."""
 
 TEXT_LENGTH_MODES: dict[str, str] = {
-    "background": "after the server is ready, between requests, two lengths at a time (a request waits for at "
-    "most one such chunk, about 0.15 s on an H200; a length not met yet pays its own set-up)",
+    "background": "after the server is ready, one length at a time once no request has been in flight for 2 s (a "
+    "request waits for at most one such chunk, about 0.05-0.1 s; a request's own lengths not met yet are met while "
+    "its prompt is encoded)",
     "before-ready": "before the server is ready (about 22 s for Krea-2 at 1024² on an H200)",
     "off": "never",
 }
