@@ -37,7 +37,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -293,6 +293,7 @@ class PipelineBackend:
         raise failure  # a fresh exception: its traceback starts here and holds no tensor
 
     def _phases(self, spec: GenerationSpec, run: Callable[..., Any], start: float) -> GenerationResult:
+        self._meet_lengths_ahead(spec)
         run = self._releasing_on_oom(run)
         encoded = run("encode", self._encode, spec)
         latents, stats, denoise_s = run("denoise", self._denoise, spec, encoded)
@@ -317,18 +318,19 @@ class PipelineBackend:
 
         return guarded
 
+    def _plan(self, spec: GenerationSpec) -> Any:
+        """The pipeline's plan of `spec`'s call (one prompt)."""
+        return self.pipe.plan_call(
+            1, spec.height, spec.width, spec.num_inference_steps, spec.guidance_scale, spec.n, "pt", spec.variant
+        )
+
     def _encode(self, spec: GenerationSpec) -> _Encoded:
         """Phase 1: the call's plan, its text conditioning and its starting noise (seeded on the CPU)."""
         start = time.perf_counter()
-        plan = self.pipe.plan_call(
-            1, spec.height, spec.width, spec.num_inference_steps, spec.guidance_scale, spec.n, "pt", spec.variant
-        )
+        plan = self._plan(spec)
         cond, uncond = self.pipe.condition(plan, [spec.prompt], spec.negative_prompt)
         latents = self.pipe.starting_latents(plan, seed=spec.seed)
-        encoded = _Encoded(plan, cond, uncond, latents, 0.0)
-        self._meet_lengths_ahead(spec, encoded.text_tokens.values())  # while the GPU runs the work queued above
-        encoded.seconds = _seconds_since(start, latents)
-        return encoded
+        return _Encoded(plan, cond, uncond, latents, _seconds_since(start, latents))
 
     def _denoise(self, spec: GenerationSpec, encoded: _Encoded) -> tuple[torch.Tensor, RequestStats | None, float]:
         """Phase 2: the denoising loop in the request's cache scope (`spec.cache`, checked by `resolve`); returns the
@@ -487,18 +489,19 @@ class PipelineBackend:
         lengths = prepare()
         return {"lengths": lengths, "seconds": round(time.perf_counter() - start, 2)}
 
-    def _meet_lengths_ahead(self, spec: GenerationSpec, text_tokens: Iterable[int]) -> None:
+    def _meet_lengths_ahead(self, spec: GenerationSpec) -> None:
         """While the background preparation runs (`prepare_text_lengths(background=True)`): the request's prompt
-        lengths (`text_tokens`, each branch's) that are not met yet are queued on the denoise thread, ahead of the
-        request's denoising. Called by the encode phase once its GPU work is queued: the length's set-up (CPU work on
-        the denoise thread) then runs while the GPU encodes, rather than in the denoising. Only for the shape the
-        preparation meets (the default size, one image); a failure is logged and leaves the length to the request."""
+        lengths (its prompt's, and its negative prompt's with CFG) that are not met yet are queued on the denoise
+        thread now, so that they are met while the prompt is encoded rather than in the request's denoising. Only
+        for the shape the preparation meets (the default size, one image); a failure is logged and leaves the length
+        to the request."""
         preparation, stages = self.text_lengths, self._stages
         if preparation is None or stages is None or spec.n != 1:
             return
         if (spec.height, spec.width) != (self.defaults.height, self.defaults.width):
             return
-        lengths = preparation.claim(text_tokens)
+        prompts = [spec.prompt] + ([spec.negative_prompt or ""] if self._plan(spec).cfg else [])
+        lengths = preparation.claim(self.pipe.text_encoder.num_valid_tokens(prompts))
         if not lengths:
             return
         size = (self.defaults.height, self.defaults.width)
