@@ -185,27 +185,34 @@ def test_a_start_lists_the_libraries_it_mapped_and_the_modules_it_read(recorded)
     assert json.loads(pathlib.Path(saved["path"]).read_text()) == listing
 
 
-def test_a_later_start_answers_packages_distributions_from_the_listing(recorded, monkeypatch):
-    """The listing keeps `importlib.metadata.packages_distributions()` as the recording process computed it; a later
-    start of this installation answers the call from it (the metadata is not read: transformers' import asks for it)
-    and each answer is a fresh copy; a store without it changes nothing."""
+def test_a_later_start_answers_packages_distributions_from_the_listing(tmp_path, monkeypatch):
+    """The listing keeps `importlib.metadata.packages_distributions()` as the recording process computed it, with the
+    `sys.path` it searched; a later start of this installation answers the call from it while its `sys.path` is the
+    same (the metadata is not read: transformers' import asks for it), a fresh copy each time, and computes it as
+    before on another `sys.path`; a store without it changes nothing."""
     import importlib.metadata
 
-    store, _ = recorded
+    store = tmp_path / "store"
     computed = importlib.metadata.packages_distributions
     monkeypatch.setattr(importlib.metadata, "packages_distributions", computed)  # restored after the test
+    assert startup_files.record(store)["status"] == "saved"
     expected = computed()
     assert startup_files.use_known_distributions(None) is False
-    assert startup_files.use_known_distributions(store.parent / "elsewhere") is False
+    assert startup_files.use_known_distributions(tmp_path / "elsewhere") is False
     assert importlib.metadata.packages_distributions is computed
 
     assert startup_files.use_known_distributions(store) is True
-    monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: pytest.fail("the metadata was read"))
+    reads = []
+    real_distributions = importlib.metadata.distributions
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: reads.append(1) or real_distributions(**kw))
     answer = importlib.metadata.packages_distributions()
-    assert answer == expected and "torch" in answer
+    assert answer == expected and "torch" in answer and reads == []
     answer["torch"].append("changed")
-    assert importlib.metadata.packages_distributions() == expected  # a fresh copy per call
+    assert importlib.metadata.packages_distributions() == expected and reads == []  # a fresh copy per call
     assert importlib.metadata.packages_distributions.computed is computed
+
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])  # another search path: computed as before
+    assert importlib.metadata.packages_distributions() == computed() and reads
 
 
 def test_the_command_lines_entry_answers_packages_distributions_from_the_store(recorded, monkeypatch):

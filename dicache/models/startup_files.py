@@ -126,7 +126,8 @@ def record(store: str | os.PathLike) -> dict[str, Any]:
     files = startup_files()
     size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
     body = {"python": sys.version, "executable": sys.executable, "made": time.strftime("%Y-%m-%d %H:%M:%S")}
-    body |= {"bytes": size, "files": files, "packages_distributions": _real_packages_distributions()}
+    body |= {"bytes": size, "files": files}
+    body |= {"packages_distributions": _real_packages_distributions(), "sys_path": list(sys.path)}
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,19 +150,23 @@ def _real_packages_distributions() -> dict[str, list[str]]:
 
 def use_known_distributions(store: str | os.PathLike | None) -> bool:
     """Answer `importlib.metadata.packages_distributions()` in this process from `store`'s listing for this
-    installation (`listing_path`: its digest names every installed distribution and version, so the answer is the
-    one the call would compute), a fresh copy per call; whether it was set (False, nothing changed: no store, no
+    installation (`listing_path`: its digest names every installed distribution and version), a fresh copy per
+    call, while `sys.path` is the one the listing's answer was computed on (the call searches it; with another
+    `sys.path` the call computes as before). Returns whether it was set (False, nothing changed: no store, no
     listing, or one without it). The original stays reachable as the replacement's `computed`."""
     if store is None:
         return False
     try:
-        known = json.loads(listing_path(store).read_text())["packages_distributions"]
-        known = {str(name): [str(d) for d in dists] for name, dists in known.items()}
+        listing = json.loads(listing_path(store).read_text())
+        known = {str(name): [str(d) for d in dists] for name, dists in listing["packages_distributions"].items()}
+        searched = [str(entry) for entry in listing["sys_path"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
     computed = getattr(importlib.metadata.packages_distributions, "computed", importlib.metadata.packages_distributions)
 
     def packages_distributions() -> dict[str, list[str]]:
+        if sys.path != searched:
+            return computed()
         return {name: list(dists) for name, dists in known.items()}
 
     packages_distributions.computed = computed  # type: ignore[attr-defined]
