@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from .errors import DicacheError
-from .models import artifact_bytecode, startup_files
+from .models import artifact_bytecode
 from .models.prefetch import argv_request, start_prefetch
 
 SUBCOMMANDS = ("generate", "serve", "warmup", "sweep", "calibrate", "config")
@@ -34,9 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     request = argv_request(argv)
-    if request is not None and request["store"] is not None:  # the store's bytecode for the imports to come
-        artifact_bytecode.use(request["store"])
-        startup_files.use_known_distributions(request["store"])  # what transformers' import asks of the metadata
+    if request is not None:  # the store's bytecode and known distributions for the imports to come
+        artifact_bytecode.prepare_imports(request["store"])
     start_prefetch(argv)  # before the commands' modules import torch: the disk works while the process imports
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -819,3 +819,21 @@ def test_a_replica_follows_the_board_and_keeps_serving_without_one(monkeypatch):
             await task
 
     asyncio.run(scenario())
+
+
+def test_a_compiling_replica_takes_the_stores_bytecode_before_it_loads_its_model(tmp_path, monkeypatch):
+    """As `dicache serve`'s entry: a replica with --compile and an artifact store reads its modules' bytecode from
+    the store for the imports its loading does; without --compile nothing changes."""
+    from dicache.models import artifact_bytecode
+    from dicache.server import backend
+
+    store = tmp_path / "store"
+    folder = artifact_bytecode.folder(store)
+    folder.mkdir(parents=True)
+    seen = []
+    monkeypatch.setattr(backend, "load_backend", lambda *args, **kwargs: seen.append(sys.pycache_prefix))
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    ReplicaSpec(compile=True, compile_artifact=str(store), device="cpu").load_backend()
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    ReplicaSpec(compile=False, compile_artifact=str(store), device="cpu").load_backend()
+    assert seen == [str(folder), None]

@@ -157,6 +157,17 @@ def use(store: str | os.PathLike | None) -> pathlib.Path | None:
     return target
 
 
+def prepare_imports(store: str | os.PathLike | None) -> None:
+    """What a process does with its artifact store before it imports its command's modules (`dicache`'s command
+    line, a Ray Serve replica before it loads its model): read their bytecode from the store (`use`) and answer
+    `importlib.metadata.packages_distributions()` from the store's listing (`startup_files.use_known_distributions`).
+    Nothing changes without a store, or for what the store lacks."""
+    if store is None:
+        return
+    use(store)
+    startup_files.use_known_distributions(store)
+
+
 def files(store: str | os.PathLike | None) -> list[pathlib.Path]:
     """Every bytecode file of `folder(store)` (for the prefetch to read ahead); [] when there is none."""
     target = folder(store) if store is not None else None

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ...models import artifact_bytecode
 from ...models.store_layout import artifact_store, weight_snapshot_store
 from ...settings.cache_config import CacheConfig
 from ..settings import ServerSettings
@@ -53,6 +54,9 @@ class ReplicaSpec:
     def load_backend(self, device: str | None = None) -> Any:
         """The replica's backend, loaded on `device`; a replica in one process quantises each block as it is read
         (a split one after the split: `apply_speed`)."""
+        # as `dicache serve`'s entry: with --compile, the artifact store's bytecode and known distributions for the
+        # imports to come (the model's and the text encoder's)
+        artifact_bytecode.prepare_imports(artifact_store(self.compile_artifact) if self.compile else None)
         from ..backend import load_backend  # the serve extra (fastapi), which parsing the command line does not need
 
         if self.torch_threads is not None:
