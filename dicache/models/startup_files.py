@@ -127,7 +127,7 @@ def record(store: str | os.PathLike) -> dict[str, Any]:
     size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
     body = {"python": sys.version, "executable": sys.executable, "made": time.strftime("%Y-%m-%d %H:%M:%S")}
     body |= {"bytes": size, "files": files}
-    body |= {"packages_distributions": _real_packages_distributions(), "sys_path": list(sys.path)}
+    body |= {"packages_distributions": _computing_packages_distributions()(), "sys_path": list(sys.path)}
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,10 +142,11 @@ def record(store: str | os.PathLike) -> dict[str, Any]:
     return {"status": "saved", "path": str(path), "files": len(files), "GB": round(size / 1e9, 3)}
 
 
-def _real_packages_distributions() -> dict[str, list[str]]:
-    """`importlib.metadata.packages_distributions()` computed from the installed distributions' metadata."""
+def _computing_packages_distributions() -> Any:
+    """`importlib.metadata.packages_distributions` itself, the function that reads the installed distributions'
+    metadata (the original behind `use_known_distributions`' replacement)."""
     answer = importlib.metadata.packages_distributions
-    return getattr(answer, "computed", answer)()
+    return getattr(answer, "computed", answer)
 
 
 def use_known_distributions(store: str | os.PathLike | None) -> bool:
@@ -162,7 +163,7 @@ def use_known_distributions(store: str | os.PathLike | None) -> bool:
         searched = [str(entry) for entry in listing["sys_path"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
-    computed = getattr(importlib.metadata.packages_distributions, "computed", importlib.metadata.packages_distributions)
+    computed = _computing_packages_distributions()
 
     def packages_distributions() -> dict[str, list[str]]:
         if sys.path != searched:
