@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dicache.models.krea2 import Krea2Pipeline
+from dicache.models.krea2.attention_plans import ENV
 from dicache.server.backend import PipelineBackend, ready_to_serve, variant_defaults
 from dicache.server.generation import GenerationSpec
 from dicache.server.text_lengths import TextLengthPreparation
@@ -227,6 +228,60 @@ def test_a_request_has_its_own_lengths_met_on_the_denoise_thread_ahead_of_its_de
         backend.close()
 
 
+def test_the_warm_up_meets_its_prompts_plans_and_the_preparation_one_length_per_plan_left(pipe, monkeypatch):
+    """After the warm-up, the lengths to meet are one stand-in per attention plan the warm-up did not meet: with
+    shared plans a handful (the pipeline's `attention_plan_lengths`), with a plan per length every length but the
+    warm-up prompts'."""
+    backend = PipelineBackend(pipe, CacheConfig.defaults(), variant_defaults(pipe, "raw", (32, 32)))
+    try:
+        backend.warm_up()
+    finally:
+        backend.close()
+    warmed = set(pipe.text_encoder.num_valid_tokens(list(PipelineBackend.WARM_UP_PROMPTS)))
+    assert backend.lengths_met == warmed and len(warmed) == 2
+    monkeypatch.setenv(ENV, "1")
+    lengths, stand_ins, counts = backend.text_lengths_to_meet()
+    assert stand_ins == pipe.attention_plan_lengths(32, 32)
+    met = {stand_ins[n] for n in warmed}
+    assert lengths == sorted(set(stand_ins.values()) - met, reverse=True) and lengths
+    assert counts == {"lengths": len(lengths), "prompt_lengths": len(pipe.text_lengths()), "plans_met": len(met)}
+    monkeypatch.setenv(ENV, "0")
+    lengths, stand_ins, counts = backend.text_lengths_to_meet()
+    assert lengths == sorted(set(pipe.text_lengths()) - warmed, reverse=True)
+    assert counts["plans_met"] == 2 and stand_ins == {n: n for n in pipe.text_lengths()}
+
+
+def test_a_request_meets_the_stand_in_length_of_its_plan_ahead(pipe, one_torch_thread, monkeypatch):
+    """With shared plans the preparation holds one stand-in length per plan, and a request has its plans' stand-ins
+    met ahead of its denoising (not its own lengths, which share their plans)."""
+    monkeypatch.setenv(ENV, "1")
+    backend = PipelineBackend(pipe, CacheConfig.defaults(), variant_defaults(pipe, "raw", (32, 32)), staged=True)
+    try:
+        lengths, stand_ins, _ = backend.text_lengths_to_meet()
+        held = threading.Event()  # the background thread waits: only the request meets lengths here
+        held.set()
+        backend._plan_stand_ins = stand_ins  # as prepare_text_lengths(background=True) sets them on a GPU
+        backend.text_lengths = TextLengthPreparation(print, lengths, held.is_set).start()
+        met = []
+        original = pipe.prepare_text_lengths
+
+        def recorded(*size, lengths=None):
+            met.append(sorted(lengths))
+            return original(*size, lengths=lengths)
+
+        try:
+            pipe.prepare_text_lengths = recorded
+            backend.generate(_spec("a lighthouse at dusk", 5))
+        finally:
+            del pipe.prepare_text_lengths
+            backend.text_lengths.close(0)
+        tokens = pipe.text_encoder.num_valid_tokens(["a lighthouse at dusk", ""])
+        assert met == [sorted({stand_ins[n] for n in tokens})]
+        assert met[0] != sorted(tokens)
+    finally:
+        backend.close()
+
+
 def test_lengths_outside_the_prompt_lengths_are_refused(pipe):
     lengths = pipe.text_lengths()
     with pytest.raises(ValueError, match=rf"lengths \[{lengths.stop}\] are not prompt lengths"):
@@ -247,14 +302,16 @@ def test_ready_to_serve_starts_the_background_preparation_after_ready_and_close_
             assert background and "ready in" in lines[-1]  # after the start-up's report line
             self.text_lengths = TextLengthPreparation(lambda part: None, [3, 4, 5], lambda: False, **preparation)
             self.text_lengths.start().wait(10)
-            return {"lengths": 3, "background": True}
+            self._plan_counts = {"prompt_lengths": 3, "plans_met": 0}
+            return {"lengths": 3, "prompt_lengths": 3, "plans_met": 0, "background": True}
 
     backend = Backend()
     ready_to_serve(backend, warm_up=False, prepare_text_lengths="background", report=lines.append)
     assert lines[-2:] == [
         "prompt lengths prepared in the background: "
         "{'lengths': 3, 'of': 3, 'ahead_of_requests': 0, 'seconds': 0.0, 'state': 'done'}",
-        "preparing prompt lengths in the background, between requests",
+        "preparing prompt lengths in the background, between requests: "
+        "{'lengths': 3, 'prompt_lengths': 3, 'plans_met': 0, 'background': True}",
     ]
     assert backend.startup_report()["text_lengths"]["state"] == "done"
     assert "text_lengths" not in backend.startup["phases_s"]  # not a start-up phase: ready came first
@@ -272,11 +329,13 @@ def test_on_cuda_the_backend_meets_every_length_in_the_background_while_it_serve
         request = _spec("a lighthouse at dusk", 5)
         before = backend.generate(request)
         started = backend.prepare_text_lengths(background=True)
-        assert started == {"lengths": len(pipe.text_lengths()), "background": True}
+        stand_ins = set(pipe.attention_plan_lengths(32, 32).values())  # no warm-up: none met
+        expected = {"lengths": len(stand_ins), "prompt_lengths": len(pipe.text_lengths()), "plans_met": 0}
+        assert started == {**expected, "background": True}
         during = [backend.generate(request) for _ in range(3)]
         assert backend.text_lengths.wait(120)
         assert backend.text_lengths.progress()["state"] == "done"
-        assert backend.text_lengths.progress()["lengths"] == len(pipe.text_lengths())
+        assert backend.text_lengths.progress()["lengths"] == len(stand_ins)
         assert all(r.images_b64 == before.images_b64 for r in during)
     finally:
         backend.close()

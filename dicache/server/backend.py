@@ -37,7 +37,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -246,6 +246,9 @@ class PipelineBackend:
         self._one_at_a_time = threading.Lock()  # the unstaged mode runs whole generations one by one
         self._in_flight, self._in_flight_lock = 0, threading.Lock()
         self.text_lengths: TextLengthPreparation | None = None  # `prepare_text_lengths(background=True)`
+        self.lengths_met: set[int] = set()  # prompt lengths the warm-up met on the denoise thread, default size
+        self._plan_stand_ins: dict[int, int] = {}  # prompt length -> the length the preparation meets for its plan
+        self._plan_counts: dict[str, int] | None = None  # the background preparation's prompt lengths and plans met
         self.startup: dict[str, Any] | None = None  # `ready_to_serve`'s phases
         self.bytecode_writer: Any = None  # `ready_to_serve`'s subprocess writing the store's bytecode, if any
         self._digests = ThreadPoolExecutor(1, thread_name_prefix="dicache-digest")
@@ -431,6 +434,9 @@ class PipelineBackend:
                     }
                 )
         release_cached_memory(self.pipe.device)  # the warm-up's Raw requests need more than a Turbo server keeps
+        encoder = getattr(self.pipe, "text_encoder", None)
+        if hasattr(encoder, "num_valid_tokens"):  # their attention plans are built on the denoise thread now
+            self.lengths_met.update(int(n) for n in encoder.num_valid_tokens(list(self.WARM_UP_PROMPTS)))
         after = compile_counters()
         return {
             "generations": len(runs),
@@ -465,34 +471,51 @@ class PipelineBackend:
             return self._in_flight > 0
 
     def prepare_text_lengths(self, background: bool = False, **preparation: Any) -> dict[str, Any]:
-        """Every prompt length met once at the default size (`pipe.prepare_text_lengths`) on the denoise phase's
-        thread, where requests meet them, so that a prompt of a length the server has not seen costs no attention
-        set-up (cuDNN's plan per shape and thread: 50-75 ms per new length on an H200). Only on CUDA with the phases
-        staged (offloaded and split pipelines run elsewhere); returns {} where skipped.
+        """Every prompt length's attention plan met once at the default size (`pipe.prepare_text_lengths`) on the
+        denoise phase's thread, where requests meet them, so that a prompt of a length the server has not seen costs
+        no attention set-up (cuDNN's plan per shape and thread: 50-75 ms per new plan). One length is met per plan,
+        none for a plan the warm-up met (`text_lengths_to_meet`: with shared plans one length stands for every one at
+        1024², and the warm-up met it). Only on CUDA with the phases staged (offloaded and split pipelines run
+        elsewhere); returns {} where skipped.
 
-        At once (returns the lengths and seconds), or with `background` between requests
+        At once (returns the lengths met and seconds), or with `background` between requests
         (`text_lengths.TextLengthPreparation`, its keyword arguments in `preparation`: a chunk at a time while no
-        generation is in flight); returns how many lengths it will meet, and `text_lengths` shows its progress."""
+        generation is in flight; none when no plan is left to meet); returns how many lengths it will meet and how
+        many prompt lengths their plans serve, and `text_lengths` shows its progress."""
         stages = self.stages()
         if stages is None or self.pipe.device.type != "cuda" or not hasattr(self.pipe, "prepare_text_lengths"):
             return {}
         size = (self.defaults.height, self.defaults.width)
+        lengths, stand_ins, planned = self.text_lengths_to_meet()
 
-        def prepare(lengths=None) -> int:  # returns once the GPU is done
-            return stages.run("denoise", lambda: self.pipe.prepare_text_lengths(*size, lengths=lengths))
+        def prepare(chosen: Sequence[int]) -> int:  # returns once the GPU is done
+            return stages.run("denoise", lambda: self.pipe.prepare_text_lengths(*size, lengths=chosen))
 
         if background:
-            self.text_lengths = TextLengthPreparation(prepare, self.pipe.text_lengths(), self.busy, **preparation)
-            self.text_lengths.start()
-            return {"lengths": len(self.text_lengths.lengths), "background": True}
+            self._plan_counts = {name: planned[name] for name in ("prompt_lengths", "plans_met")}
+            if lengths:
+                self._plan_stand_ins = stand_ins
+                self.text_lengths = TextLengthPreparation(prepare, lengths, self.busy, **preparation)
+                self.text_lengths.start()
+            return {**planned, "background": bool(lengths)}
         start = time.perf_counter()
-        lengths = prepare()
-        return {"lengths": lengths, "seconds": round(time.perf_counter() - start, 2)}
+        prepare(lengths)
+        return {**planned, "seconds": round(time.perf_counter() - start, 2)}
+
+    def text_lengths_to_meet(self) -> tuple[list[int], dict[int, int], dict[str, int]]:
+        """What `prepare_text_lengths` meets at the default size: the stand-in lengths of the attention plans the
+        warm-up did not meet, longest first; every prompt length's stand-in (`pipe.attention_plan_lengths`); and the
+        counts `/v1/server_info` shows (lengths to meet, prompt lengths, plans the warm-up met)."""
+        stand_ins = self.pipe.attention_plan_lengths(self.defaults.height, self.defaults.width)
+        met = {stand_ins[n] for n in self.lengths_met if n in stand_ins}
+        lengths = sorted(set(stand_ins.values()) - met, reverse=True)
+        return lengths, stand_ins, {"lengths": len(lengths), "prompt_lengths": len(stand_ins), "plans_met": len(met)}
 
     def _meet_lengths_ahead(self, spec: GenerationSpec) -> None:
         """While the background preparation runs (`prepare_text_lengths(background=True)`): the request's prompt
-        lengths (its prompt's, and its negative prompt's with CFG) that are not met yet are queued on the denoise
-        thread now, so that they are met while the prompt is encoded rather than in the request's denoising. Only
+        lengths (its prompt's, and its negative prompt's with CFG) whose plans are not met yet are queued on the
+        denoise thread now (each plan's stand-in length), so that they are met while the prompt is encoded rather than
+        in the request's denoising. Only
         for the shape the preparation meets (the default size, one image); a failure is logged and leaves the length
         to the request."""
         preparation, stages = self.text_lengths, self._stages
@@ -501,7 +524,8 @@ class PipelineBackend:
         if (spec.height, spec.width) != (self.defaults.height, self.defaults.width):
             return
         prompts = [spec.prompt] + ([spec.negative_prompt or ""] if self._plan(spec).cfg else [])
-        lengths = preparation.claim(self.pipe.text_encoder.num_valid_tokens(prompts))
+        own = self.pipe.text_encoder.num_valid_tokens(prompts)
+        lengths = preparation.claim(self._plan_stand_ins.get(int(n), int(n)) for n in own)
         if not lengths:
             return
         size = (self.defaults.height, self.defaults.width)
@@ -515,10 +539,13 @@ class PipelineBackend:
         stages.submit("denoise", meet)
 
     def startup_report(self) -> dict[str, Any] | None:
-        """`startup` (the phases `ready_to_serve` recorded) with the background preparation's progress now."""
-        report = self.startup
+        """`startup` (the phases `ready_to_serve` recorded) with the background preparation's progress now: lengths
+        met (of those to meet), the prompt lengths their plans serve and the plans the warm-up met."""
+        report, counts = self.startup, self._plan_counts or {}
         if report is not None and self.text_lengths is not None:
-            report = {**report, "text_lengths": self.text_lengths.progress()}
+            return {**report, "text_lengths": {**self.text_lengths.progress(), **counts}}
+        if report is not None and counts:  # none to meet: the warm-up met every plan
+            return {**report, "text_lengths": {"lengths": 0, "of": 0, **counts, "state": "done"}}
         return report
 
     def close(self) -> None:
@@ -714,5 +741,8 @@ def ready_to_serve(
         def finished(progress: dict[str, Any]) -> None:
             report(f"prompt lengths prepared in the background: {progress}")
 
-        if backend.prepare_text_lengths(background=True, on_done=finished):
-            report("preparing prompt lengths in the background, between requests")
+        planned = backend.prepare_text_lengths(background=True, on_done=finished)
+        if planned.get("background"):
+            report(f"preparing prompt lengths in the background, between requests: {planned}")
+        elif planned:
+            report(f"prompt lengths: every attention plan met by the warm-up: {planned}")

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from dicache.models.krea2 import attention_plans, memory
 from dicache.models.krea2 import latents as layout
-from dicache.models.krea2 import memory
 from dicache.models.krea2.callbacks import StepCallback, callback_inputs, run_callback
 from dicache.models.krea2.checkpoints import (
     EMBEDDED_CHECKPOINT,
@@ -142,6 +142,7 @@ class Krea2Pipeline(PipelineOptimizations):
         default_size: tuple[int, int] = (1024, 1024),
         sample_prompts: list[dict] | None = None,
     ) -> None:
+        attention_plans.share()  # before the first attention call: one cuDNN plan for every prompt length
         self.transformer = transformer
         self.scheduler = scheduler or FlowMatchEulerScheduler()
         self.vae = vae
@@ -267,6 +268,15 @@ class Krea2Pipeline(PipelineOptimizations):
         if self.text_encoder is None:
             raise ValueError("this pipeline has no text encoder: its text lengths are unknown")
         return range(self.text_encoder.suffix_len, self.text_encoder.max_sequence_length + 1)
+
+    def attention_plan_lengths(self, height: int | None = None, width: int | None = None) -> dict[int, int]:
+        """Each prompt length (`text_lengths()`) -> the prompt length that stands for its cuDNN attention plan at this
+        size (default: the default size): the longest whose joint sequence has the same plan. With shared plans
+        (`attention_plans.shared()`, which the pipeline asks torch for) one or two lengths stand for all; otherwise
+        each length for itself."""
+        default_height, default_width = self.default_size
+        rows, cols = self.latent_grid(height or default_height, width or default_width)
+        return attention_plans.standing_for(self.text_lengths(), rows * cols, attention_plans.shared())
 
     def prepare_text_lengths(
         self, height: int | None = None, width: int | None = None, lengths: Iterable[int] | None = None

@@ -116,7 +116,9 @@ class Attention(nn.Module):
         q, k, v, gate = linear_outputs(self, x, ("to_q", "to_k", "to_v", "to_gate"))
         q = self.norm_q(q.unflatten(-1, (self.num_heads, self.head_dim)))
         k = self.norm_k(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        # contiguous: a joined projection's value is a view of its output, and cuDNN's plan shared across lengths
+        # needs q, k, v laid out (B, S, H, D) (`attention_plans`); q and k are new tensors from the norms already
+        v = v.contiguous().unflatten(-1, (self.num_kv_heads, self.head_dim))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_mask)
