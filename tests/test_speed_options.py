@@ -127,12 +127,13 @@ def test_compiled_server_warm_up_leaves_nothing_to_compile_for_requests():
     warm = backend.warm_up()  # the server's own warm-up (`WARM_UP_STEPS`)
     assert warm["generations"] == 4 and warm["graphs_compiled"] > 0
     runs = warm["runs"]  # where the warm-up's seconds went, per generation: the first compiles, the rest reuse
-    assert [(run["variant"], run["cache"]) for run in runs] == [
-        ("turbo", False),
-        ("turbo", True),
-        ("raw", False),
-        ("raw", True),
+    assert [(run["variant"], run["cache"], run["steps"]) for run in runs] == [
+        ("turbo", False, PipelineBackend.UNCACHED_WARM_UP_STEPS),
+        ("turbo", True, PipelineBackend.WARM_UP_STEPS),
+        ("raw", False, PipelineBackend.UNCACHED_WARM_UP_STEPS),
+        ("raw", True, PipelineBackend.WARM_UP_STEPS),
     ]
+    assert PipelineBackend.UNCACHED_WARM_UP_STEPS < PipelineBackend.WARM_UP_STEPS
     assert runs[0]["graphs_compiled"] > 0 and sum(run["graphs_compiled"] for run in runs) == warm["graphs_compiled"]
     assert all(set(run["phases"]) == {"encode", "denoise", "decode", "image"} for run in runs)
     assert sum(run["seconds"] for run in runs) <= warm["seconds"] + 0.05
