@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -169,8 +170,18 @@ def test_a_start_lists_the_libraries_it_mapped_and_the_modules_it_read(recorded)
     assert saved["status"] == "saved" and saved["path"] == str(startup_files.listing_path(store))
     files = listing["files"]
     assert len(files) == len(set(files)) == saved["files"]
-    assert listing["bytes"] == sum(pathlib.Path(f).stat().st_size for f in files)
+    assert listing["file_bytes"] == sum(pathlib.Path(f).stat().st_size for f in files)
+    ranges = listing["ranges"]  # what of each library the process touched: the next start reads those bytes
+    sizes = {f: pathlib.Path(f).stat().st_size for f in files}
+    assert listing["bytes"] == sum(sum(n for _, n in ranges[f]) if f in ranges else sizes[f] for f in files)
+    assert set(ranges) <= set(files) and all(startup_files._SHARED_LIBRARY.search(f) for f in ranges)
+    for path, spans in ranges.items():
+        ends = [offset + length for offset, length in spans]
+        assert all(later - end >= startup_files.MERGE_GAP for end, (later, _) in zip(ends, spans[1:]))
+        assert spans[0][0] >= 0 and ends[-1] <= sizes[path] + 4095  # the last page may run past the file's end
     torch_lib = pathlib.Path(torch.__file__).parent / "lib"
+    core = str(torch_lib / "libtorch_cpu.so")
+    assert 0 < sum(n for _, n in ranges[core]) < sizes[core] / 2  # importing torch touches a fraction of it
     first_code = next(i for i, f in enumerate(files) if not startup_files._SHARED_LIBRARY.search(f))
     assert str(torch_lib / "libtorch_cpu.so") in files[:first_code]  # the libraries first: the bulk of the bytes
     modules = [pathlib.Path(f) for f in files[first_code:]]
@@ -257,7 +268,7 @@ def test_the_command_line_reads_the_listed_code_then_the_weights(monkeypatch, re
     assert report["startup_files"] == saved["files"] and report["unreadable"] == 0
     weights = files_to_prefetch(EMBEDDED_CHECKPOINT)
     assert report["files"] == saved["files"] + len(weights)
-    assert report["startup_GB"] == saved["GB"]  # the code handed to the kernel's read-ahead, whole
+    assert report["startup_GB"] == saved["GB"]  # the code handed to the kernel's read-ahead: the touched ranges
     assert report["GB"] == round(sum(f.stat().st_size for f in weights) / 1e9, 3)  # the weights read through
 
 
@@ -315,3 +326,49 @@ def test_libraries_are_listed_once_each_in_the_order_they_were_mapped(tmp_path):
     )
     assert startup_files.mapped_libraries(maps) == ["/site/torch/lib/libfirst.so", "/lib/libsecond.so.2"]
     assert startup_files.mapped_libraries(tmp_path / "absent") == []
+
+
+def test_the_touched_ranges_of_a_library_come_from_its_present_pages(tmp_path):
+    page = os.sysconf("SC_PAGE_SIZE")
+    maps = tmp_path / "maps"
+    maps.write_text(
+        f"10000000-{0x10000000 + 256 * page:x} r-xp {2 * page:08x} fe:00 2  /lib/liba.so.1\n"
+        f"20000000-{0x20000000 + 4 * page:x} r--p 00000000 fe:00 3  /lib/libb.so\n"
+        f"30000000-{0x30000000 + 4 * page:x} r--p 00000000 fe:00 4  /usr/bin/python3\n"
+    )
+    pagemap = tmp_path / "pagemap"
+    present = 1 << 63
+    with open(pagemap, "wb") as fh:
+        for base in (0x10000000, 0x20000000, 0x30000000):
+            first = base // page
+            fh.seek(first * 8)
+            fh.write(struct.pack("<256Q", *[0] * 256))
+        for index in (0, 1, 3, 150):  # liba's pages in memory; libb's none; python's all, but not a library
+            fh.seek((0x10000000 // page + index) * 8)
+            fh.write(struct.pack("<Q", present | 12345))
+        fh.seek(0x30000000 // page * 8)
+        fh.write(struct.pack("<4Q", *[present] * 4))
+    ranges = startup_files.touched_ranges(maps, pagemap)
+    # file pages 2, 3, 5 (one page apart: one read) and 152 (far: its own)
+    assert ranges == {"/lib/liba.so.1": [[2 * page, 4 * page], [152 * page, page]]}
+    assert startup_files.touched_ranges(tmp_path / "absent", pagemap) == {}
+
+
+def test_the_listed_ranges_are_read_ahead_instead_of_the_whole_library(tmp_path, monkeypatch):
+    store = tmp_path / "store"
+    library, module = tmp_path / "libexample.so.1", tmp_path / "module.pyc"
+    library.write_bytes(b"\x7fELF" + b"0" * 100_000)
+    module.write_bytes(b"0" * 3000)
+    startup_files.listing_path(store).parent.mkdir(parents=True)
+    listing = {"files": [str(library), str(module)], "ranges": {str(library): [[0, 8192], [65536, 4096]]}}
+    startup_files.listing_path(store).write_text(json.dumps(listing))
+    assert startup_files.listed_ranges(store) == {str(library): [(0, 8192), (65536, 4096)]}
+    advised = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: advised.append((offset, length)))
+    ranges = startup_files.listed_ranges(store)
+    run = Prefetch(startup_files.listed_files(store), threads=1, read_ahead=2, ranges=ranges)
+    assert run.start().wait(30)
+    assert advised == [(0, 8192), (65536, 4096), (0, 0)]  # the library's ranges, then the module whole
+    assert run.report()["startup_GB"] == round((8192 + 4096 + 3000) / 1e9, 3)
+    startup_files.listing_path(store).write_text(json.dumps({"files": [str(library)]}))
+    assert startup_files.listed_ranges(store) == {} and startup_files.listed_ranges(None) == {}

@@ -29,7 +29,7 @@ import os
 import pathlib
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import artifact_bytecode, startup_files
@@ -188,12 +188,20 @@ def checkpoint_weight_files(model: str | os.PathLike, store: str | os.PathLike |
 class Prefetch:
     """Reads `files` on up to `threads` daemon threads, each file whole and in order (see the module docstring).
     The first `read_ahead` of them (an earlier start's code files: thousands of files, mostly small) are not copied
-    out but handed to the kernel's read-ahead (`POSIX_FADV_WILLNEED`: the kernel reads each whole file into the page
-    cache without a copy into this process), where it has one."""
+    out but handed to the kernel's read-ahead (`POSIX_FADV_WILLNEED`: the kernel reads them into the page cache
+    without a copy into this process), where it has one: each whole, or the byte ranges `(offset, length)` that
+    `ranges` gives for its path (the parts of a library an earlier start touched)."""
 
-    def __init__(self, files: Iterable[str | os.PathLike], threads: int = THREADS, read_ahead: int = 0) -> None:
+    def __init__(
+        self,
+        files: Iterable[str | os.PathLike],
+        threads: int = THREADS,
+        read_ahead: int = 0,
+        ranges: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+    ) -> None:
         self.files = [pathlib.Path(f) for f in files]
         self.read_ahead = read_ahead
+        self.ranges = dict(ranges or {})
         self._next, self._lock = 0, threading.Lock()
         self._bytes, self._advised, self._errors = 0, 0, 0
         self._started = time.perf_counter()
@@ -222,7 +230,7 @@ class Prefetch:
                 self._next += 1
             advise = index < self.read_ahead and hasattr(os, "posix_fadvise")
             try:
-                read = _read_ahead(file) if advise else _read_through(file, buffer)
+                read = _read_ahead(file, self.ranges.get(str(file))) if advise else _read_through(file, buffer)
             except OSError:
                 read = None
             with self._lock:
@@ -274,13 +282,17 @@ def _read_through(file: pathlib.Path, buffer: bytearray) -> int:
         os.close(fd)
 
 
-def _read_ahead(file: pathlib.Path) -> int:
-    """Ask the kernel to read `file` whole into the page cache, without waiting and without a copy here; returns its
-    bytes."""
+def _read_ahead(file: pathlib.Path, ranges: Sequence[tuple[int, int]] | None = None) -> int:
+    """Ask the kernel to read `file` into the page cache, whole or the byte ranges `(offset, length)` of `ranges`,
+    without waiting and without a copy here; returns the bytes asked for."""
     fd = os.open(file, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        return os.fstat(fd).st_size
+        if ranges is None:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            return os.fstat(fd).st_size
+        for offset, length in ranges:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        return sum(length for _, length in ranges)
     finally:
         os.close(fd)
 
@@ -304,7 +316,8 @@ def start_prefetch(argv: Sequence[str]) -> Prefetch | None:
     files = within(code + weights, memory and int(memory * MEMORY_SHARE))
     if not files:
         return None
-    _current = Prefetch(files, read_ahead=min(len(code), len(files))).start()  # the code files come first
+    ranges = startup_files.listed_ranges(request["store"])  # of the code files' libraries
+    _current = Prefetch(files, read_ahead=min(len(code), len(files)), ranges=ranges).start()  # code files first
     return _current
 
 

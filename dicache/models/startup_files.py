@@ -29,6 +29,7 @@ import logging
 import os
 import pathlib
 import re
+import struct
 import sys
 import sysconfig
 import time
@@ -37,6 +38,8 @@ from typing import Any
 log = logging.getLogger("dicache.models.startup_files")
 
 PREFIX = "startup-files-"
+MERGE_GAP = 1 << 18
+"""Byte ranges of a library less than this apart (256 KiB) are read as one: the gap costs less than another read."""
 _SHARED_LIBRARY = re.compile(r"\.so(\.[0-9.]+)?$")
 _METADATA = (".dist-info", ".egg-info")
 
@@ -95,6 +98,47 @@ def mapped_libraries(maps: str | os.PathLike = "/proc/self/maps") -> list[str]:
     return sorted(found, key=found.__getitem__, reverse=True)
 
 
+def touched_ranges(
+    maps: str | os.PathLike = "/proc/self/maps", pagemap: str | os.PathLike = "/proc/self/pagemap"
+) -> dict[str, list[list[int]]]:
+    """For each shared library mapped into this process, the byte ranges `[offset, length]` of its file whose pages
+    are in this process's memory (`pagemap`'s present bit: the pages it touched, with the kernel's fault-around),
+    in file order, merged where less than `MERGE_GAP` apart. A start touches a fraction of its libraries (CUDA's and
+    cuDNN's hold kernels for every GPU and case); reading only these leaves the disk to the rest. {} where either
+    file cannot be read (not Linux)."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    pages: dict[str, set[int]] = {}
+    try:
+        with open(maps) as lines, open(pagemap, "rb", buffering=0) as entries:
+            for line in lines:
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if not (path.startswith("/") and _SHARED_LIBRARY.search(path)):
+                    continue
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                first_page, offset = start // page, int(fields[2], 16) // page
+                entries.seek(first_page * 8)
+                present = pages.setdefault(path, set())
+                for index, (entry,) in enumerate(struct.iter_unpack("<Q", entries.read((end - start) // page * 8))):
+                    if entry >> 63:
+                        present.add(offset + index)
+    except (OSError, ValueError, struct.error):
+        return {}
+    return {path: _merged(sorted(found), page) for path, found in pages.items() if found}
+
+
+def _merged(pages: list[int], page: int) -> list[list[int]]:
+    """Sorted page numbers -> byte ranges `[offset, length]`, neighbours less than `MERGE_GAP` apart joined."""
+    ranges: list[list[int]] = []
+    for number in pages:
+        offset = number * page
+        if ranges and offset - (ranges[-1][0] + ranges[-1][1]) < MERGE_GAP:
+            ranges[-1][1] = offset + page - ranges[-1][0]
+        else:
+            ranges.append([offset, page])
+    return ranges
+
+
 def module_files() -> list[str]:
     """Each imported module's file as the import system read it (the compiled `.pyc` where there is one, else the
     source or the extension module), in import order."""
@@ -117,16 +161,20 @@ def startup_files() -> list[str]:
 
 
 def record(store: str | os.PathLike) -> dict[str, Any]:
-    """Write this process's start-up files (`startup_files`) to `listing_path(store)` unless a listing is there;
-    never raises. Returns the outcome: {"status": "saved" | "kept" | "unwritable", "path", and for "saved" the
-    "files" and "GB"} (one log line for "saved" and "unwritable")."""
+    """Write this process's start-up files (`startup_files`), with the byte ranges of its libraries it touched
+    (`touched_ranges`: what the next start reads of them), to `listing_path(store)` unless a listing is there; never
+    raises. Returns the outcome: {"status": "saved" | "kept" | "unwritable", "path", and for "saved" the "files" and
+    the "GB" the next start reads} (one log line for "saved" and "unwritable")."""
     path = listing_path(store)
     if path.is_file():
         return {"status": "kept", "path": str(path)}
     files = startup_files()
-    size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    listed = set(files)
+    ranges = {path: spans for path, spans in touched_ranges().items() if path in listed}
+    sizes = {f: os.path.getsize(f) for f in files if os.path.isfile(f)}
+    size = sum(sum(n for _, n in ranges[f]) if f in ranges else n for f, n in sizes.items())
     body = {"python": sys.version, "executable": sys.executable, "made": time.strftime("%Y-%m-%d %H:%M:%S")}
-    body |= {"bytes": size, "files": files}
+    body |= {"bytes": size, "file_bytes": sum(sizes.values()), "files": files, "ranges": ranges}
     body |= {"packages_distributions": _computing_packages_distributions()(), "sys_path": list(sys.path)}
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
     try:
@@ -174,6 +222,18 @@ def use_known_distributions(store: str | os.PathLike | None) -> bool:
     packages_distributions.__doc__ = computed.__doc__
     importlib.metadata.packages_distributions = packages_distributions
     return True
+
+
+def listed_ranges(store: str | os.PathLike | None) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges `(offset, length)` of the listed libraries an earlier start touched (`touched_ranges`), by
+    path; {} without a store, a listing, or ranges in it (a file not named is read whole)."""
+    if store is None:
+        return {}
+    try:
+        listed = json.loads(listing_path(store).read_text())["ranges"]
+        return {str(path): [(int(offset), int(length)) for offset, length in spans] for path, spans in listed.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 def listed_files(store: str | os.PathLike | None) -> list[pathlib.Path]:
