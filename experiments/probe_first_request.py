@@ -42,7 +42,7 @@ def prompt_of(words: int) -> str:
     return BASE + " with" + " many small details" * words
 
 
-def child(steady: int, out: pathlib.Path, tiny: bool, device: str) -> None:
+def child(steady: int, out: pathlib.Path, tiny: bool, device: str, profile: bool = False) -> None:
     from bench_serving import backend_spec, request_body, warmed_backend
 
     cuda = device.startswith("cuda")
@@ -93,6 +93,22 @@ def child(steady: int, out: pathlib.Path, tiny: bool, device: str) -> None:
         for when in ("first", "again"):
             rows.append({"what": "encode steps", "n": tokens(prompt), "when": when, **encode_steps(prompt)})
             print(rows[-1], flush=True)
+    if profile:  # the text conditioning at a new length and again, under torch.profiler, on the encode thread
+        prompt = prompt_of(60)
+        with torch.inference_mode():
+            embeds, mask = stages.run("encode", lambda: pipe.encode_prompt([prompt]))
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] * cuda)
+        for when in ("first", "again"):
+
+            def conditioning():
+                with torch.profiler.profile(activities=activities) as prof, torch.inference_mode():
+                    pipe.text_conditioning(embeds, mask, 1)
+                    sync()
+                return prof
+
+            prof = stages.run("encode", conditioning)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+            print(f"== profile of the text conditioning, n={tokens(prompt)}, {when}\n{table}", flush=True)
 
     results = [backend.generate(spec(prompt_of(3))) for _ in range(steady)]
     phases = {k: round(statistics.median(r.phases[k] for r in results), 4) for k in results[0].phases}
@@ -107,13 +123,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--settings", default="0,1,0", help=f"values of {ENV}, one child process each, in this order")
     p.add_argument("--steady", type=int, default=12)
+    p.add_argument("--profile", action="store_true", help="print a profile of a new length's text conditioning")
     p.add_argument("--tiny", action="store_true", help="the embedded checkpoint's configs (a logic check)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--results", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.steady, pathlib.Path(args.child), args.tiny, args.device)
+        child(args.steady, pathlib.Path(args.child), args.tiny, args.device, args.profile)
         return 0
     from publish import command_line, markdown_table, publish
 
@@ -122,7 +139,7 @@ def main(argv=None) -> int:
         for index, value in enumerate(args.settings.split(",")):
             out = pathlib.Path(tmp, f"{index}.json")
             cmd = [sys.executable, __file__, "--steady", str(args.steady), "--device", args.device, "--child", str(out)]
-            cmd += ["--tiny"] if args.tiny else []
+            cmd += (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
             subprocess.run(cmd, env={**os.environ, ENV: value}, check=True)
             table += [{"process": index, ENV: value, **row} for row in json.loads(out.read_text())]
     keys = list(dict.fromkeys(key for row in table for key in row))
