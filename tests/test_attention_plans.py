@@ -5,6 +5,8 @@ projections too."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -20,6 +22,18 @@ def test_share_sets_the_variable_unless_it_is_set():
     kept = {ENV: "0"}
     assert not share(kept) and kept == {ENV: "0"}
     assert shared({ENV: " on "}) and shared({ENV: "true"}) and not shared({ENV: "2"}) and not shared({})
+
+
+def test_torchs_notes_on_the_variable_are_hidden_only_where_dicache_set_it():
+    note = f"{ENV}=1 is currently experimental. Please report any issues"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        share({ENV: "1"})  # the user's: torch's notes stay
+        warnings.warn(note, UserWarning, stacklevel=1)
+        share({})
+        warnings.warn(note, UserWarning, stacklevel=1)
+        warnings.warn("another note", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == [note, "another note"]
 
 
 def test_a_plan_length_is_the_power_of_two_at_or_above_only_with_shared_plans():

@@ -221,7 +221,8 @@ def test_serve_runs_two_requests_at_once_unless_offloaded():
 
 
 def test_prepared_text_lengths_run_on_cuda_in_the_denoise_thread_and_change_no_bytes(pipe):
-    """On CUDA the staged backend meets every prompt length on its denoise thread (where requests will meet them);
+    """On CUDA the staged backend meets every prompt length's attention plan on its denoise thread (where requests
+    will meet them), one length per plan;
     elsewhere, and unstaged, it does nothing. Either way a request's bytes stay those of an unprepared backend."""
     request = spec("an owl at night", 3, cache=CacheConfig.defaults())
     backend = backend_of(pipe, staged=True)
@@ -236,7 +237,9 @@ def test_prepared_text_lengths_run_on_cuda_in_the_denoise_thread_and_change_no_b
             handle.remove()
         after = backend.generate(request)
         if pipe.device.type == "cuda":
-            assert prepared["lengths"] == len(pipe.text_lengths()) == len(threads)
+            plans = set(pipe.attention_plan_lengths(32, 32).values())  # one length met per attention plan
+            assert prepared["lengths"] == len(plans) == len(threads) and len(plans) < len(pipe.text_lengths())
+            assert prepared["prompt_lengths"] == len(pipe.text_lengths())
             assert set(threads) == {backend.stages().thread_of("denoise")}
         else:
             assert prepared == {} and threads == []

@@ -14,6 +14,7 @@ Plain Python, no torch: `share` and `shared` on the environment, `plan_length` a
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, MutableMapping
 
 ENV = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
@@ -23,8 +24,12 @@ TRUE_VALUES = frozenset({"1", "ON", "YES", "TRUE", "Y"})
 
 def share(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Ask torch for shared plans (`ENV=1`) unless `ENV` is set already; whether they are asked for. Effective only
-    before the process's first cuDNN attention call (torch reads it then, once)."""
-    environ.setdefault(ENV, "1")
+    before the process's first cuDNN attention call (torch reads it then, once). Where this sets it, torch's notes
+    about it are not shown: that it is experimental, and that a call with an attention bias or another layout (the
+    text encoder's, the VAE's: one shape each) keeps its own plan."""
+    if ENV not in environ:
+        environ[ENV] = "1"
+        warnings.filterwarnings("ignore", message=f"{ENV}=1", category=UserWarning)
     return shared(environ)
 
 
