@@ -109,6 +109,7 @@ def child(steady: int, out: pathlib.Path, tiny: bool, device: str, profile: bool
             prof = stages.run("encode", conditioning)
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
             print(f"== profile of the text conditioning, n={tokens(prompt)}, {when}\n{table}", flush=True)
+            (out.parent / f"{out.stem}-profile-{when}.txt").write_text(f"n={tokens(prompt)}, {when}\n{table}")
 
     results = [backend.generate(spec(prompt_of(3))) for _ in range(steady)]
     phases = {k: round(statistics.median(r.phases[k] for r in results), 4) for k in results[0].phases}
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
         return 0
     from publish import command_line, markdown_table, publish
 
-    table = []
+    table, profiles = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for index, value in enumerate(args.settings.split(",")):
             out = pathlib.Path(tmp, f"{index}.json")
@@ -142,6 +143,8 @@ def main(argv=None) -> int:
             cmd += (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
             subprocess.run(cmd, env={**os.environ, ENV: value}, check=True)
             table += [{"process": index, ENV: value, **row} for row in json.loads(out.read_text())]
+            found = sorted(pathlib.Path(tmp).glob(f"{index}-profile-*"))
+            profiles += [f"process {index}, {f.read_text()}" for f in found]
     keys = list(dict.fromkeys(key for row in table for key in row))
     for row in table:
         for key in keys:
@@ -155,6 +158,7 @@ def main(argv=None) -> int:
         "full-size Krea-2, random weights, FP8 + compile, text encoder FP8, 1024², Turbo (the recommended cache); "
         "seconds; n: the prompt's real text tokens\n",
         *markdown_table(table, keys),
+        *(["\nThe text conditioning's profiles (`--profile`):\n\n```", *profiles, "```"] if profiles else []),
     ]
     publish("\n".join(text) + "\n", args.results)
     return 0

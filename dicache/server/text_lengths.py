@@ -1,10 +1,12 @@
 """Prompt lengths met after the server is ready, between requests (`--prepare-text-lengths background`).
 
-Meeting every prompt length once (`Krea2Pipeline.prepare_text_lengths`) saves a request its length's first-call
-set-up (cuDNN's attention plan: 50-75 ms on an H200), but meeting all of them takes about 22 s at 1024², a third of a
-start-up with a compile artifact. In the background the server answers at once and the lengths are met in small
-chunks while it has nothing else to do: a request never waits for more than one chunk, and a request whose length
-is not met yet has it met on the denoise thread while its prompt is encoded (`claim`), ahead of its own denoising.
+Meeting a prompt length once (`Krea2Pipeline.prepare_text_lengths`) saves a request of that length, or of any length
+sharing its attention plan, the plan's first-call set-up (cuDNN's: 38-40 ms on an H100, 50-75 ms on an H200). With a
+plan per length meeting all of them takes about 22 s at 1024², a third of a start-up with a compile artifact; with
+shared plans (`dicache.models.krea2.attention_plans`) the server hands this class one length per plan the warm-up did
+not meet, often none. In the background the server answers at once and the lengths are met in small chunks while it
+has nothing else to do: a request never waits for more than one chunk, and a request whose length is not met yet has
+it met on the denoise thread while its prompt is encoded (`claim`), ahead of its own denoising.
 
 `TextLengthPreparation` is plain Python on callables: `prepare(chunk)` runs one chunk of lengths (where the requests
 will meet them: the server's denoise thread), `busy()` says whether a generation is in flight. Contract:
