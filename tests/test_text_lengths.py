@@ -317,6 +317,31 @@ def test_ready_to_serve_starts_the_background_preparation_after_ready_and_close_
     assert "text_lengths" not in backend.startup["phases_s"]  # not a start-up phase: ready came first
 
 
+def test_ready_to_serve_says_when_the_warm_up_met_every_attention_plan():
+    """With one shared plan the warm-up meets it: no background preparation starts, the start-up's report says so,
+    and /v1/server_info shows the counts as done."""
+    lines = []
+
+    class Backend(PipelineBackend):  # only what ready_to_serve and the report use
+        def __init__(self):
+            self.pipe = type("Pipe", (), {"device": torch.device("cpu")})()
+            self.text_lengths, self.startup, self._plan_counts = None, None, None
+
+        def prepare_text_lengths(self, background=False, **preparation):
+            self._plan_counts = {"prompt_lengths": 508, "plans_met": 1}
+            return {"lengths": 0, "prompt_lengths": 508, "plans_met": 1, "background": False}
+
+    backend = Backend()
+    ready_to_serve(backend, warm_up=False, prepare_text_lengths="background", report=lines.append)
+    assert lines[-1] == (
+        "prompt lengths: every attention plan met by the warm-up: "
+        "{'lengths': 0, 'prompt_lengths': 508, 'plans_met': 1, 'background': False}"
+    )
+    shown = backend.startup_report()["text_lengths"]
+    assert shown == {"lengths": 0, "of": 0, "prompt_lengths": 508, "plans_met": 1, "state": "done"}
+    assert backend.text_lengths is None
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_backend_meets_every_length_in_the_background_while_it_serves():
     """What `dicache serve` does by default on a GPU: ready first, then every prompt length met on the denoise thread
