@@ -395,8 +395,8 @@ class PipelineBackend:
     count, so more steps would only take longer."""
     UNCACHED_WARM_UP_STEPS = 2
     """Steps of each uncached warm-up generation (no step mask applies to it): every step computes the same graphs,
-    the first call compiles them and the second runs them as requests do; more steps add only time (0.13 s a step
-    of Turbo, 0.26 s of Raw's guided steps on an H100 at 1024²)."""
+    the first call compiles them and the second runs them as requests do; more steps add only time (a full-size step,
+    and twice that for Raw's guided steps)."""
     WARM_UP_PROMPTS = ("warm-up", "a longer warm-up prompt, so that the text length differs from the first one")
 
     def warm_up(self, steps: int = WARM_UP_STEPS) -> dict[str, Any]:
@@ -522,9 +522,8 @@ class PipelineBackend:
         """While the background preparation runs (`prepare_text_lengths(background=True)`): the request's prompt
         lengths (its prompt's, and its negative prompt's with CFG) whose plans are not met yet are queued on the
         denoise thread now (each plan's stand-in length), so that they are met while the prompt is encoded rather than
-        in the request's denoising. Only
-        for the shape the preparation meets (the default size, one image); a failure is logged and leaves the length
-        to the request."""
+        in the request's denoising. Only for the shape the preparation meets (the default size, one image); a failure
+        is logged and leaves the length to the request."""
         preparation, stages = self.text_lengths, self._stages
         if preparation is None or stages is None or spec.n != 1:
             return

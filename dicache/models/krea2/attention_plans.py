@@ -1,7 +1,7 @@
 """One cuDNN attention plan for every prompt length (torch's `TORCH_CUDNN_SDPA_AVOID_RECOMPILE`).
 
-torch's cuDNN attention builds a plan for each new shape, on each thread: 50-75 ms on an H200 or H100, paid by the
-first request of each prompt length (the joint sequence is the image's tokens plus the prompt's). With
+torch's cuDNN attention builds a plan for each new shape, on each thread (38-40 ms on an H100, 50-75 ms on an H200),
+paid by the first request of each prompt length (the joint sequence is the image's tokens plus the prompt's). With
 `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`, a call without an attention bias whose query, key, value and output are laid out
 `(B, S, H, D)` in memory (the Krea-2 blocks' layout) runs cuDNN's padded kernel, whose plan is keyed by the sequence
 lengths rounded up to a power of two: at 1024² (4096 image tokens) every prompt length, 4096 + n tokens with n up to
