@@ -27,10 +27,11 @@ TEXT_LENGTH_MODES: dict[str, str] = {
     "background": "after the server is ready, one length at a time once no request has been in flight for 2 s (a "
     "request waits for at most one such chunk, about 0.05-0.1 s; a request's own lengths not met yet are met while "
     "its prompt is encoded)",
-    "before-ready": "before the server is ready (about 22 s for Krea-2 at 1024² on an H200)",
+    "before-ready": "before the server is ready (with a plan per length about 22 s for Krea-2 at 1024² on an H200; "
+    "with shared plans none is left there after the warm-up)",
     "off": "never",
 }
-"""`--prepare-text-lengths`: when every prompt length is met once (`backend.ready_to_serve`)."""
+"""`--prepare-text-lengths`: when every prompt length's attention plan is met once (`backend.ready_to_serve`)."""
 TextLengthMode = Literal[tuple(TEXT_LENGTH_MODES)]  # the modes, from their declaration above
 
 
@@ -225,9 +226,9 @@ class ServerProcessOptions(FlagOptions):
         "background",
         flag="--prepare-text-lengths",
         read=read_text_length_mode,
-        help="on CUDA, meet every prompt length once at the default size, so that a prompt of a new length costs no "
-        "attention set-up in its request (about 60 ms each otherwise, once per length): "
-        + "; ".join(f"{mode}: {what}" for mode, what in TEXT_LENGTH_MODES.items()),
+        help="on CUDA, meet every prompt length's attention plan once at the default size (one length per plan, none "
+        "the warm-up met), so that a prompt of a new length costs no attention set-up in its request (38-40 ms on an "
+        "H100 otherwise, once per plan): " + "; ".join(f"{mode}: {what}" for mode, what in TEXT_LENGTH_MODES.items()),
     )
 
     @field_validator("prepare_text_lengths", mode="before")
