@@ -5,6 +5,7 @@ projections too."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -92,3 +93,49 @@ def test_the_attention_kernel_gets_q_k_v_laid_out_bshd_with_joined_projections()
     attn.kernel = kernel
     torch.testing.assert_close(attn(x), expected)
     assert seen == [[True, True, True]]
+
+
+CACHE_PROBE = """
+import os, re, sys, warnings
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from dicache.models.krea2 import Krea2Pipeline
+from dicache.models.krea2.latents import position_ids
+
+pipe = Krea2Pipeline.from_pretrained(device="cuda")
+rows, cols = pipe.latent_grid(*pipe.default_size)
+positions = position_ids(rows, cols, pipe.device)
+lengths = [int(n) for n in sys.argv[1].split(",")]
+with warnings.catch_warnings(record=True) as caught, sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+    warnings.simplefilter("always")
+    for n in lengths:
+        pipe.transformer.prepare_text_lengths(positions, [n])
+    torch.cuda.synchronize()
+note = re.compile(r"SDPA Cache Called \\d+ times. Hit rate: (\\d+)%")
+rates = [m.group(1) for w in caught if (m := note.search(str(w.message)))]
+print(rates[-1])
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value, hit_rate", [("1", "50"), ("0", "0")])
+def test_on_cuda_a_new_prompt_length_builds_no_attention_plan_with_the_shared_plan(value, hit_rate):
+    """torch's cuDNN plan cache, as its debug notes count it: three prompt lengths sharing one plan at the tiny
+    model's default size (their joint lengths round to the same power of two) build it once with the shared plan (the
+    second length hits it: 1 of 2 earlier look-ups) and three times with a plan per length (none hits). A layout the
+    shared plan cannot take (e.g. a value that is a view) would fall back to a plan per length and fail here."""
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pipe = Krea2Pipeline.from_pretrained()
+    rows, cols = pipe.latent_grid(*pipe.default_size)
+    stand_ins = standing_for(pipe.text_lengths(), rows * cols, True)
+    same = [n for n in pipe.text_lengths() if stand_ins[n] == stand_ins[pipe.text_lengths()[-1]]][:3]
+    assert len(same) == 3 and len({plan_length(n + rows * cols, False) for n in same}) == 3
+    env = {**os.environ, ENV: value, "TORCH_CUDNN_SDPA_CACHE_DEBUG": "1"}
+    cmd = [sys.executable, "-c", CACHE_PROBE, ",".join(map(str, same))]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == hit_rate
