@@ -21,7 +21,8 @@
 #             say so. `RUNS="cold artifact" DEADLINE=330` keeps the two that issue 41's targets need  (~8.5 min; ~5)
 #   tests     the GPU tests of the compile artifact (the FP8 path's round trip: a second fresh process, its FP8
 #             weights read from the snapshot, compiles from cache hits only), of the FP8 weight snapshot, of the
-#             prompt lengths on the denoise thread and of the GPU health metrics (NVML through pynvml)   (~3 min)
+#             prompt lengths on the denoise thread, of the shared attention plan (torch's plan cache hit by a new
+#             length) and of the GPU health metrics (NVML through pynvml)                           (~3 min)
 #   generate  bench_startup.py --runs generate: `dicache generate --compile` for one 1024² image from a fresh
 #             process without and then with its artifact (wall time of each)                             (~6 min)
 #   artifact  on a machine still warm from `serve` (checkpoint and artifact kept): the artifact runs again (~3 min)
@@ -65,7 +66,7 @@ serve() {
 
 tests() {
   timeout 240 python3 -m pytest -m gpu tests/test_compile_artifact.py tests/test_gpu_health.py tests/test_weight_snapshot.py \
-    tests/test_text_lengths.py tests/test_server_stages.py -p no:cacheprovider \
+    tests/test_text_lengths.py tests/test_server_stages.py tests/test_attention_plans.py -p no:cacheprovider \
     -s -rA 2>&1 | tee "$out/gpu-tests.log" | tail -n 40
 }
 
