@@ -269,13 +269,16 @@ class Krea2Pipeline(PipelineOptimizations):
             raise ValueError("this pipeline has no text encoder: its text lengths are unknown")
         return range(self.text_encoder.suffix_len, self.text_encoder.max_sequence_length + 1)
 
+    def _grid_or_default(self, height: int | None, width: int | None) -> tuple[int, int]:
+        """`latent_grid` at this size, the default size's height or width where one is None."""
+        return self.latent_grid(height or self.default_size[0], width or self.default_size[1])
+
     def attention_plan_lengths(self, height: int | None = None, width: int | None = None) -> dict[int, int]:
         """Each prompt length (`text_lengths()`) -> the prompt length that stands for its cuDNN attention plan at this
         size (default: the default size): the longest whose joint sequence has the same plan. With shared plans
         (`attention_plans.shared()`, which the pipeline asks torch for) one or two lengths stand for all; otherwise
         each length for itself."""
-        default_height, default_width = self.default_size
-        rows, cols = self.latent_grid(height or default_height, width or default_width)
+        rows, cols = self._grid_or_default(height, width)
         return attention_plans.standing_for(self.text_lengths(), rows * cols, attention_plans.shared())
 
     def prepare_text_lengths(
@@ -284,8 +287,7 @@ class Krea2Pipeline(PipelineOptimizations):
         """Meet every prompt length (or those in `lengths`, a part of `text_lengths()`) once at this size (default:
         the default size), on this thread, so that no request pays a length's first-call set-up
         (`Krea2Transformer.prepare_text_lengths`). Returns the number of lengths met."""
-        default_height, default_width = self.default_size
-        rows, cols = self.latent_grid(height or default_height, width or default_width)
+        rows, cols = self._grid_or_default(height, width)
         positions = self.position_ids(rows, cols, self.device)[-rows * cols :]
         every = self.text_lengths()
         if lengths is None:
